@@ -1,0 +1,103 @@
+//! The passes of Global-QSGD (SPEC §4): the local absmax, the rounding of `x / s` to integers
+//! with the global scale `s = a / K`, and the dequantization of the summed integers.
+
+use rayon::prelude::*;
+
+use crate::codec::quant::{abs_bits_max, bits_non_finite};
+use crate::collective::SumElement;
+use crate::config::Rounding;
+use crate::rng::UniformStream;
+
+/// Elements per parallel task (a multiple of 4, so every task starts a Philox block).
+const TASK: usize = 1 << 14;
+
+/// Integer codes Global-QSGD sums inside the reduce-scatter.
+pub trait IntCode: SumElement + Copy {
+    /// Converts an already clamped integral value.
+    fn from_f32(v: f32) -> Self;
+    /// The code as a float.
+    fn to_f32(self) -> f32;
+}
+
+impl IntCode for i8 {
+    fn from_f32(v: f32) -> Self {
+        v as i8
+    }
+    fn to_f32(self) -> f32 {
+        f32::from(self)
+    }
+}
+
+impl IntCode for i16 {
+    fn from_f32(v: f32) -> Self {
+        v as i16
+    }
+    fn to_f32(self) -> f32 {
+        f32::from(self)
+    }
+}
+
+/// `max |x|` over the bucket, or +Inf when it holds a NaN or Inf (so a MAX all-reduce carries
+/// the non-finite flag to every rank whatever the backend does with NaN).
+pub fn local_absmax(bucket: &[f32]) -> f32 {
+    let bits = bucket
+        .par_chunks(TASK)
+        .map(abs_bits_max)
+        .max()
+        .unwrap_or(0);
+    if bits_non_finite(bits) {
+        f32::INFINITY
+    } else {
+        f32::from_bits(bits)
+    }
+}
+
+/// `out[i] = clamp(R(x[i] / scale), -k, k)` with uniforms of element `i` of the bucket.
+pub fn quantize<T: IntCode>(
+    bucket: &[f32],
+    scale: f32,
+    k: i32,
+    rounding: Rounding,
+    rng: &UniformStream,
+    out: &mut [T],
+) {
+    let kf = k as f32;
+    out.par_chunks_mut(TASK)
+        .zip(bucket.par_chunks(TASK))
+        .enumerate()
+        .for_each(|(t, (codes, x))| {
+            let first = (t * TASK) as u64;
+            match rounding {
+                Rounding::Stochastic => {
+                    let mut u = [0f32; 64];
+                    for (c, (codes, x)) in codes.chunks_mut(64).zip(x.chunks(64)).enumerate() {
+                        let base = first + 64 * c as u64;
+                        let whole = x.len() / 4 * 4;
+                        rng.fill(base, &mut u[..whole]);
+                        for (i, r) in u[whole..x.len()].iter_mut().enumerate() {
+                            *r = rng.uniform(base + (whole + i) as u64);
+                        }
+                        for ((q, &v), &r) in codes.iter_mut().zip(x).zip(&u[..x.len()]) {
+                            *q = T::from_f32((v / scale + r).floor().clamp(-kf, kf));
+                        }
+                    }
+                }
+                Rounding::Nearest => {
+                    for (q, &v) in codes.iter_mut().zip(x) {
+                        *q = T::from_f32((v / scale).round_ties_even().clamp(-kf, kf));
+                    }
+                }
+            }
+        });
+}
+
+/// `out[i] = sum[i] * scale`.
+pub fn dequantize<T: IntCode>(sum: &[T], scale: f32, out: &mut [f32]) {
+    out.par_chunks_mut(TASK)
+        .zip(sum.par_chunks(TASK))
+        .for_each(|(o, s)| {
+            for (o, &q) in o.iter_mut().zip(s) {
+                *o = q.to_f32() * scale;
+            }
+        });
+}

@@ -1,0 +1,334 @@
+//! The gradient reduce-scatter of one bucket (SPEC §4, §5).
+
+use crate::backend::cpu::{global_qsgd, gradient};
+use crate::collective::{Comm, CommGroups, WireBytes};
+use crate::config::{Config, GradCodec};
+use crate::error::{Error, Result};
+use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
+use crate::rng::{Stage, UniformStream, stream_id};
+
+/// Reduce-scatters one fp32 gradient bucket with the configured codec: after [`run`]
+/// (Self::run) this rank's shard holds the sum over ranks (within the codec's error).
+///
+/// Routes: W == 1 copies; the `none` codec and steps before `grad_quant_start_step` use the
+/// communicator's fp32 reduce-scatter; grouped codecs quantize once into the swizzled layout
+/// and run one or two all-to-all levels per pipeline chunk; Global-QSGD all-reduces the absmax
+/// and reduce-scatters integers.
+#[derive(Debug)]
+pub struct GradReduceScatter {
+    config: Config,
+    topology: Topology,
+    rank: usize,
+    bucket_id: u32,
+    plan: BucketPlan,
+    route: GradRoute,
+    engine: Engine,
+}
+
+#[derive(Debug)]
+enum Engine {
+    Copy,
+    Exact,
+    Grouped(Box<Grouped>),
+    Global(GlobalBuffers),
+}
+
+#[derive(Debug)]
+struct Grouped {
+    layout: GradLayout,
+    send_first: Vec<u8>,
+    recv_first: Vec<u8>,
+    send_second: Vec<u8>,
+    recv_second: Vec<u8>,
+}
+
+#[derive(Debug)]
+enum GlobalBuffers {
+    I8 { send: Vec<i8>, recv: Vec<i8> },
+    I16 { send: Vec<i16>, recv: Vec<i16> },
+}
+
+impl GradReduceScatter {
+    /// Plans bucket `bucket_id` of `numel` elements for DP rank `rank` of `topology` and
+    /// allocates its buffers.
+    pub fn new(
+        config: &Config,
+        topology: &Topology,
+        rank: usize,
+        numel: usize,
+        bucket_id: u32,
+    ) -> Result<Self> {
+        config.validate()?;
+        let w = topology.world();
+        if rank >= w {
+            return Err(Error::Topology(format!(
+                "rank {rank} outside the {w}-rank DP group"
+            )));
+        }
+        stream_id(bucket_id, rank, Stage::GradFirst)?;
+        let plan = BucketPlan::new(numel, w, config)?;
+        let route = GradRoute::new(config, topology);
+        let engine = if w == 1 {
+            Engine::Copy
+        } else if config.grad.is_grouped() {
+            let layout = GradLayout::new(config, topology, &route, plan)
+                .expect("a route over W > 1 ranks has an exchange");
+            let first = layout.first.peers * layout.first.slab.byte_len();
+            let second = layout
+                .second
+                .map_or(0, |s| s.peers * s.slab.byte_len());
+            Engine::Grouped(Box::new(Grouped {
+                send_first: vec![0; first * plan.chunks],
+                recv_first: vec![0; first],
+                send_second: vec![0; second],
+                recv_second: vec![0; second],
+                layout,
+            }))
+        } else if config.grad.codec == GradCodec::GlobalQsgd {
+            Engine::Global(match global_bits(config, w)? {
+                8 => GlobalBuffers::I8 {
+                    send: vec![0; numel],
+                    recv: vec![0; plan.shard_len],
+                },
+                _ => GlobalBuffers::I16 {
+                    send: vec![0; numel],
+                    recv: vec![0; plan.shard_len],
+                },
+            })
+        } else {
+            Engine::Exact
+        };
+        Ok(Self {
+            config: *config,
+            topology: topology.clone(),
+            rank,
+            bucket_id,
+            plan,
+            route,
+            engine,
+        })
+    }
+
+    /// Shard sizes and padding of this bucket.
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
+    /// A notice to log when the topology forced a degraded route (unequal nodes).
+    pub fn notice(&self) -> Option<&str> {
+        self.route.notice.as_deref()
+    }
+
+    /// Whether step `step` sends quantized gradients.
+    pub fn quantizes_at(&self, step: u64) -> bool {
+        !matches!(self.engine, Engine::Copy | Engine::Exact)
+            && step >= self.config.grad_quant_start_step
+    }
+
+    /// Bytes this rank sends at step `step`.
+    pub fn wire_bytes(&self, step: u64) -> WireBytes {
+        let (t, me) = (&self.topology, self.rank);
+        match &self.engine {
+            Engine::Copy => WireBytes::default(),
+            _ if !self.quantizes_at(step) => self.baseline_wire_bytes(),
+            Engine::Grouped(g) => {
+                let chunks = self.plan.chunks as u64;
+                let mut bytes = WireBytes::default();
+                for level in std::iter::once(g.layout.first).chain(g.layout.second) {
+                    let slab = level.slab.byte_len();
+                    let sent = match level.level {
+                        Level::Intra => WireBytes {
+                            intra_node: ((level.peers - 1) * slab) as u64,
+                            inter_node: 0,
+                        },
+                        Level::Inter => WireBytes {
+                            intra_node: 0,
+                            inter_node: ((level.peers - 1) * slab) as u64,
+                        },
+                        Level::World => WireBytes::to_every_peer(t, me, slab),
+                    };
+                    bytes.intra_node += chunks * sent.intra_node;
+                    bytes.inter_node += chunks * sent.inter_node;
+                }
+                bytes
+            }
+            Engine::Global(b) => {
+                let width = match b {
+                    GlobalBuffers::I8 { .. } => 1,
+                    GlobalBuffers::I16 { .. } => 2,
+                };
+                WireBytes::to_every_peer(t, me, self.plan.shard_len * width)
+            }
+            Engine::Exact => self.baseline_wire_bytes(),
+        }
+    }
+
+    /// Bytes the uncompressed fp32 reduce-scatter of this bucket sends.
+    pub fn baseline_wire_bytes(&self) -> WireBytes {
+        if self.topology.world() == 1 {
+            return WireBytes::default();
+        }
+        WireBytes::to_every_peer(&self.topology, self.rank, self.plan.shard_len * 4)
+    }
+
+    /// Reduce-scatters `bucket` (all `numel` elements, already scaled as the caller wants)
+    /// into `shard` (this rank's `S` elements) at optimizer step `step`.
+    pub fn run<C: Comm>(
+        &mut self,
+        comms: &CommGroups<'_, C>,
+        bucket: &[f32],
+        shard: &mut [f32],
+        step: u64,
+    ) -> Result<()> {
+        check_len("gradient bucket", bucket.len(), self.plan.numel)?;
+        check_len("gradient shard", shard.len(), self.plan.shard_len)?;
+        let world = comms.level(Level::World, &self.topology)?;
+        if world.rank() != self.rank {
+            return Err(Error::Comm(format!(
+                "world communicator rank {} is not this reduce-scatter's rank {}",
+                world.rank(),
+                self.rank
+            )));
+        }
+        let quantize = self.quantizes_at(step);
+        let seed = self.config.seed;
+        let stream = |stage| -> Result<UniformStream> {
+            Ok(UniformStream::new(
+                seed,
+                step,
+                stream_id(self.bucket_id, self.rank, stage)?,
+            ))
+        };
+        match &mut self.engine {
+            Engine::Copy => {
+                shard.copy_from_slice(bucket);
+                Ok(())
+            }
+            _ if !quantize => world.reduce_scatter_sum(bucket, shard),
+            Engine::Exact => world.reduce_scatter_sum(bucket, shard),
+            Engine::Grouped(g) => run_grouped(
+                g,
+                comms,
+                &self.topology,
+                self.rank,
+                bucket,
+                shard,
+                &stream(Stage::GradFirst)?,
+                &stream(Stage::GradSecond)?,
+            ),
+            Engine::Global(b) => {
+                let rng = stream(Stage::GlobalQsgd)?;
+                let rounding = self.config.grad.rounding;
+                let w = self.topology.world();
+                match b {
+                    GlobalBuffers::I8 { send, recv } => run_global(
+                        world, bucket, shard, rounding, &rng, w, 8, send, recv,
+                    ),
+                    GlobalBuffers::I16 { send, recv } => run_global(
+                        world, bucket, shard, rounding, &rng, w, 16, send, recv,
+                    ),
+                }
+            }
+        }
+    }
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Buffer(format!(
+            "{what} has {got} elements, the plan expects {want}"
+        )))
+    }
+}
+
+/// The integer width Global-QSGD uses for `world` ranks.
+fn global_bits(config: &Config, world: usize) -> Result<u8> {
+    let bits = config
+        .grad
+        .global_bits
+        .unwrap_or(if world <= 127 { 8 } else { 16 });
+    if global_k(bits, world) == 0 {
+        return Err(Error::Plan(format!(
+            "Global-QSGD with {bits}-bit integers serves at most {} ranks, the DP group has {world}",
+            (1usize << (bits - 1)) - 1
+        )));
+    }
+    Ok(bits)
+}
+
+/// `K = floor((2^(bits-1) - 1) / W)`: W codes of magnitude K sum without overflow.
+pub fn global_k(bits: u8, world: usize) -> i32 {
+    (((1usize << (bits - 1)) - 1) / world) as i32
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_grouped<C: Comm>(
+    g: &mut Grouped,
+    comms: &CommGroups<'_, C>,
+    topology: &Topology,
+    rank: usize,
+    bucket: &[f32],
+    shard: &mut [f32],
+    first_rng: &UniformStream,
+    second_rng: &UniformStream,
+) -> Result<()> {
+    let layout = &g.layout;
+    let first_comm = comms.level(layout.first.level, topology)?;
+    let second_comm = match layout.second {
+        Some(s) => Some(comms.level(s.level, topology)?),
+        None => None,
+    };
+    gradient::quantize_first(layout, bucket, first_rng, &mut g.send_first);
+    let my_x1 = peer_index(topology, layout.first.level, rank);
+    for (p, send) in g.send_first.chunks_exact(g.recv_first.len()).enumerate() {
+        first_comm.all_to_all(send, &mut g.recv_first)?;
+        match second_comm {
+            Some(second_comm) => {
+                gradient::requantize_second(
+                    layout,
+                    my_x1,
+                    p,
+                    &g.recv_first,
+                    second_rng,
+                    &mut g.send_second,
+                )?;
+                second_comm.all_to_all(&g.send_second, &mut g.recv_second)?;
+                gradient::reduce_final(layout, p, &g.recv_second, shard)?;
+            }
+            None => gradient::reduce_final(layout, p, &g.recv_first, shard)?,
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_global<C: Comm, T: global_qsgd::IntCode>(
+    world: &C,
+    bucket: &[f32],
+    shard: &mut [f32],
+    rounding: crate::config::Rounding,
+    rng: &UniformStream,
+    w: usize,
+    bits: u8,
+    send: &mut [T],
+    recv: &mut [T],
+) -> Result<()> {
+    let absmax = world.all_reduce_max(global_qsgd::local_absmax(bucket))?;
+    if !absmax.is_finite() {
+        shard.fill(f32::NAN);
+        return Ok(());
+    }
+    let k = global_k(bits, w);
+    let scale = absmax / k as f32;
+    if scale == 0.0 {
+        // All zeros, or an absmax so small that a / K underflows: every code would be 0.
+        shard.fill(0.0);
+        return Ok(());
+    }
+    global_qsgd::quantize(bucket, scale, k, rounding, rng, send);
+    world.reduce_scatter_sum(send, recv)?;
+    global_qsgd::dequantize(recv, scale, shard);
+    Ok(())
+}

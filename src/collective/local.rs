@@ -1,0 +1,293 @@
+//! An in-process [`Comm`]: W ranks as threads exchanging through shared slots.
+//!
+//! Every collective publishes this rank's bytes (with the length it expects to receive) in its
+//! slot, waits for all ranks, reads what it needs and waits again before slots are reused. The
+//! arguments are checked across ranks after the first wait, so a mismatch makes every rank
+//! return the same error instead of hanging; a rank that never arrives (it panicked) makes the
+//! others fail after [`LocalGroup::TIMEOUT`].
+
+use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use crate::collective::{Comm, CommGroups, SumElement};
+use crate::error::{Error, Result};
+use crate::plan::Topology;
+
+/// Shared state of one in-process communicator.
+#[derive(Debug)]
+pub struct LocalGroup {
+    size: usize,
+    slots: Vec<RwLock<Slot>>,
+    arrivals: Mutex<(usize, u64)>,
+    all_arrived: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    expect: usize,
+    payload: Vec<u8>,
+}
+
+/// One rank's handle on a [`LocalGroup`].
+#[derive(Debug, Clone)]
+pub struct LocalComm {
+    group: Arc<LocalGroup>,
+    rank: usize,
+}
+
+impl LocalGroup {
+    /// How long a rank waits for its peers before reporting a hang.
+    pub const TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// A communicator of `size` ranks.
+    pub fn new(size: usize) -> Arc<Self> {
+        Arc::new(Self {
+            size,
+            slots: (0..size).map(|_| RwLock::new(Slot::default())).collect(),
+            arrivals: Mutex::new((0, 0)),
+            all_arrived: Condvar::new(),
+        })
+    }
+
+    /// The handle of `rank`.
+    pub fn comm(self: &Arc<Self>, rank: usize) -> LocalComm {
+        assert!(rank < self.size, "rank {rank} of a {}-rank group", self.size);
+        LocalComm {
+            group: Arc::clone(self),
+            rank,
+        }
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let mut state = self.arrivals.lock().map_err(|_| poisoned())?;
+        let generation = state.1;
+        state.0 += 1;
+        if state.0 == self.size {
+            *state = (0, generation + 1);
+            self.all_arrived.notify_all();
+            return Ok(());
+        }
+        let (state, timeout) = self
+            .all_arrived
+            .wait_timeout_while(state, Self::TIMEOUT, |s| s.1 == generation)
+            .map_err(|_| poisoned())?;
+        if timeout.timed_out() && state.1 == generation {
+            return Err(Error::Comm(format!(
+                "peers did not reach the collective within {:?} ({} of {} arrived)",
+                Self::TIMEOUT,
+                state.0,
+                self.size
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Comm("a peer thread panicked inside a collective".into())
+}
+
+impl LocalComm {
+    /// Publishes `send` (expecting `expect` bytes back), then runs `read` over every rank's
+    /// slot once all have published.
+    fn exchange<R>(
+        &self,
+        send: &[u8],
+        expect: usize,
+        read: impl FnOnce(&[RwLockReadGuard<'_, Slot>]) -> Result<R>,
+    ) -> Result<R> {
+        {
+            let mut slot = self.group.slots[self.rank].write().map_err(|_| poisoned())?;
+            slot.expect = expect;
+            slot.payload.clear();
+            slot.payload.extend_from_slice(send);
+        }
+        self.group.barrier()?;
+        let result = {
+            let slots = self
+                .group
+                .slots
+                .iter()
+                .map(|s| s.read().map_err(|_| poisoned()))
+                .collect::<Result<Vec<_>>>()?;
+            read(&slots)
+        };
+        self.group.barrier()?;
+        result
+    }
+}
+
+/// Checks that every rank sent `send` bytes and expects `expect`, naming the first that differs.
+fn check_sizes(op: &str, slots: &[RwLockReadGuard<'_, Slot>]) -> Result<(usize, usize)> {
+    let (send, expect) = (slots[0].payload.len(), slots[0].expect);
+    for (rank, slot) in slots.iter().enumerate() {
+        if slot.payload.len() != send || slot.expect != expect {
+            return Err(Error::Comm(format!(
+                "{op}: rank {rank} passed {} bytes in / {} bytes out, rank 0 passed {send} / {expect}",
+                slot.payload.len(),
+                slot.expect
+            )));
+        }
+    }
+    Ok((send, expect))
+}
+
+impl Comm for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.group.size
+    }
+
+    fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let w = self.size();
+        self.exchange(send, recv.len(), |slots| {
+            let (n, expect) = check_sizes("all_gather", slots)?;
+            if expect != w * n {
+                return Err(Error::Comm(format!(
+                    "all_gather: receive buffer of {expect} bytes, expected {w} x {n}"
+                )));
+            }
+            for (dst, slot) in recv.chunks_exact_mut(n.max(1)).zip(slots) {
+                dst.copy_from_slice(&slot.payload);
+            }
+            Ok(())
+        })
+    }
+
+    fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let (w, me) = (self.size(), self.rank);
+        self.exchange(send, recv.len(), |slots| {
+            let (n, expect) = check_sizes("all_to_all", slots)?;
+            if n % w != 0 || expect != n {
+                return Err(Error::Comm(format!(
+                    "all_to_all: {n} bytes in and {expect} out must be equal and split into {w} blocks"
+                )));
+            }
+            let block = n / w;
+            for (dst, slot) in recv.chunks_exact_mut(block.max(1)).zip(slots) {
+                dst.copy_from_slice(&slot.payload[me * block..(me + 1) * block]);
+            }
+            Ok(())
+        })
+    }
+
+    fn all_reduce_max(&self, value: f32) -> Result<f32> {
+        self.exchange(&value.to_le_bytes(), 4, |slots| {
+            check_sizes("all_reduce_max", slots)?;
+            Ok(slots
+                .iter()
+                .map(|s| f32::from_le_bytes(s.payload[..4].try_into().expect("4 bytes")))
+                .fold(f32::NEG_INFINITY, f32::max))
+        })
+    }
+
+    fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let (w, me) = (self.size(), self.rank);
+        let bytes: &[u8] = bytemuck::cast_slice(send);
+        let expect = std::mem::size_of_val(recv);
+        self.exchange(bytes, expect, |slots| {
+            let (n, expect) = check_sizes("reduce_scatter", slots)?;
+            if n != w * expect {
+                return Err(Error::Comm(format!(
+                    "reduce_scatter ({}): {n} bytes in must be {w} x the {expect} bytes out",
+                    T::DTYPE
+                )));
+            }
+            let len = recv.len();
+            for (rank, slot) in slots.iter().enumerate() {
+                let part: Vec<T> =
+                    bytemuck::pod_collect_to_vec(&slot.payload[me * expect..(me + 1) * expect]);
+                for (i, (acc, v)) in recv.iter_mut().zip(part).enumerate() {
+                    *acc = if rank == 0 {
+                        v
+                    } else {
+                        T::checked_sum(*acc, v).ok_or_else(|| {
+                            Error::Comm(format!(
+                                "reduce_scatter ({}): sum overflows at element {} of {len}",
+                                T::DTYPE,
+                                me * len + i
+                            ))
+                        })?
+                    };
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// W ranks of a [`Topology`] as threads, with their world, intra-node and inter-node
+/// communicators built once and reused by every [`run`](Self::run).
+#[derive(Debug)]
+pub struct LocalCluster {
+    topology: Topology,
+    world: Arc<LocalGroup>,
+    intra: Vec<Arc<LocalGroup>>,
+    inter: Vec<Arc<LocalGroup>>,
+}
+
+impl LocalCluster {
+    /// Builds the communicators of `topology` (intra/inter only when nodes are equal-sized).
+    pub fn new(topology: Topology) -> Self {
+        let world = LocalGroup::new(topology.world());
+        let (intra, inter) = match topology.per_node() {
+            Some(d) => (
+                (0..topology.nodes()).map(|_| LocalGroup::new(d)).collect(),
+                (0..d).map(|_| LocalGroup::new(topology.nodes())).collect(),
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        Self {
+            topology,
+            world,
+            intra,
+            inter,
+        }
+    }
+
+    /// The topology the cluster was built for.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// Runs `f` on every rank concurrently (one thread per rank) and returns the results in
+    /// DP rank order.
+    pub fn run<R: Send>(&self, f: impl Fn(&CommGroups<'_, LocalComm>) -> R + Sync) -> Vec<R> {
+        let t = &self.topology;
+        let comms: Vec<(LocalComm, Option<LocalComm>, Option<LocalComm>)> = (0..t.world())
+            .map(|z| {
+                let intra = self
+                    .intra
+                    .get(t.node_of(z))
+                    .map(|g| g.comm(t.local_of(z)));
+                let inter = self
+                    .inter
+                    .get(t.local_of(z))
+                    .map(|g| g.comm(t.node_of(z)));
+                (self.world.comm(z), intra, inter)
+            })
+            .collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|(world, intra, inter)| {
+                    let f = &f;
+                    scope.spawn(move || {
+                        f(&CommGroups {
+                            world,
+                            intra: intra.as_ref(),
+                            inter: inter.as_ref(),
+                        })
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        })
+    }
+}

@@ -1,0 +1,118 @@
+//! The collective algorithms of SPEC §5, each written once over the [`Comm`] trait.
+//!
+//! - [`GradReduceScatter`]: the gradient reduce-scatter of one bucket (baseline, the grouped
+//!   codecs' one- and two-level all-to-all paths, Global-QSGD's integer reduce-scatter);
+//! - [`WeightAllGather`]: the parameter all-gather of one bucket (baseline, qWD and the direct
+//!   weight codecs);
+//! - [`local`]: an in-process [`Comm`] running W ranks as threads, for tests and benchmarks.
+//!
+//! Each per-bucket object allocates its buffers once and reuses them every step.
+
+mod gradient;
+pub mod local;
+mod weight;
+mod wire;
+
+pub use gradient::{GradReduceScatter, global_k};
+pub use weight::WeightAllGather;
+pub use wire::WireBytes;
+
+use crate::error::{Error, Result};
+use crate::plan::{Level, Topology};
+
+/// Element types a reduce-scatter can sum: fp32 gradients and Global-QSGD's integers.
+pub trait SumElement: bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug {
+    /// Name used in error messages.
+    const DTYPE: &'static str;
+    /// `a + b`, or `None` when an integer sum overflows.
+    fn checked_sum(a: Self, b: Self) -> Option<Self>;
+}
+
+impl SumElement for f32 {
+    const DTYPE: &'static str = "float32";
+    fn checked_sum(a: Self, b: Self) -> Option<Self> {
+        Some(a + b)
+    }
+}
+
+impl SumElement for i8 {
+    const DTYPE: &'static str = "int8";
+    fn checked_sum(a: Self, b: Self) -> Option<Self> {
+        a.checked_add(b)
+    }
+}
+
+impl SumElement for i16 {
+    const DTYPE: &'static str = "int16";
+    fn checked_sum(a: Self, b: Self) -> Option<Self> {
+        a.checked_add(b)
+    }
+}
+
+/// A communicator of `size()` ranks. All calls are collective: every rank of the group makes
+/// the same sequence of calls with the same buffer sizes. Implementations: [`local::LocalComm`]
+/// here, torch.distributed process groups in the extension.
+pub trait Comm {
+    /// This rank's index in the communicator.
+    fn rank(&self) -> usize;
+    /// Ranks in the communicator.
+    fn size(&self) -> usize;
+    /// Gathers every rank's `send` into `recv` (`size() * send.len()` bytes) in rank order.
+    fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()>;
+    /// Equal-split all-to-all: block `j` of `send` goes to rank `j`; block `i` of `recv` comes
+    /// from rank `i`.
+    fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()>;
+    /// The maximum of `value` over all ranks (+Inf wins; callers map NaN to +Inf first).
+    fn all_reduce_max(&self, value: f32) -> Result<f32>;
+    /// Sums `send` over all ranks in rank order and keeps block `rank()` in `recv`
+    /// (`send.len() == size() * recv.len()`).
+    fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()>;
+}
+
+/// The communicators one rank uses: the whole DP group and, when nodes hold equal numbers of
+/// ranks, its intra-node and inter-node groups.
+#[derive(Debug)]
+pub struct CommGroups<'a, C: Comm> {
+    /// All W ranks; rank = DP rank.
+    pub world: &'a C,
+    /// This node's ranks; rank = local index.
+    pub intra: Option<&'a C>,
+    /// The ranks with this local index; rank = node index.
+    pub inter: Option<&'a C>,
+}
+
+impl<C: Comm> CommGroups<'_, C> {
+    /// The communicator of `level`, checked against the topology.
+    fn level(&self, level: Level, topology: &Topology) -> Result<&C> {
+        let me = self.world.rank();
+        let (comm, name, rank, size) = match level {
+            Level::World => (Some(self.world), "world", me, topology.world()),
+            Level::Intra => (
+                self.intra,
+                "intra-node",
+                topology.local_of(me),
+                topology.intra_group(me).len(),
+            ),
+            Level::Inter => (
+                self.inter,
+                "inter-node",
+                topology.node_of(me),
+                topology.nodes(),
+            ),
+        };
+        let comm = comm.ok_or_else(|| {
+            Error::Comm(format!(
+                "the {name} communicator is needed by this route but was not provided"
+            ))
+        })?;
+        if comm.rank() != rank || comm.size() != size {
+            return Err(Error::Comm(format!(
+                "the {name} communicator has rank {} of {}, but the topology puts DP rank {me} \
+                 at {rank} of {size}",
+                comm.rank(),
+                comm.size()
+            )));
+        }
+        Ok(comm)
+    }
+}

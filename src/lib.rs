@@ -1,0 +1,27 @@
+//! sdp4bit: 4-bit communication for sharded data parallelism.
+//!
+//! The Rust core of a Megatron-LM / DeepSpeed plugin that replaces ZeRO's weight all-gather
+//! and gradient reduce-scatter with compressed versions: SDP4Bit (qWD weights, TLq-HS
+//! gradients), QSDP, Global-QSGD, ZeRO++-style and uncompressed baselines. The numerics follow
+//! `SPEC.md`; this crate knows nothing of Python or torch.
+//!
+//! Layers, bottom up:
+//! - [`config`]: codec choices, presets, knobs, validation and the cross-rank fingerprint;
+//! - [`rng`], [`hadamard`]: Philox4x32-10 and the Walsh-Hadamard butterfly;
+//! - [`codec`]: the group quantizer and the byte layout of a slab on the wire;
+//! - [`plan`]: topology, padding and the swizzled layout;
+//! - [`backend::cpu`]: the fused passes with rayon (the executable reference);
+//! - [`collective`]: every algorithm once, over the [`collective::Comm`] trait, plus an
+//!   in-process `Comm` for tests and benchmarks.
+
+pub mod backend;
+pub mod codec;
+pub mod collective;
+pub mod config;
+pub mod error;
+pub mod hadamard;
+pub mod plan;
+pub mod rng;
+
+pub use config::{Config, GradCodec, Preset, Rounding, WeightCodec};
+pub use error::{Error, Result};
