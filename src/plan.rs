@@ -72,10 +72,7 @@ impl Topology {
                 w[0]
             )));
         }
-        let labels: Vec<u64> = global_ranks
-            .iter()
-            .map(|g| g / local_world_size)
-            .collect();
+        let labels: Vec<u64> = global_ranks.iter().map(|g| g / local_world_size).collect();
         Self::from_node_labels(&labels)
     }
 

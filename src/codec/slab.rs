@@ -68,7 +68,11 @@ impl SlabLayout {
                 self.groups,
                 self.spec.group_size,
                 self.spec.bits,
-                if self.spec.symmetric { "symmetric" } else { "asymmetric" },
+                if self.spec.symmetric {
+                    "symmetric"
+                } else {
+                    "asymmetric"
+                },
             )));
         }
         let (codes, meta) = slab.split_at(self.codes_len());
@@ -96,7 +100,9 @@ impl SlabLayout {
         let code_bytes = self.spec.code_bytes_per_group();
         let (codes, meta) = slab.split_at_mut(self.codes_len());
         let (scales, rest) = meta.split_at_mut(4 * self.groups);
-        let slots = codes.par_chunks_mut(code_bytes).zip(scales.par_chunks_mut(4));
+        let slots = codes
+            .par_chunks_mut(code_bytes)
+            .zip(scales.par_chunks_mut(4));
         if self.spec.symmetric {
             rest.fill(0);
             Either::Left(slots.map(|(codes, scale)| GroupSlot {

@@ -2,7 +2,7 @@
 
 use crate::backend::cpu::{global_qsgd, gradient};
 use crate::collective::{Comm, CommGroups, WireBytes};
-use crate::config::{Config, GradCodec};
+use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result};
 use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
 use crate::rng::{Stage, UniformStream, stream_id};
@@ -74,9 +74,7 @@ impl GradReduceScatter {
             let layout = GradLayout::new(config, topology, &route, plan)
                 .expect("a route over W > 1 ranks has an exchange");
             let first = layout.first.peers * layout.first.slab.byte_len();
-            let second = layout
-                .second
-                .map_or(0, |s| s.peers * s.slab.byte_len());
+            let second = layout.second.map_or(0, |s| s.peers * s.slab.byte_len());
             Engine::Grouped(Box::new(Grouped {
                 send_first: vec![0; first * plan.chunks],
                 recv_first: vec![0; first],
@@ -206,29 +204,21 @@ impl GradReduceScatter {
             }
             _ if !quantize => world.reduce_scatter_sum(bucket, shard),
             Engine::Exact => world.reduce_scatter_sum(bucket, shard),
-            Engine::Grouped(g) => run_grouped(
-                g,
+            Engine::Grouped(g) => g.run(
                 comms,
                 &self.topology,
-                self.rank,
                 bucket,
                 shard,
                 &stream(Stage::GradFirst)?,
                 &stream(Stage::GradSecond)?,
             ),
-            Engine::Global(b) => {
-                let rng = stream(Stage::GlobalQsgd)?;
-                let rounding = self.config.grad.rounding;
-                let w = self.topology.world();
-                match b {
-                    GlobalBuffers::I8 { send, recv } => run_global(
-                        world, bucket, shard, rounding, &rng, w, 8, send, recv,
-                    ),
-                    GlobalBuffers::I16 { send, recv } => run_global(
-                        world, bucket, shard, rounding, &rng, w, 16, send, recv,
-                    ),
-                }
-            }
+            Engine::Global(b) => b.run(
+                world,
+                bucket,
+                shard,
+                self.config.grad.rounding,
+                &stream(Stage::GlobalQsgd)?,
+            ),
         }
     }
 }
@@ -263,55 +253,72 @@ pub fn global_k(bits: u8, world: usize) -> i32 {
     (((1usize << (bits - 1)) - 1) / world) as i32
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_grouped<C: Comm>(
-    g: &mut Grouped,
-    comms: &CommGroups<'_, C>,
-    topology: &Topology,
-    rank: usize,
-    bucket: &[f32],
-    shard: &mut [f32],
-    first_rng: &UniformStream,
-    second_rng: &UniformStream,
-) -> Result<()> {
-    let layout = &g.layout;
-    let first_comm = comms.level(layout.first.level, topology)?;
-    let second_comm = match layout.second {
-        Some(s) => Some(comms.level(s.level, topology)?),
-        None => None,
-    };
-    gradient::quantize_first(layout, bucket, first_rng, &mut g.send_first);
-    let my_x1 = peer_index(topology, layout.first.level, rank);
-    for (p, send) in g.send_first.chunks_exact(g.recv_first.len()).enumerate() {
-        first_comm.all_to_all(send, &mut g.recv_first)?;
-        match second_comm {
-            Some(second_comm) => {
-                gradient::requantize_second(
-                    layout,
-                    my_x1,
-                    p,
-                    &g.recv_first,
-                    second_rng,
-                    &mut g.send_second,
-                )?;
-                second_comm.all_to_all(&g.send_second, &mut g.recv_second)?;
-                gradient::reduce_final(layout, p, &g.recv_second, shard)?;
+impl Grouped {
+    /// Quantize once, then per pipeline chunk: first exchange, (requantize, second exchange),
+    /// dequantize-sum into the shard.
+    fn run<C: Comm>(
+        &mut self,
+        comms: &CommGroups<'_, C>,
+        topology: &Topology,
+        bucket: &[f32],
+        shard: &mut [f32],
+        first_rng: &UniformStream,
+        second_rng: &UniformStream,
+    ) -> Result<()> {
+        let layout = &self.layout;
+        let first_comm = comms.level(layout.first.level, topology)?;
+        let second_comm = match layout.second {
+            Some(s) => Some(comms.level(s.level, topology)?),
+            None => None,
+        };
+        gradient::quantize_first(layout, bucket, first_rng, &mut self.send_first);
+        let my_x1 = peer_index(topology, layout.first.level, comms.world.rank());
+        let chunk_bytes = self.recv_first.len();
+        for (p, send) in self.send_first.chunks_exact(chunk_bytes).enumerate() {
+            first_comm.all_to_all(send, &mut self.recv_first)?;
+            match second_comm {
+                Some(second_comm) => {
+                    gradient::requantize_second(
+                        layout,
+                        my_x1,
+                        p,
+                        &self.recv_first,
+                        second_rng,
+                        &mut self.send_second,
+                    )?;
+                    second_comm.all_to_all(&self.send_second, &mut self.recv_second)?;
+                    gradient::reduce_final(layout, p, &self.recv_second, shard)?;
+                }
+                None => gradient::reduce_final(layout, p, &self.recv_first, shard)?,
             }
-            None => gradient::reduce_final(layout, p, &g.recv_first, shard)?,
         }
+        Ok(())
     }
-    Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+impl GlobalBuffers {
+    /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize.
+    fn run<C: Comm>(
+        &mut self,
+        world: &C,
+        bucket: &[f32],
+        shard: &mut [f32],
+        rounding: Rounding,
+        rng: &UniformStream,
+    ) -> Result<()> {
+        match self {
+            Self::I8 { send, recv } => run_global(world, bucket, shard, rounding, rng, send, recv),
+            Self::I16 { send, recv } => run_global(world, bucket, shard, rounding, rng, send, recv),
+        }
+    }
+}
+
 fn run_global<C: Comm, T: global_qsgd::IntCode>(
     world: &C,
     bucket: &[f32],
     shard: &mut [f32],
-    rounding: crate::config::Rounding,
+    rounding: Rounding,
     rng: &UniformStream,
-    w: usize,
-    bits: u8,
     send: &mut [T],
     recv: &mut [T],
 ) -> Result<()> {
@@ -320,7 +327,7 @@ fn run_global<C: Comm, T: global_qsgd::IntCode>(
         shard.fill(f32::NAN);
         return Ok(());
     }
-    let k = global_k(bits, w);
+    let k = global_k(T::BITS, world.size());
     let scale = absmax / k as f32;
     if scale == 0.0 {
         // All zeros, or an absmax so small that a / K underflows: every code would be 0.

@@ -51,7 +51,11 @@ impl LocalGroup {
 
     /// The handle of `rank`.
     pub fn comm(self: &Arc<Self>, rank: usize) -> LocalComm {
-        assert!(rank < self.size, "rank {rank} of a {}-rank group", self.size);
+        assert!(
+            rank < self.size,
+            "rank {rank} of a {}-rank group",
+            self.size
+        );
         LocalComm {
             group: Arc::clone(self),
             rank,
@@ -97,7 +101,9 @@ impl LocalComm {
         read: impl FnOnce(&[RwLockReadGuard<'_, Slot>]) -> Result<R>,
     ) -> Result<R> {
         {
-            let mut slot = self.group.slots[self.rank].write().map_err(|_| poisoned())?;
+            let mut slot = self.group.slots[self.rank]
+                .write()
+                .map_err(|_| poisoned())?;
             slot.expect = expect;
             slot.payload.clear();
             slot.payload.extend_from_slice(send);
@@ -259,14 +265,8 @@ impl LocalCluster {
         let t = &self.topology;
         let comms: Vec<(LocalComm, Option<LocalComm>, Option<LocalComm>)> = (0..t.world())
             .map(|z| {
-                let intra = self
-                    .intra
-                    .get(t.node_of(z))
-                    .map(|g| g.comm(t.local_of(z)));
-                let inter = self
-                    .inter
-                    .get(t.local_of(z))
-                    .map(|g| g.comm(t.node_of(z)));
+                let intra = self.intra.get(t.node_of(z)).map(|g| g.comm(t.local_of(z)));
+                let inter = self.inter.get(t.local_of(z)).map(|g| g.comm(t.node_of(z)));
                 (self.world.comm(z), intra, inter)
             })
             .collect();

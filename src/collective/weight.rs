@@ -148,10 +148,7 @@ impl WeightAllGather {
         match &mut self.engine {
             Engine::Exact { send } => {
                 send.copy_from_slice(own_shard(&plan, rank, params));
-                world.all_gather(
-                    bytemuck::cast_slice(send),
-                    bytemuck::cast_slice_mut(params),
-                )
+                world.all_gather(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(params))
             }
             Engine::Quantized {
                 layout,
@@ -164,7 +161,8 @@ impl WeightAllGather {
                     let stream = stream_id(self.bucket_id, rank, Stage::Weight)?;
                     let rng = UniformStream::new(self.config.seed, step, stream);
                     let new = own_shard(&plan, rank, params);
-                    encode_shard(*layout, *encoding, &plan, rank, new, reference, &rng, send);
+                    let first = plan.padded_index(rank, 0);
+                    encode_shard(*layout, *encoding, first, new, reference, &rng, send);
                     world.all_gather(send, recv)?;
                     apply_shards(*layout, *encoding, &plan, rank, recv, reference, params)?;
                 }

@@ -13,6 +13,8 @@ const TASK: usize = 1 << 14;
 
 /// Integer codes Global-QSGD sums inside the reduce-scatter.
 pub trait IntCode: SumElement + Copy {
+    /// Width of the integer in bits.
+    const BITS: u8;
     /// Converts an already clamped integral value.
     fn from_f32(v: f32) -> Self;
     /// The code as a float.
@@ -20,6 +22,7 @@ pub trait IntCode: SumElement + Copy {
 }
 
 impl IntCode for i8 {
+    const BITS: u8 = 8;
     fn from_f32(v: f32) -> Self {
         v as i8
     }
@@ -29,6 +32,7 @@ impl IntCode for i8 {
 }
 
 impl IntCode for i16 {
+    const BITS: u8 = 16;
     fn from_f32(v: f32) -> Self {
         v as i16
     }
@@ -40,11 +44,7 @@ impl IntCode for i16 {
 /// `max |x|` over the bucket, or +Inf when it holds a NaN or Inf (so a MAX all-reduce carries
 /// the non-finite flag to every rank whatever the backend does with NaN).
 pub fn local_absmax(bucket: &[f32]) -> f32 {
-    let bits = bucket
-        .par_chunks(TASK)
-        .map(abs_bits_max)
-        .max()
-        .unwrap_or(0);
+    let bits = bucket.par_chunks(TASK).map(abs_bits_max).max().unwrap_or(0);
     if bits_non_finite(bits) {
         f32::INFINITY
     } else {

@@ -59,7 +59,9 @@ pub fn requantize_second(
     out: &mut [u8],
 ) -> Result<()> {
     let first = layout.first;
-    let second = layout.second.expect("requantize_second needs a second level");
+    let second = layout
+        .second
+        .expect("requantize_second needs a second level");
     let spec = second.slab.spec;
     let g = spec.group_size;
     let gc = layout.groups_per_chunk();

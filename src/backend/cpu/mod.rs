@@ -5,8 +5,8 @@
 //! that stays in L1. Scratch buffers grow to the largest group once per thread and are reused,
 //! so the passes do not allocate in steady state.
 
-pub mod gradient;
 pub mod global_qsgd;
+pub mod gradient;
 pub mod weight;
 
 use std::cell::RefCell;

@@ -21,13 +21,13 @@ pub enum WeightEncoding {
     Difference,
 }
 
-/// Encodes shard `rank`: quantizes `new - reference` (difference) or `new` (direct) computed in
-/// fp32, zero-padded to the padded shard, into one slab.
+/// Encodes one shard: quantizes `new - reference` (difference) or `new` (direct) computed in
+/// fp32, zero-padded to the padded shard, into one slab. `first_index` is the padded bucket
+/// index of the shard's first element (the Philox element index).
 pub fn encode_shard(
     layout: SlabLayout,
     encoding: WeightEncoding,
-    plan: &BucketPlan,
-    rank: usize,
+    first_index: u64,
     new: &[bf16],
     reference: &[bf16],
     rng: &UniformStream,
@@ -45,7 +45,10 @@ pub fn encode_shard(
                 let n = end - start;
                 match encoding {
                     WeightEncoding::Difference => {
-                        for ((v, a), b) in x.iter_mut().zip(&new[start..end]).zip(&reference[start..end])
+                        for ((v, a), b) in x
+                            .iter_mut()
+                            .zip(&new[start..end])
+                            .zip(&reference[start..end])
                         {
                             *v = a.to_f32() - b.to_f32();
                         }
@@ -58,7 +61,7 @@ pub fn encode_shard(
                 }
                 x[n..].fill(0.0);
                 if spec.rounding == Rounding::Stochastic {
-                    rng.fill(plan.padded_index(rank, j * g), u);
+                    rng.fill(first_index + (j * g) as u64, u);
                 }
                 slot.quantize(&spec, x, u);
             });
