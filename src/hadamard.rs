@@ -15,8 +15,12 @@ pub fn is_supported_block(block: usize) -> bool {
     block.is_power_of_two() && (MIN_BLOCK..=MAX_BLOCK).contains(&block)
 }
 
+/// The textbook butterfly of one block: stages `h = 1, 2, 4, ..., N/2` in order, each
+/// replacing `(a, b) = (x[j], x[j + h])` by `(a + b, a - b)`; the inverse then multiplies by
+/// `scale`. The vector path ([`lanes`]) performs exactly these operations on every element.
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "avx"), allow(dead_code))]
 #[inline(always)]
-fn butterfly<const N: usize>(x: &mut [f32; N]) {
+fn butterfly<const N: usize>(x: &mut [f32; N], scale: Option<f32>) {
     let mut h = 1;
     while h < N {
         for base in (0..N).step_by(2 * h) {
@@ -28,23 +32,109 @@ fn butterfly<const N: usize>(x: &mut [f32; N]) {
         }
         h *= 2;
     }
-}
-
-fn forward_fixed<const N: usize>(data: &mut [f32]) {
-    for block in data.chunks_exact_mut(N) {
-        butterfly::<N>(block.try_into().expect("chunks_exact yields N elements"));
-    }
-}
-
-fn inverse_fixed<const N: usize>(data: &mut [f32]) {
-    let scale = 1.0 / N as f32;
-    for block in data.chunks_exact_mut(N) {
-        let block: &mut [f32; N] = block.try_into().expect("chunks_exact yields N elements");
-        butterfly::<N>(block);
-        for v in block.iter_mut() {
+    if let Some(scale) = scale {
+        for v in x.iter_mut() {
             *v *= scale;
         }
     }
+}
+
+/// Runs [`butterfly`] on every `N`-element block of `data`, portably.
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx")))]
+fn transform_blocks<const N: usize>(data: &mut [f32], scale: Option<f32>) {
+    for block in data.chunks_exact_mut(N) {
+        butterfly::<N>(
+            block.try_into().expect("chunks_exact yields N elements"),
+            scale,
+        );
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx"))]
+use lanes::transform_blocks;
+
+/// AVX path, compiled when the build enables AVX (`.cargo/config.toml` targets x86-64-v3): a
+/// block is `N / 8` vectors of 8 lanes. Stages 1, 2 and 4 pair lanes inside a vector (a lane
+/// permute, an add, a subtract and a blend keeping `a + b` in the lower and `a - b` in the
+/// upper lane of each pair, operands in the textbook order); stages from 8 up pair whole
+/// vectors, so every element sees the same IEEE operations as [`butterfly`].
+#[cfg(all(target_arch = "x86_64", target_feature = "avx"))]
+mod lanes {
+    use std::arch::x86_64::{
+        __m256, _mm256_add_ps, _mm256_blend_ps, _mm256_mul_ps, _mm256_permute_ps,
+        _mm256_permute2f128_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_sub_ps,
+    };
+
+    /// Vectors in the largest block.
+    const MAX_VECTORS: usize = super::MAX_BLOCK / 8;
+
+    /// Runs the butterfly on every `N`-element block of `data`.
+    pub(super) fn transform_blocks<const N: usize>(data: &mut [f32], scale: Option<f32>) {
+        // SAFETY: this module is compiled only when AVX is enabled for the whole build
+        // (`cfg(target_feature = "avx")`), so every CPU this binary runs on has AVX.
+        unsafe { transform_avx::<N>(data, scale) }
+    }
+
+    #[target_feature(enable = "avx")]
+    fn transform_avx<const N: usize>(data: &mut [f32], scale: Option<f32>) {
+        for block in data.chunks_exact_mut(N) {
+            butterfly::<N>(block, scale);
+        }
+    }
+
+    /// Stages 1, 2 and 4 on one vector of 8 consecutive elements.
+    #[target_feature(enable = "avx")]
+    #[inline]
+    fn lane_stages(x: __m256) -> __m256 {
+        // Stage 1: lanes 1, 3, 5, 7 are the upper elements of their pairs.
+        let p = _mm256_permute_ps::<0b10_11_00_01>(x);
+        let x = _mm256_blend_ps::<0b1010_1010>(_mm256_add_ps(x, p), _mm256_sub_ps(p, x));
+        // Stage 2: lanes 2, 3, 6, 7 are upper.
+        let p = _mm256_permute_ps::<0b01_00_11_10>(x);
+        let x = _mm256_blend_ps::<0b1100_1100>(_mm256_add_ps(x, p), _mm256_sub_ps(p, x));
+        // Stage 4: the upper 128-bit half is upper.
+        let p = _mm256_permute2f128_ps::<0x01>(x, x);
+        _mm256_blend_ps::<0b1111_0000>(_mm256_add_ps(x, p), _mm256_sub_ps(p, x))
+    }
+
+    /// The butterfly of one `N`-element block (then `* scale` for the inverse).
+    #[target_feature(enable = "avx")]
+    #[inline]
+    fn butterfly<const N: usize>(x: &mut [f32], scale: Option<f32>) {
+        let n = N / 8;
+        let mut v = [_mm256_setzero_ps(); MAX_VECTORS];
+        for (v, lane) in v.iter_mut().zip(x[..N].chunks_exact(8)) {
+            *v = lane_stages(bytemuck::pod_read_unaligned(bytemuck::cast_slice(lane)));
+        }
+        let mut h = 1;
+        while h < n {
+            for base in (0..n).step_by(2 * h) {
+                for j in base..base + h {
+                    let (a, b) = (v[j], v[j + h]);
+                    v[j] = _mm256_add_ps(a, b);
+                    v[j + h] = _mm256_sub_ps(a, b);
+                }
+            }
+            h *= 2;
+        }
+        if let Some(scale) = scale {
+            let s = _mm256_set1_ps(scale);
+            for v in &mut v[..n] {
+                *v = _mm256_mul_ps(*v, s);
+            }
+        }
+        for (v, lane) in v.iter().zip(x[..N].chunks_exact_mut(8)) {
+            lane.copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(v)));
+        }
+    }
+}
+
+fn forward_fixed<const N: usize>(data: &mut [f32]) {
+    transform_blocks::<N>(data, None);
+}
+
+fn inverse_fixed<const N: usize>(data: &mut [f32]) {
+    transform_blocks::<N>(data, Some(1.0 / N as f32));
 }
 
 /// Applies the forward transform to every `block`-sized block of `data`.

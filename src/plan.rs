@@ -201,9 +201,9 @@ fn lcm(a: usize, b: usize) -> usize {
 }
 
 /// The multiple every padded shard must be: `lcm(weight group, grad group * P, Hadamard block)`
-/// over the codecs in use, or `P` alone when neither codec is grouped.
+/// over the grouped codecs in use (1 when none is grouped: no padding).
 fn padding_unit(config: &Config) -> usize {
-    let mut unit = config.pipeline_chunks;
+    let mut unit = 1;
     if config.weight.codec != WeightCodec::None {
         unit = lcm(unit, config.weight.group_size);
     }

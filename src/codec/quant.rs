@@ -10,7 +10,8 @@
 //! Special groups: a group holding NaN or ±Inf stores scale NaN (and offset NaN) with zero
 //! codes, so it dequantizes to NaN everywhere and nowhere else. A group whose scale is zero
 //! (all zeros, a constant asymmetric group, or an absmax so tiny that `a / L` underflows)
-//! stores scale 0 and zero codes. An asymmetric group whose range `hi - lo` overflows fp32 is
+//! stores scale 0 and zero codes. A group whose codes could dequantize past fp32's range (an
+//! asymmetric range `hi - lo` that overflows, or a symmetric `L * s` that rounds to Inf) is
 //! treated as non-finite (NaN), so it still trips the caller's found-inf check.
 
 use crate::config::Rounding;
@@ -96,25 +97,33 @@ pub fn quantize_group(spec: &QuantSpec, x: &[f32], u: &[f32], codes: &mut [u8]) 
         codes.fill(0);
         return meta;
     }
-    let (lo_code, hi_code) = if spec.symmetric {
-        (-spec.max_code() as f32, spec.max_code() as f32)
-    } else {
-        (0.0, spec.max_code() as f32)
-    };
+    let top = spec.max_code() as f32;
     let (scale, offset) = (meta.scale, meta.offset);
-    let scaled = move |v: f32| (v - offset) / scale;
-    match (spec.rounding, spec.bits) {
-        (Rounding::Stochastic, 4) => pack_nibbles(codes, x, u, |v, r| {
-            (scaled(v) + r).floor().clamp(lo_code, hi_code)
+    // Symmetric groups skip `x - 0.0`, which is exactly `x` for every finite `x` (-0.0 too).
+    match (spec.symmetric, spec.rounding, spec.bits) {
+        (true, Rounding::Stochastic, 4) => {
+            pack_nibbles(codes, x, u, |v, r| (v / scale + r).floor().clamp(-top, top))
+        }
+        (true, Rounding::Stochastic, _) => {
+            pack_bytes(codes, x, u, |v, r| (v / scale + r).floor().clamp(-top, top))
+        }
+        (true, Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| {
+            (v / scale).round_ties_even().clamp(-top, top)
         }),
-        (Rounding::Stochastic, _) => pack_bytes(codes, x, u, |v, r| {
-            (scaled(v) + r).floor().clamp(lo_code, hi_code)
+        (true, Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| {
+            (v / scale).round_ties_even().clamp(-top, top)
         }),
-        (Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| {
-            scaled(v).round_ties_even().clamp(lo_code, hi_code)
+        (false, Rounding::Stochastic, 4) => pack_nibbles(codes, x, u, |v, r| {
+            ((v - offset) / scale + r).floor().clamp(0.0, top)
         }),
-        (Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| {
-            scaled(v).round_ties_even().clamp(lo_code, hi_code)
+        (false, Rounding::Stochastic, _) => pack_bytes(codes, x, u, |v, r| {
+            ((v - offset) / scale + r).floor().clamp(0.0, top)
+        }),
+        (false, Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| {
+            ((v - offset) / scale).round_ties_even().clamp(0.0, top)
+        }),
+        (false, Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| {
+            ((v - offset) / scale).round_ties_even().clamp(0.0, top)
         }),
     }
     meta
@@ -128,6 +137,10 @@ fn symmetric_meta(spec: &QuantSpec, x: &[f32]) -> (GroupMeta, bool) {
         return (non_finite_meta(), false);
     }
     let scale = f32::from_bits(bits) / spec.max_code() as f32;
+    if !(scale * spec.max_code() as f32).is_finite() {
+        // absmax at the top of fp32's range: the largest code would decode to Inf.
+        return (non_finite_meta(), false);
+    }
     let meta = GroupMeta { scale, offset: 0.0 };
     (meta, scale != 0.0)
 }
@@ -157,23 +170,54 @@ fn non_finite_meta() -> GroupMeta {
     }
 }
 
+/// Elements the packers handle per step: one line of 16 bytes of 4-bit codes.
+const PACK: usize = 32;
+
+/// `1.5 * 2^23`: for an integral `c` with `|c| <= 2^22`, `c + MAGIC` is exact and the low bits
+/// of its representation are `c` in two's complement (a branch-free, vectorisable `c as i32`).
+const MAGIC: f32 = 12_582_912.0;
+
+/// The two's complement bits of an integral code `c` with `|c| <= 2^22`, or of 0 when `c` is
+/// NaN: in its low 16 bits equal to `c as i32`, but branch-free and vectorisable.
+#[inline(always)]
+pub(crate) fn code_bits(c: f32) -> u32 {
+    let c = if c.is_nan() { 0.0 } else { c };
+    (c + MAGIC).to_bits()
+}
+
+/// Packs `code(x[i], u[i])` as nibbles, element `2k` low, `2k + 1` high. `x.len()` is a
+/// multiple of [`PACK`] and `codes.len() == x.len() / 2`.
 #[inline(always)]
 fn pack_nibbles(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) -> f32) {
-    for ((byte, v), r) in codes
-        .iter_mut()
-        .zip(x.chunks_exact(2))
-        .zip(u.chunks_exact(2))
+    for ((line, x), u) in codes
+        .chunks_exact_mut(PACK / 2)
+        .zip(x.chunks_exact(PACK))
+        .zip(u.chunks_exact(PACK))
     {
-        let lo = code(v[0], r[0]) as i32;
-        let hi = code(v[1], r[1]) as i32;
-        *byte = ((lo & 0xF) | ((hi & 0xF) << 4)) as u8;
+        let mut bytes = [0u8; PACK];
+        for ((b, &v), &r) in bytes.iter_mut().zip(x).zip(u) {
+            *b = code_bits(code(v, r)) as u8;
+        }
+        // Little-endian 16-bit words `code(2k) | code(2k + 1) << 8` -> one byte of two nibbles.
+        let words = bytemuck::cast::<[u8; PACK], [u16; PACK / 2]>(bytes);
+        for (byte, w) in line.iter_mut().zip(words) {
+            let w = u16::from_le(w);
+            *byte = ((w & 0x0F) | (w >> 4 & 0xF0)) as u8;
+        }
     }
 }
 
+/// Stores `code(x[i], u[i])` as one byte each (two's complement for negative codes).
 #[inline(always)]
 fn pack_bytes(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) -> f32) {
-    for ((byte, &v), &r) in codes.iter_mut().zip(x).zip(u) {
-        *byte = code(v, r) as i32 as u8;
+    for ((line, x), u) in codes
+        .chunks_exact_mut(PACK)
+        .zip(x.chunks_exact(PACK))
+        .zip(u.chunks_exact(PACK))
+    {
+        for ((byte, &v), &r) in line.iter_mut().zip(x).zip(u) {
+            *byte = code_bits(code(v, r)) as u8;
+        }
     }
 }
 
@@ -193,36 +237,88 @@ pub fn dequantize_group(
     debug_assert_eq!(out.len(), spec.group_size);
     debug_assert_eq!(codes.len(), spec.code_bytes_per_group());
     let (scale, offset) = (meta.scale, meta.offset);
-    let value = move |q: i32| (q as f32) * scale;
-    let mut min_code = 0i32;
-    match (spec.symmetric, spec.bits) {
-        (true, 4) => {
-            for (pair, &byte) in out.chunks_exact_mut(2).zip(codes) {
-                let lo = i32::from(((byte << 4) as i8) >> 4);
-                let hi = i32::from((byte as i8) >> 4);
-                min_code = min_code.min(lo).min(hi);
-                pair[0] = combine(pair[0], value(lo));
-                pair[1] = combine(pair[1], value(hi));
-            }
-        }
-        (true, _) => {
-            for (o, &byte) in out.iter_mut().zip(codes) {
-                let q = i32::from(byte as i8);
-                min_code = min_code.min(q);
-                *o = combine(*o, value(q));
-            }
-        }
-        (false, 4) => {
-            for (pair, &byte) in out.chunks_exact_mut(2).zip(codes) {
-                pair[0] = combine(pair[0], offset + value(i32::from(byte & 0xF)));
-                pair[1] = combine(pair[1], offset + value(i32::from(byte >> 4)));
-            }
-        }
+    let min_code = match (spec.symmetric, spec.bits) {
+        (true, 4) => decode_nibbles(
+            codes,
+            out,
+            |n| (n << 4) as i8 >> 4,
+            |q| f32::from(q) * scale,
+            combine,
+        ),
+        (true, _) => decode_bytes(codes, out, |b| b as i8, |q| f32::from(q) * scale, combine),
+        (false, 4) => decode_nibbles(
+            codes,
+            out,
+            |n| n as i8,
+            |q| offset + f32::from(q as u8) * scale,
+            combine,
+        ),
         (false, _) => {
-            for (o, &byte) in out.iter_mut().zip(codes) {
-                *o = combine(*o, offset + value(i32::from(byte)));
-            }
+            decode_bytes(
+                codes,
+                out,
+                |b| b,
+                |q| offset + f32::from(q) * scale,
+                combine,
+            );
+            0
+        }
+    };
+    !spec.symmetric || i32::from(min_code) >= -spec.max_code()
+}
+
+/// Decodes 4-bit codes: each nibble becomes a code by `code`, then `out[i] = combine(out[i],
+/// value(code))`. Returns the smallest code.
+#[inline(always)]
+fn decode_nibbles(
+    codes: &[u8],
+    out: &mut [f32],
+    code: impl Fn(u8) -> i8,
+    value: impl Fn(i8) -> f32,
+    combine: impl Fn(f32, f32) -> f32,
+) -> i8 {
+    let mut min = [0i8; PACK];
+    for (out, line) in out.chunks_exact_mut(PACK).zip(codes.chunks_exact(PACK / 2)) {
+        let q = unpack_nibbles(line, &code);
+        for (m, &q) in min.iter_mut().zip(&q) {
+            *m = (*m).min(q);
+        }
+        for (o, &q) in out.iter_mut().zip(&q) {
+            *o = combine(*o, value(q));
         }
     }
-    !spec.symmetric || min_code >= -spec.max_code()
+    min.into_iter().min().unwrap_or(0)
+}
+
+/// Decodes 8-bit codes: each byte becomes a code by `code`, then `out[i] = combine(out[i],
+/// value(code))`. Returns the smallest code.
+#[inline(always)]
+fn decode_bytes<T: Copy + Ord + Default>(
+    codes: &[u8],
+    out: &mut [f32],
+    code: impl Fn(u8) -> T,
+    value: impl Fn(T) -> f32,
+    combine: impl Fn(f32, f32) -> f32,
+) -> T {
+    let mut min = T::default();
+    for (o, &byte) in out.iter_mut().zip(codes) {
+        let q = code(byte);
+        min = min.min(q);
+        *o = combine(*o, value(q));
+    }
+    min
+}
+
+/// The [`PACK`] codes of one 16-byte line of nibbles in element order (element `2k` from the
+/// low nibble of byte `k`), each nibble (a value below 16) mapped by `decode`. The nibbles are
+/// spread into little-endian 16-bit words `lo | hi << 8`, which are then the codes' bytes in
+/// element order (integer lane operations only, so it vectorises).
+#[inline(always)]
+fn unpack_nibbles(line: &[u8], decode: impl Fn(u8) -> i8) -> [i8; PACK] {
+    let line: &[u8; PACK / 2] = line.try_into().expect("a line of PACK / 2 bytes");
+    let words: [u16; PACK / 2] = std::array::from_fn(|k| {
+        let w = u16::from(line[k]);
+        ((w & 0x0F) | (w & 0xF0) << 4).to_le()
+    });
+    bytemuck::cast::<[u16; PACK / 2], [u8; PACK]>(words).map(decode)
 }

@@ -58,6 +58,18 @@ impl SlabLayout {
         self.groups * self.spec.group_size
     }
 
+    /// Checks that a receive buffer holds exactly `count` slabs of this layout.
+    pub fn check_slabs(&self, buffer_len: usize, count: usize) -> Result<()> {
+        if buffer_len == count * self.byte_len() {
+            Ok(())
+        } else {
+            Err(Error::Decode(format!(
+                "receive buffer of {buffer_len} bytes does not hold {count} slabs of {} bytes",
+                self.byte_len()
+            )))
+        }
+    }
+
     /// Checks that `slab` is exactly one slab of this layout and returns a view of it.
     pub fn view<'a>(&self, slab: &'a [u8]) -> Result<SlabView<'a>> {
         if slab.len() != self.byte_len() {
@@ -121,6 +133,82 @@ impl SlabLayout {
                         scale,
                         offset: Some(offset),
                     }),
+            )
+        }
+    }
+}
+
+/// Write access to a run of consecutive groups of a slab being filled (see
+/// [`SlabLayout::par_runs_mut`]): one parallel task's worth of groups.
+#[derive(Debug)]
+pub struct GroupRun<'a> {
+    /// Index in the slab of the run's first group.
+    pub first: usize,
+    code_bytes: usize,
+    codes: &'a mut [u8],
+    scales: &'a mut [u8],
+    offsets: Option<&'a mut [u8]>,
+}
+
+impl GroupRun<'_> {
+    /// Groups in the run.
+    pub fn len(&self) -> usize {
+        self.scales.len() / 4
+    }
+
+    /// Whether the run holds no group.
+    pub fn is_empty(&self) -> bool {
+        self.scales.is_empty()
+    }
+
+    /// Quantizes the group `x` (uniforms `u`) with `spec` into the run's group `i` (slab group
+    /// `first + i`).
+    #[inline]
+    pub fn quantize(&mut self, i: usize, spec: &QuantSpec, x: &[f32], u: &[f32]) {
+        let codes = &mut self.codes[i * self.code_bytes..(i + 1) * self.code_bytes];
+        let meta = quantize_group(spec, x, u, codes);
+        self.scales[4 * i..4 * i + 4].copy_from_slice(&meta.scale.to_le_bytes());
+        if let Some(offsets) = self.offsets.as_deref_mut() {
+            offsets[4 * i..4 * i + 4].copy_from_slice(&meta.offset.to_le_bytes());
+        }
+    }
+}
+
+impl SlabLayout {
+    /// Splits a slab buffer (exactly [`byte_len`](Self::byte_len) bytes) into runs of `run`
+    /// consecutive groups (the last may be shorter) that can be filled in parallel; the
+    /// padding is zeroed. Coarser than [`par_slots_mut`](Self::par_slots_mut), so per-task
+    /// costs are paid once per run instead of once per group.
+    pub fn par_runs_mut<'a>(
+        &self,
+        slab: &'a mut [u8],
+        run: usize,
+    ) -> impl IndexedParallelIterator<Item = GroupRun<'a>> + 'a {
+        assert_eq!(slab.len(), self.byte_len(), "slab buffer sized by the plan");
+        assert!(run > 0, "a run holds at least one group");
+        let code_bytes = self.spec.code_bytes_per_group();
+        let (codes, meta) = slab.split_at_mut(self.codes_len());
+        let (scales, rest) = meta.split_at_mut(4 * self.groups);
+        let runs = codes
+            .par_chunks_mut(run * code_bytes)
+            .zip(scales.par_chunks_mut(4 * run))
+            .enumerate();
+        let make = move |(r, (codes, scales)), offsets| GroupRun {
+            first: r * run,
+            code_bytes,
+            codes,
+            scales,
+            offsets,
+        };
+        if self.spec.symmetric {
+            rest.fill(0);
+            Either::Left(runs.map(move |item| make(item, None)))
+        } else {
+            let (offsets, pad) = rest.split_at_mut(4 * self.groups);
+            pad.fill(0);
+            Either::Right(
+                runs.zip(offsets.par_chunks_mut(4 * run))
+                    .map(move |(item, offsets)| make(item, Some(offsets))),
             )
         }
     }

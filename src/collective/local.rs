@@ -2,12 +2,16 @@
 //!
 //! Every collective publishes this rank's bytes (with the length it expects to receive) in its
 //! slot, waits for all ranks, reads what it needs and waits again before slots are reused. The
-//! arguments are checked across ranks after the first wait, so a mismatch makes every rank
-//! return the same error instead of hanging; a rank that never arrives (it panicked) makes the
-//! others fail after [`LocalGroup::TIMEOUT`].
+//! arguments are checked across ranks after the first wait, so a mismatch makes every rank of
+//! that communicator return the same error. The error also *aborts* every communicator of the
+//! cluster (as `ncclCommAbort` would): ranks waiting in another communicator for a peer that
+//! has already failed return an error within milliseconds instead of hanging, and every later
+//! collective on the cluster fails at once. A rank that panics aborts the cluster the same way;
+//! a rank that simply never arrives makes the others fail after [`LocalGroup::TIMEOUT`].
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::collective::{Comm, CommGroups, SumElement};
 use crate::error::{Error, Result};
@@ -20,6 +24,14 @@ pub struct LocalGroup {
     slots: Vec<RwLock<Slot>>,
     arrivals: Mutex<(usize, u64)>,
     all_arrived: Condvar,
+    abort: Arc<AbortState>,
+}
+
+/// Shared by every communicator of a cluster: set once, by the first failure.
+#[derive(Debug, Default)]
+struct AbortState {
+    aborted: AtomicBool,
+    reason: Mutex<String>,
 }
 
 #[derive(Debug, Default)]
@@ -39,14 +51,49 @@ impl LocalGroup {
     /// How long a rank waits for its peers before reporting a hang.
     pub const TIMEOUT: Duration = Duration::from_secs(120);
 
-    /// A communicator of `size` ranks.
+    /// How often a waiting rank checks whether the cluster was aborted.
+    const ABORT_POLL: Duration = Duration::from_millis(20);
+
+    /// A standalone communicator of `size` ranks.
     pub fn new(size: usize) -> Arc<Self> {
+        Self::with_abort_state(size, Arc::default())
+    }
+
+    /// A communicator of `size` ranks that shares `abort` with the other communicators of
+    /// its cluster.
+    fn with_abort_state(size: usize, abort: Arc<AbortState>) -> Arc<Self> {
         Arc::new(Self {
             size,
             slots: (0..size).map(|_| RwLock::new(Slot::default())).collect(),
             arrivals: Mutex::new((0, 0)),
             all_arrived: Condvar::new(),
+            abort,
         })
+    }
+
+    /// Aborts every communicator of the cluster; the first reason is kept for the others.
+    fn abort(&self, reason: &str) {
+        if let Ok(mut kept) = self.abort.reason.lock() {
+            if kept.is_empty() {
+                *kept = reason.to_string();
+            }
+        }
+        self.abort.aborted.store(true, Ordering::SeqCst);
+    }
+
+    fn check_not_aborted(&self) -> Result<()> {
+        if !self.abort.aborted.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let reason = self
+            .abort
+            .reason
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default();
+        Err(Error::Comm(format!(
+            "aborted because a peer's collective failed: {reason}"
+        )))
     }
 
     /// The handle of `rank`.
@@ -63,6 +110,7 @@ impl LocalGroup {
     }
 
     fn barrier(&self) -> Result<()> {
+        self.check_not_aborted()?;
         let mut state = self.arrivals.lock().map_err(|_| poisoned())?;
         let generation = state.1;
         state.0 += 1;
@@ -71,17 +119,25 @@ impl LocalGroup {
             self.all_arrived.notify_all();
             return Ok(());
         }
-        let (state, timeout) = self
-            .all_arrived
-            .wait_timeout_while(state, Self::TIMEOUT, |s| s.1 == generation)
-            .map_err(|_| poisoned())?;
-        if timeout.timed_out() && state.1 == generation {
-            return Err(Error::Comm(format!(
-                "peers did not reach the collective within {:?} ({} of {} arrived)",
-                Self::TIMEOUT,
-                state.0,
-                self.size
-            )));
+        let deadline = Instant::now() + Self::TIMEOUT;
+        while state.1 == generation {
+            self.check_not_aborted()?;
+            if Instant::now() >= deadline {
+                let message = format!(
+                    "peers did not reach the collective within {:?} ({} of {} arrived)",
+                    Self::TIMEOUT,
+                    state.0,
+                    self.size
+                );
+                drop(state);
+                self.abort(&message);
+                return Err(Error::Comm(message));
+            }
+            state = self
+                .all_arrived
+                .wait_timeout(state, Self::ABORT_POLL)
+                .map_err(|_| poisoned())?
+                .0;
         }
         Ok(())
     }
@@ -118,6 +174,12 @@ impl LocalComm {
                 .collect::<Result<Vec<_>>>()?;
             read(&slots)
         };
+        if let Err(e) = &result {
+            // Every rank of this communicator saw the same slots and fails alike; ranks of the
+            // cluster waiting elsewhere for them must not hang.
+            self.group.abort(&e.to_string());
+            return result;
+        }
         self.group.barrier()?;
         result
     }
@@ -225,6 +287,17 @@ impl Comm for LocalComm {
     }
 }
 
+/// Aborts a cluster when the rank thread holding it unwinds from a panic.
+struct AbortOnPanic<'a>(&'a LocalGroup);
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.abort("a rank thread panicked");
+        }
+    }
+}
+
 /// W ranks of a [`Topology`] as threads, with their world, intra-node and inter-node
 /// communicators built once and reused by every [`run`](Self::run).
 #[derive(Debug)]
@@ -238,11 +311,13 @@ pub struct LocalCluster {
 impl LocalCluster {
     /// Builds the communicators of `topology` (intra/inter only when nodes are equal-sized).
     pub fn new(topology: Topology) -> Self {
-        let world = LocalGroup::new(topology.world());
+        let abort = Arc::new(AbortState::default());
+        let group = |size| LocalGroup::with_abort_state(size, Arc::clone(&abort));
+        let world = group(topology.world());
         let (intra, inter) = match topology.per_node() {
             Some(d) => (
-                (0..topology.nodes()).map(|_| LocalGroup::new(d)).collect(),
-                (0..d).map(|_| LocalGroup::new(topology.nodes())).collect(),
+                (0..topology.nodes()).map(|_| group(d)).collect(),
+                (0..d).map(|_| group(topology.nodes())).collect(),
             ),
             None => (Vec::new(), Vec::new()),
         };
@@ -276,6 +351,7 @@ impl LocalCluster {
                 .map(|(world, intra, inter)| {
                     let f = &f;
                     scope.spawn(move || {
+                        let _abort_on_panic = AbortOnPanic(&world.group);
                         f(&CommGroups {
                             world,
                             intra: intra.as_ref(),

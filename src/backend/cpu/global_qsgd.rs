@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::codec::quant::{abs_bits_max, bits_non_finite};
+use crate::codec::quant::{abs_bits_max, bits_non_finite, code_bits};
 use crate::collective::SumElement;
 use crate::config::Rounding;
 use crate::rng::UniformStream;
@@ -17,6 +17,9 @@ pub trait IntCode: SumElement + Copy {
     const BITS: u8;
     /// Converts an already clamped integral value.
     fn from_f32(v: f32) -> Self;
+    /// The code whose two's complement bits are the low bits of `bits` (as produced by
+    /// `codec::quant::code_bits` from a clamped integral value; equal to `from_f32`).
+    fn from_low_bits(bits: u32) -> Self;
     /// The code as a float.
     fn to_f32(self) -> f32;
 }
@@ -25,6 +28,9 @@ impl IntCode for i8 {
     const BITS: u8 = 8;
     fn from_f32(v: f32) -> Self {
         v as i8
+    }
+    fn from_low_bits(bits: u32) -> Self {
+        bits as i8
     }
     fn to_f32(self) -> f32 {
         f32::from(self)
@@ -35,6 +41,9 @@ impl IntCode for i16 {
     const BITS: u8 = 16;
     fn from_f32(v: f32) -> Self {
         v as i16
+    }
+    fn from_low_bits(bits: u32) -> Self {
+        bits as i16
     }
     fn to_f32(self) -> f32 {
         f32::from(self)
@@ -52,6 +61,9 @@ pub fn local_absmax(bucket: &[f32]) -> f32 {
     }
 }
 
+/// Elements whose uniforms are drawn together (a stack buffer of 4 KiB).
+const BATCH: usize = 1024;
+
 /// `out[i] = clamp(R(x[i] / scale), -k, k)` with uniforms of element `i` of the bucket.
 pub fn quantize<T: IntCode>(
     bucket: &[f32],
@@ -61,34 +73,54 @@ pub fn quantize<T: IntCode>(
     rng: &UniformStream,
     out: &mut [T],
 ) {
-    let kf = k as f32;
     out.par_chunks_mut(TASK)
         .zip(bucket.par_chunks(TASK))
         .enumerate()
         .for_each(|(t, (codes, x))| {
             let first = (t * TASK) as u64;
-            match rounding {
-                Rounding::Stochastic => {
-                    let mut u = [0f32; 64];
-                    for (c, (codes, x)) in codes.chunks_mut(64).zip(x.chunks(64)).enumerate() {
-                        let base = first + 64 * c as u64;
-                        let whole = x.len() / 4 * 4;
-                        rng.fill(base, &mut u[..whole]);
-                        for (i, r) in u[whole..x.len()].iter_mut().enumerate() {
-                            *r = rng.uniform(base + (whole + i) as u64);
-                        }
-                        for ((q, &v), &r) in codes.iter_mut().zip(x).zip(&u[..x.len()]) {
-                            *q = T::from_f32((v / scale + r).floor().clamp(-kf, kf));
-                        }
-                    }
-                }
-                Rounding::Nearest => {
-                    for (q, &v) in codes.iter_mut().zip(x) {
-                        *q = T::from_f32((v / scale).round_ties_even().clamp(-kf, kf));
-                    }
+            quantize_task(first, x, scale, k as f32, rounding, rng, codes);
+        });
+}
+
+/// One task of [`quantize`]: elements `first .. first + x.len()` of the bucket.
+fn quantize_task<T: IntCode>(
+    first: u64,
+    x: &[f32],
+    scale: f32,
+    kf: f32,
+    rounding: Rounding,
+    rng: &UniformStream,
+    codes: &mut [T],
+) {
+    let code = |c: f32| T::from_low_bits(code_bits(c));
+    match rounding {
+        Rounding::Stochastic => {
+            let mut u = [0f32; BATCH];
+            for (c, (codes, x)) in codes.chunks_mut(BATCH).zip(x.chunks(BATCH)).enumerate() {
+                let u = &mut u[..x.len()];
+                fill_uniforms(rng, first + (c * BATCH) as u64, u);
+                for ((q, &v), &r) in codes.iter_mut().zip(x).zip(&*u) {
+                    *q = code((v / scale + r).floor().clamp(-kf, kf));
                 }
             }
-        });
+        }
+        Rounding::Nearest => {
+            for (q, &v) in codes.iter_mut().zip(x) {
+                *q = code((v / scale).round_ties_even().clamp(-kf, kf));
+            }
+        }
+    }
+}
+
+/// The uniforms of elements `first .. first + u.len()` (`first` a multiple of 4; a length that
+/// is not is finished element by element).
+fn fill_uniforms(rng: &UniformStream, first: u64, u: &mut [f32]) {
+    let whole = u.len() / 4 * 4;
+    let (head, tail) = u.split_at_mut(whole);
+    rng.fill(first, head);
+    for (i, r) in tail.iter_mut().enumerate() {
+        *r = rng.uniform(first + (whole + i) as u64);
+    }
 }
 
 /// `out[i] = sum[i] * scale`.

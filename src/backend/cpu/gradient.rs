@@ -1,50 +1,73 @@
 //! The three fused passes of the grouped gradient reduce-scatter (SPEC §5).
+//!
+//! Each pass is parallel over runs of consecutive output groups ([`super::run_groups`]); a run
+//! is processed group by group in a per-thread scratch buffer, so every input byte is read once
+//! and every output byte written once.
 
 use rayon::prelude::*;
 
+use crate::codec::slab::{GroupRun, SlabLayout};
 use crate::config::Rounding;
 use crate::error::Result;
 use crate::hadamard;
 use crate::plan::GradLayout;
 use crate::rng::UniformStream;
 
-use super::with_scratch;
+use super::{run_groups, with_scratch};
 
 /// First pass: Hadamard (when on) + quantize + swizzle of the whole bucket, all P chunks, into
 /// `out` (`P * first.peers` slabs of the first level).
 pub fn quantize_first(layout: &GradLayout, bucket: &[f32], rng: &UniformStream, out: &mut [u8]) {
     let first = layout.first;
-    let spec = first.slab.spec;
-    let g = spec.group_size;
-    let gc = layout.groups_per_chunk();
-    let plan = layout.bucket;
+    let g = first.slab.spec.group_size;
     out.par_chunks_mut(first.slab.byte_len())
         .enumerate()
         .for_each(|(s, slab)| {
             let (p, x1) = (s / first.peers, s % first.peers);
             first
                 .slab
-                .par_slots_mut(slab)
-                .enumerate()
-                .for_each(|(k, mut slot)| {
-                    let (x2, j) = (k / gc, k % gc);
-                    let z = layout.dest(x1, x2);
-                    let offset = p * plan.chunk_len() + j * g;
-                    with_scratch(g, |x, u| {
-                        let real = plan.real_range(z, offset, g);
-                        let n = real.len();
-                        x[..n].copy_from_slice(&bucket[real]);
-                        x[n..].fill(0.0);
-                        if let Some(block) = layout.hadamard {
-                            hadamard::forward(x, block);
-                        }
-                        if spec.rounding == Rounding::Stochastic {
-                            rng.fill(plan.padded_index(z, offset), u);
-                        }
-                        slot.quantize(&spec, x, u);
-                    });
-                });
+                .par_runs_mut(slab, run_groups(g))
+                .for_each(|run| quantize_first_run(layout, p, x1, bucket, rng, run));
         });
+}
+
+/// One run of [`quantize_first`]: the groups `run.first ..` of the slab for chunk `p` and
+/// first-level peer `x1`.
+fn quantize_first_run(
+    layout: &GradLayout,
+    p: usize,
+    x1: usize,
+    bucket: &[f32],
+    rng: &UniformStream,
+    mut run: GroupRun<'_>,
+) {
+    let spec = layout.first.slab.spec;
+    let g = spec.group_size;
+    let gc = layout.groups_per_chunk();
+    let plan = layout.bucket;
+    with_scratch(g, g, |x, u| {
+        for i in 0..run.len() {
+            let k = run.first + i;
+            let (x2, j) = (k / gc, k % gc);
+            let z = layout.dest(x1, x2);
+            let offset = p * plan.chunk_len() + j * g;
+            let real = &bucket[plan.real_range(z, offset, g)];
+            if spec.rounding == Rounding::Stochastic {
+                rng.fill(plan.padded_index(z, offset), u);
+            }
+            if layout.hadamard.is_none() && real.len() == g {
+                // A whole group needs no transform and no padding: quantize it in place.
+                run.quantize(i, &spec, real, u);
+                continue;
+            }
+            x[..real.len()].copy_from_slice(real);
+            x[real.len()..].fill(0.0);
+            if let Some(block) = layout.hadamard {
+                hadamard::forward(x, block);
+            }
+            run.quantize(i, &spec, x, u);
+        }
+    });
 }
 
 /// Second pass for chunk `p`: dequantize the `first.peers` received slabs, sum them in rank
@@ -58,35 +81,50 @@ pub fn requantize_second(
     rng: &UniformStream,
     out: &mut [u8],
 ) -> Result<()> {
-    let first = layout.first;
     let second = layout
         .second
         .expect("requantize_second needs a second level");
-    let spec = second.slab.spec;
-    let g = spec.group_size;
-    let gc = layout.groups_per_chunk();
-    let plan = layout.bucket;
-    let in_len = first.slab.byte_len();
+    let g = second.slab.spec.group_size;
+    let first = layout.first;
+    first.slab.check_slabs(recv.len(), first.peers)?;
     out.par_chunks_mut(second.slab.byte_len())
         .enumerate()
         .try_for_each(|(x2, slab)| {
             second
                 .slab
-                .par_slots_mut(slab)
-                .enumerate()
-                .try_for_each(|(j, mut slot)| {
-                    with_scratch(g, |x, u| {
-                        sum_group(recv, in_len, first.slab, x2 * gc + j, x)?;
-                        let z = layout.dest(my_x1, x2);
-                        if spec.rounding == Rounding::Stochastic {
-                            let offset = p * plan.chunk_len() + j * g;
-                            rng.fill(plan.padded_index(z, offset), u);
-                        }
-                        slot.quantize(&spec, x, u);
-                        Ok(())
-                    })
-                })
+                .par_runs_mut(slab, run_groups(g))
+                .try_for_each(|run| requantize_run(layout, my_x1, p, x2, recv, rng, run))
         })
+}
+
+/// One run of [`requantize_second`]: sums the run's groups of every received slab into the
+/// scratch, then requantizes them group by group.
+fn requantize_run(
+    layout: &GradLayout,
+    my_x1: usize,
+    p: usize,
+    x2: usize,
+    recv: &[u8],
+    rng: &UniformStream,
+    mut run: GroupRun<'_>,
+) -> Result<()> {
+    let second = layout.second.expect("checked by requantize_second");
+    let spec = second.slab.spec;
+    let g = spec.group_size;
+    let plan = layout.bucket;
+    let first_group = x2 * layout.groups_per_chunk() + run.first;
+    let z = layout.dest(my_x1, x2);
+    with_scratch(run.len() * g, g, |sum, u| {
+        sum_groups(recv, layout.first.slab, first_group, sum)?;
+        for (i, x) in sum.chunks_exact(g).enumerate() {
+            if spec.rounding == Rounding::Stochastic {
+                let offset = p * plan.chunk_len() + (run.first + i) * g;
+                rng.fill(plan.padded_index(z, offset), u);
+            }
+            run.quantize(i, &spec, x, u);
+        }
+        Ok(())
+    })
 }
 
 /// Last pass for chunk `p`: dequantize the slabs received at the last level, sum them in rank
@@ -95,25 +133,27 @@ pub fn requantize_second(
 pub fn reduce_final(layout: &GradLayout, p: usize, recv: &[u8], shard: &mut [f32]) -> Result<()> {
     let last = layout.last();
     let g = last.slab.spec.group_size;
+    last.slab.check_slabs(recv.len(), last.peers)?;
+    let run = run_groups(g);
     let chunk = layout.bucket.chunk_len();
     let start = (p * chunk).min(shard.len());
     let end = ((p + 1) * chunk).min(shard.len());
-    let in_len = last.slab.byte_len();
     shard[start..end]
-        .par_chunks_mut(g)
+        .par_chunks_mut(run * g)
         .enumerate()
-        .try_for_each(|(j, dst)| {
+        .try_for_each(|(r, dst)| {
             let finish = |x: &mut [f32]| -> Result<()> {
-                sum_group(recv, in_len, last.slab, j, x)?;
+                sum_groups(recv, last.slab, r * run, x)?;
                 if let Some(block) = layout.hadamard {
                     hadamard::inverse(x, block);
                 }
                 Ok(())
             };
-            if dst.len() == g {
+            if dst.len() % g == 0 {
                 finish(dst)
             } else {
-                with_scratch(g, |x, _| {
+                let groups = dst.len().div_ceil(g);
+                with_scratch(groups * g, 0, |x, _| {
                     finish(x)?;
                     dst.copy_from_slice(&x[..dst.len()]);
                     Ok(())
@@ -122,21 +162,19 @@ pub fn reduce_final(layout: &GradLayout, p: usize, recv: &[u8], shard: &mut [f32
         })
 }
 
-/// `out = sum over slabs s (in order) of dequantize(group k of slab s)`, where `recv` holds
-/// slabs of `slab_len` bytes laid out by `layout`.
-fn sum_group(
-    recv: &[u8],
-    slab_len: usize,
-    layout: crate::codec::slab::SlabLayout,
-    k: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    for (s, bytes) in recv.chunks_exact(slab_len).enumerate() {
+/// `out = sum over slabs s (in order) of dequantize(groups k0 .. k0 + out.len() / g of slab
+/// s)`, where `recv` holds slabs laid out by `layout` (the partial sums of each element are
+/// taken in slab order, as the per-group definition does).
+fn sum_groups(recv: &[u8], layout: SlabLayout, k0: usize, out: &mut [f32]) -> Result<()> {
+    let g = layout.spec.group_size;
+    for (s, bytes) in recv.chunks_exact(layout.byte_len()).enumerate() {
         let view = layout.view(bytes)?;
-        if s == 0 {
-            view.decode_group(k, out, |_, v| v)?;
-        } else {
-            view.decode_group(k, out, |acc, v| acc + v)?;
+        for (i, x) in out.chunks_exact_mut(g).enumerate() {
+            if s == 0 {
+                view.decode_group(k0 + i, x, |_, v| v)?;
+            } else {
+                view.decode_group(k0 + i, x, |acc, v| acc + v)?;
+            }
         }
     }
     Ok(())

@@ -15,15 +15,29 @@ thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` with this thread's scratch split into two buffers of `len` floats each (values and
-/// uniforms). Contents on entry are unspecified.
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+/// Elements one parallel task covers (rounded to whole groups): large enough that per-task
+/// costs (scheduling, scratch, slab views) vanish, small enough that the scratch stays in L1/L2
+/// and both cores get hundreds of tasks per 64 MiB bucket.
+const TASK_ELEMS: usize = 8192;
+
+/// Groups of `group_size` elements per parallel task (at least one).
+fn run_groups(group_size: usize) -> usize {
+    (TASK_ELEMS / group_size).max(1)
+}
+
+/// Runs `f` with this thread's scratch split into buffers of `values` and `uniforms` floats.
+/// Contents on entry are unspecified.
+fn with_scratch<R>(
+    values: usize,
+    uniforms: usize,
+    f: impl FnOnce(&mut [f32], &mut [f32]) -> R,
+) -> R {
     SCRATCH.with(|cell| {
         let mut buf = cell.borrow_mut();
-        if buf.len() < 2 * len {
-            buf.resize(2 * len, 0.0);
+        if buf.len() < values + uniforms {
+            buf.resize(values + uniforms, 0.0);
         }
-        let (values, uniforms) = buf[..2 * len].split_at_mut(len);
-        f(values, uniforms)
+        let (v, u) = buf[..values + uniforms].split_at_mut(values);
+        f(v, u)
     })
 }
