@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
-use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather, WireBytes};
+use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather, WireBytes, check_ranks_agree};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset};
 
@@ -104,6 +104,7 @@ fn run_preset(preset: Preset, args: &Args) -> Result<Report, sdp4bit::Error> {
     let start = Instant::now();
     let per_rank = cluster.run(|comms| -> Result<(Report, Vec<bf16>), sdp4bit::Error> {
         let me = comms.world.rank();
+        check_ranks_agree(comms.world, &config, 0, numel)?;
         let mut reduce = GradReduceScatter::new(&config, &topology, me, numel, 0)?;
         let mut gather = WeightAllGather::new(&config, &topology, me, 1, &init)?;
         let mut params = init.clone();

@@ -4,15 +4,18 @@
 //!   codecs' one- and two-level all-to-all paths, Global-QSGD's integer reduce-scatter);
 //! - [`WeightAllGather`]: the parameter all-gather of one bucket (baseline, qWD and the direct
 //!   weight codecs);
+//! - [`check_ranks_agree`]: the set-up check that all ranks use the same config and bucket;
 //! - [`local`]: an in-process [`Comm`] running W ranks as threads, for tests and benchmarks.
 //!
 //! Each per-bucket object allocates its buffers once and reuses them every step.
 
+mod agreement;
 mod gradient;
 pub mod local;
 mod weight;
 mod wire;
 
+pub use agreement::check_ranks_agree;
 pub use gradient::{GradReduceScatter, global_k};
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;

@@ -1,0 +1,58 @@
+//! `check_ranks_agree`: ranks with the same config and bucket pass; any difference fails on
+//! every rank with a message naming the field and the ranks.
+
+use sdp4bit::collective::local::LocalCluster;
+use sdp4bit::collective::{Comm, check_ranks_agree};
+use sdp4bit::plan::Topology;
+use sdp4bit::{Config, Preset};
+
+fn run(configs: &[Config], ids: &[u32], sizes: &[usize]) -> Vec<sdp4bit::Result<()>> {
+    let cluster = LocalCluster::new(Topology::uniform(2, 2).unwrap());
+    cluster.run(|c| {
+        let me = c.world.rank();
+        check_ranks_agree(c.world, &configs[me], ids[me], sizes[me])
+    })
+}
+
+#[test]
+fn identical_setups_agree() {
+    let cfg = Config::preset(Preset::Sdp4bit);
+    for result in run(&[cfg; 4], &[3; 4], &[4096; 4]) {
+        result.expect("identical configs and buckets agree");
+    }
+}
+
+#[test]
+fn any_difference_fails_on_every_rank() {
+    let base = Config::preset(Preset::Sdp4bit);
+    let reseeded = Config::from_overrides(Preset::Sdp4bit, [("seed", "7")]).unwrap();
+    let cases: [(&str, [Config; 4], [u32; 4], [usize; 4]); 4] = [
+        (
+            "config fingerprint",
+            [base, base, reseeded, base],
+            [0; 4],
+            [64; 4],
+        ),
+        (
+            "config fingerprint",
+            [base, base, base, Config::preset(Preset::Qsdp)],
+            [0; 4],
+            [64; 4],
+        ),
+        ("bucket id", [base; 4], [0, 1, 0, 0], [64; 4]),
+        ("bucket size", [base; 4], [0; 4], [64, 64, 64, 128]),
+    ];
+    for (field, configs, ids, sizes) in cases {
+        let results = run(&configs, &ids, &sizes);
+        for (rank, result) in results.iter().enumerate() {
+            let e = result
+                .as_ref()
+                .expect_err("a mismatch must fail on every rank");
+            let msg = e.to_string();
+            assert!(
+                msg.contains(field) && msg.contains("rank 0 has"),
+                "rank {rank}: '{msg}' should name the {field} and the ranks"
+            );
+        }
+    }
+}
