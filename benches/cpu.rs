@@ -18,12 +18,13 @@ use half::bf16;
 use rayon::prelude::*;
 use sdp4bit::backend::cpu::weight::{self, WeightEncoding};
 use sdp4bit::backend::cpu::{global_qsgd, gradient};
+use sdp4bit::codec::quant::{GroupMeta, QuantSpec, dequantize_group, quantize_group};
 use sdp4bit::codec::slab::SlabLayout;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather, global_k};
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;
-use sdp4bit::{Config, Preset, Rounding};
+use sdp4bit::{Config, Preset, Rounding, hadamard};
 
 const MIB: usize = 1 << 20;
 
@@ -84,9 +85,16 @@ impl Opts {
     }
 }
 
-/// Median of `iters` timed calls of `f(i)` after `warmup + copies` untimed ones; `i` counts
-/// calls from 0 so `f` can pick buffer copy `i % copies`.
-fn median_time(opts: &Opts, copies: usize, mut f: impl FnMut(usize)) -> Duration {
+/// Median and fastest of the timed calls of one measurement.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    median: Duration,
+    min: Duration,
+}
+
+/// Times `iters` calls of `f(i)` after `warmup + copies` untimed ones; `i` counts calls from
+/// 0 so `f` can pick buffer copy `i % copies`.
+fn median_time(opts: &Opts, copies: usize, mut f: impl FnMut(usize)) -> Timing {
     let mut call = 0;
     for _ in 0..opts.warmup + copies {
         f(call);
@@ -101,7 +109,10 @@ fn median_time(opts: &Opts, copies: usize, mut f: impl FnMut(usize)) -> Duration
         })
         .collect();
     times.sort();
-    times[times.len() / 2]
+    Timing {
+        median: times[times.len() / 2],
+        min: times[0],
+    }
 }
 
 /// Deterministic pseudo-random gradients: uniform in `[-1, 1) * 1e-3` with one outlier of
@@ -147,15 +158,24 @@ fn updated(a: &[bf16], seed: u64) -> Vec<bf16> {
 /// One row of the pass table.
 struct Row {
     name: String,
+    /// Bytes read per call.
     read: usize,
+    /// Bytes written per call.
     written: usize,
-    time: Duration,
+    /// Elements per call that the per-element costs refer to (stated in the breakdown).
+    elems: usize,
+    time: Timing,
 }
 
 impl Row {
-    /// Bytes read plus bytes written per second, in GB/s (1e9).
+    /// Bytes read plus bytes written per second at the median time, in GB/s (1e9).
     fn gbps(&self) -> f64 {
-        (self.read + self.written) as f64 / self.time.as_secs_f64() / 1e9
+        (self.read + self.written) as f64 / self.time.median.as_secs_f64() / 1e9
+    }
+
+    /// Median nanoseconds per element.
+    fn ns_per_elem(&self) -> f64 {
+        self.time.median.as_secs_f64() * 1e9 / self.elems.max(1) as f64
     }
 }
 
@@ -165,8 +185,10 @@ fn mib(bytes: usize) -> String {
 }
 
 /// The memcpy baselines: a single `copy_from_slice` of `bytes` and a rayon copy of the same
-/// buffers split into 1 MiB pieces. Throughput counts read + written (2x the bytes copied).
-fn memcpy_rows(opts: &Opts) -> (Row, Row) {
+/// buffers split into 1 MiB pieces (throughput counts read + written, 2x the bytes copied);
+/// plus, for reference only, a rayon loop `dst = src + 0.0` whose ordinary stores pay the
+/// write-allocate reads that the passes' stores pay (large memcpys use non-temporal stores).
+fn memcpy_rows(opts: &Opts) -> [Row; 3] {
     let n = opts.bucket_bytes / 4;
     let src = gradients(n, 1);
     let mut dst = vec![0f32; n];
@@ -180,16 +202,31 @@ fn memcpy_rows(opts: &Opts) -> (Row, Row) {
             .for_each(|(d, s)| d.copy_from_slice(s));
         black_box(&mut dst);
     });
+    let cached = median_time(opts, 1, |_| {
+        dst.par_chunks_mut(MIB / 4)
+            .zip(src.par_chunks(MIB / 4))
+            .for_each(|(d, s)| {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = s + 0.0;
+                }
+            });
+        black_box(&mut dst);
+    });
     let row = |name: &str, time| Row {
         name: name.into(),
         read: opts.bucket_bytes,
         written: opts.bucket_bytes,
+        elems: n,
         time,
     };
-    (
+    [
         row("memcpy, 1 thread (`copy_from_slice`)", single),
         row("memcpy, rayon (1 MiB pieces)", parallel),
-    )
+        row(
+            "reference: rayon copy loop with ordinary stores (not a baseline)",
+            cached,
+        ),
+    ]
 }
 
 /// The 2 nodes x 2 ranks topology every row uses.
@@ -234,6 +271,7 @@ fn quantize_first_row(opts: &Opts, name: &str, config: &Config) -> Row {
         name: name.into(),
         read: numel * 4,
         written: out_len,
+        elems: numel,
         time,
     }
 }
@@ -283,6 +321,7 @@ fn requantize_second_row(opts: &Opts, name: &str, config: &Config) -> Row {
         name: name.into(),
         read: in_len,
         written: out_len,
+        elems: second.peers * second.slab.elements(),
         time,
     }
 }
@@ -308,6 +347,7 @@ fn reduce_final_row(opts: &Opts, name: &str, config: &Config) -> Row {
         name: name.into(),
         read: in_len,
         written: shard_len * 4,
+        elems: shard_len,
         time,
     }
 }
@@ -354,6 +394,7 @@ fn encode_row(opts: &Opts, name: &str, config: &Config) -> Row {
         name: name.into(),
         read: 4 * s,
         written: layout.byte_len(),
+        elems: s,
         time,
     }
 }
@@ -395,6 +436,7 @@ fn apply_row(opts: &Opts, name: &str, config: &Config) -> Row {
         name: name.into(),
         read,
         written: 2 * numel,
+        elems: numel,
         time,
     }
 }
@@ -413,6 +455,7 @@ fn global_absmax_row(opts: &Opts, name: &str) -> Row {
         name: name.into(),
         read: numel * 4,
         written: 0,
+        elems: numel,
         time,
     }
 }
@@ -437,6 +480,7 @@ fn global_quantize_row(opts: &Opts, name: &str) -> Row {
         name: name.into(),
         read: numel * 4,
         written: numel,
+        elems: numel,
         time,
     }
 }
@@ -457,12 +501,13 @@ fn global_dequantize_row(opts: &Opts, name: &str) -> Row {
         name: name.into(),
         read: s,
         written: 4 * s,
+        elems: s,
         time,
     }
 }
 
 /// A pass row: its label and how to measure it.
-type RowFn = Box<dyn Fn(&Opts, &str) -> Row>;
+type RowFn = Box<dyn Fn(&Opts, &str) -> Row + Send + Sync>;
 
 /// Every pass row, in the order of the issue.
 fn pass_rows() -> Vec<(&'static str, RowFn)> {
@@ -621,11 +666,33 @@ fn print_header(quick: bool) {
     println!(
         "- build: release, `target-cpu=x86-64-v3` from .cargo/config.toml unless RUSTFLAGS overrides it"
     );
+    println!("- SIMD at run time: {}", simd_features());
+    if let Ok(only) = std::env::var("SDP4BIT_BENCH_ONLY") {
+        println!("- rows: only those matching SDP4BIT_BENCH_ONLY={only:?}");
+    }
 }
 
-/// Prints the pass table against the better memcpy.
+/// The vector extensions the passes can use on this CPU (Philox switches to AVX-512F at run
+/// time; the rest is compiled for the build's target CPU).
+fn simd_features() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        format!(
+            "AVX2 {}, AVX-512F {}",
+            yes(std::arch::is_x86_feature_detected!("avx2")),
+            yes(std::arch::is_x86_feature_detected!("avx512f"))
+        )
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        "not x86-64 (portable paths)".to_string()
+    }
+}
+
+/// Prints the pass table against the better memcpy, then the per-core breakdown.
 fn print_passes(opts: &Opts) {
-    let (single, parallel) = memcpy_rows(opts);
+    let [single, parallel, cached] = memcpy_rows(opts);
     let base = single.gbps().max(parallel.gbps());
     let which = if parallel.gbps() >= single.gbps() {
         "rayon"
@@ -637,25 +704,245 @@ fn print_passes(opts: &Opts) {
         opts.bucket_bytes / MIB
     );
     println!(
-        "GB/s = (bytes read + bytes written) / median time, 1e9 bytes. Baseline = the better memcpy ({which}, {base:.2} GB/s).\n"
+        "GB/s = (bytes read + bytes written) / median time, 1e9 bytes. x memcpy = GB/s / the \
+         better memcpy of this run ({which}, {base:.2} GB/s). Both cores (rayon), buffers \
+         rotated beyond the L3.\n"
     );
-    println!("| pass | read MiB | written MiB | median ms | GB/s | x memcpy |");
-    println!("|---|---:|---:|---:|---:|---:|");
-    let rows = pass_rows()
+    println!("| pass | read MiB | written MiB | median ms | min ms | GB/s | x memcpy |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let fns = pass_rows();
+    let mut rows: Vec<(Row, &RowFn)> = Vec::new();
+    for (name, measure) in fns.iter().filter(|(name, _)| opts.selects(name)) {
+        rows.push((measure(opts, name), measure));
+    }
+    for row in [&single, &parallel, &cached]
         .into_iter()
-        .filter(|(name, _)| opts.selects(name))
-        .map(|(name, measure)| measure(opts, name));
-    for row in [single, parallel].into_iter().chain(rows) {
+        .chain(rows.iter().map(|(r, _)| r))
+    {
         println!(
-            "| {} | {} | {} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} |",
             row.name,
             mib(row.read),
             mib(row.written),
-            row.time.as_secs_f64() * 1e3,
+            row.time.median.as_secs_f64() * 1e3,
+            row.time.min.as_secs_f64() * 1e3,
             row.gbps(),
             row.gbps() / base
         );
     }
+    print_breakdown(opts, &rows);
+}
+
+/// Prints where the time of each pass goes: the pass on one core against the sum of its
+/// kernels measured alone (one core, data in L2), per element of the pass.
+fn print_breakdown(opts: &Opts, rows: &[(Row, &RowFn)]) {
+    let kernels = kernel_costs(opts);
+    let one_core = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a one-thread pool");
+    println!("\n## Where the time goes (ns per element of the pass)\n");
+    println!(
+        "1 core: the pass on a one-thread pool (same sizes). 2 cores x time: the table above's \
+         median x 2 cores. Kernels: each step alone on one core with its data in L2 (table \
+         below); the rest of a pass is loads, copies, layout and scheduling.\n"
+    );
+    println!("| pass | elements | 1 core | 2 cores x time | kernels (one core, in cache) | sum |");
+    println!("|---|---:|---:|---:|---|---:|");
+    for (row, measure) in rows {
+        let single = one_core.install(|| measure(opts, &row.name));
+        let parts = recipe(&row.name);
+        let sum: f64 = parts
+            .iter()
+            .map(|(k, times)| times * cost(&kernels, k))
+            .sum();
+        let list: Vec<String> = parts
+            .iter()
+            .map(|(k, times)| {
+                let n = if *times == 1.0 {
+                    String::new()
+                } else {
+                    format!("{times} x ")
+                };
+                format!("{n}{k} {:.3}", cost(&kernels, k))
+            })
+            .collect();
+        let (list, sum) = if list.is_empty() {
+            ("-".to_string(), "-".to_string())
+        } else {
+            (list.join(" + "), format!("{sum:.3}"))
+        };
+        println!(
+            "| {} | {} | {:.3} | {:.3} | {list} | {sum} |",
+            short(&row.name),
+            row.elems,
+            single.ns_per_elem(),
+            2.0 * row.ns_per_elem(),
+        );
+    }
+    println!("\n| kernel (one core, data in L2) | ns/element |");
+    println!("|---|---:|");
+    for (name, ns) in &kernels {
+        println!("| {name} | {ns:.3} |");
+    }
+}
+
+/// The label's leading `(n)` tag.
+fn short(name: &str) -> &str {
+    name.split_whitespace().next().unwrap_or(name)
+}
+
+/// The measured kernels a pass is made of (kernel label, times per pass element); steps with
+/// no kernel of their own (bf16 conversions, Global-QSGD's rounding) are left out.
+fn recipe(name: &str) -> Vec<(&'static str, f64)> {
+    match short(name) {
+        "(1)" => vec![(PHILOX, 1.0), (H_FWD, 1.0), (Q8_SR, 1.0)],
+        "(2)" => vec![(DQ8, 1.0), (DQ8_ADD, 1.0), (PHILOX, 1.0), (Q4_SR, 1.0)],
+        "(3)" => vec![(DQ4, 1.0), (DQ4_ADD, 1.0), (H_INV, 1.0)],
+        "(4)" => vec![(PHILOX, 1.0), (Q4_SR_2048, 1.0)],
+        "(5)" => vec![(DQ4_2048, 1.0)],
+        "(6a)" => vec![(PHILOX, 1.0), (Q8_ASYM, 1.0)],
+        "(6b)" => vec![(DQ8_ASYM, 1.0), (DQ8_ASYM_ADD, 3.0)],
+        "(7)" => vec![(Q4_RN, 1.0)],
+        "(8b)" => vec![(PHILOX, 1.0)],
+        _ => vec![],
+    }
+}
+
+const PHILOX: &str = "Philox uniforms";
+const H_FWD: &str = "H32 forward";
+const H_INV: &str = "H32 inverse";
+const Q8_SR: &str = "quantize 8-bit sym SR g128";
+const Q4_SR: &str = "quantize 4-bit sym SR g128";
+const Q4_RN: &str = "quantize 4-bit sym RN g128";
+const Q4_SR_2048: &str = "quantize 4-bit sym SR g2048";
+const Q8_ASYM: &str = "quantize 8-bit asym SR g1024";
+const DQ8: &str = "dequantize 8-bit sym g128";
+const DQ8_ADD: &str = "dequantize-add 8-bit sym g128";
+const DQ4: &str = "dequantize 4-bit sym g128";
+const DQ4_ADD: &str = "dequantize-add 4-bit sym g128";
+const DQ4_2048: &str = "dequantize 4-bit sym g2048";
+const DQ8_ASYM: &str = "dequantize 8-bit asym g1024";
+const DQ8_ASYM_ADD: &str = "dequantize-add 8-bit asym g1024";
+
+/// The cost of kernel `name` in `kernels`.
+fn cost(kernels: &[(&'static str, f64)], name: &str) -> f64 {
+    kernels
+        .iter()
+        .find(|(k, _)| *k == name)
+        .map_or(f64::NAN, |(_, ns)| *ns)
+}
+
+/// Best-of-5 nanoseconds per element of `reps` calls of `f` over `n` elements (one core).
+fn per_element(reps: usize, n: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    best * 1e9 / (reps * n) as f64
+}
+
+/// Every kernel of the breakdown, measured on this thread over 64 Ki elements (256 KiB, in
+/// L2) of gradient-like data.
+fn kernel_costs(opts: &Opts) -> Vec<(&'static str, f64)> {
+    let n = 1 << 16;
+    let reps = if opts.iters < 5 { 2 } else { 50 };
+    let x = gradients(n, 7);
+    let rng = UniformStream::new(1, 2, 3);
+    let mut u = vec![0f32; n];
+    let mut y = x.clone();
+    let mut out = vec![
+        (
+            PHILOX,
+            per_element(reps, n, || rng.fill(0, black_box(&mut u))),
+        ),
+        (
+            H_FWD,
+            per_element(reps, n, || hadamard::forward(black_box(&mut y), 32)),
+        ),
+        (
+            H_INV,
+            per_element(reps, n, || hadamard::inverse(black_box(&mut y), 32)),
+        ),
+    ];
+    let sr = Rounding::Stochastic;
+    let quantizers = [
+        (Q8_SR, spec(8, 128, true, sr)),
+        (Q4_SR, spec(4, 128, true, sr)),
+        (Q4_RN, spec(4, 128, true, Rounding::Nearest)),
+        (Q4_SR_2048, spec(4, 2048, true, sr)),
+        (Q8_ASYM, spec(8, 1024, false, sr)),
+    ];
+    for (name, q) in quantizers {
+        let (mut codes, _) = quantized(&q, &x, &u);
+        let cb = q.code_bytes_per_group();
+        let ns = per_element(reps, n, || {
+            for ((xg, ug), c) in x
+                .chunks_exact(q.group_size)
+                .zip(u.chunks_exact(q.group_size))
+                .zip(codes.chunks_exact_mut(cb))
+            {
+                black_box(quantize_group(&q, xg, ug, c));
+            }
+        });
+        out.push((name, ns));
+    }
+    let dequantizers = [
+        (DQ8, DQ8_ADD, spec(8, 128, true, sr)),
+        (DQ4, DQ4_ADD, spec(4, 128, true, sr)),
+        (
+            DQ4_2048,
+            "dequantize-add 4-bit sym g2048",
+            spec(4, 2048, true, sr),
+        ),
+        (DQ8_ASYM, DQ8_ASYM_ADD, spec(8, 1024, false, sr)),
+    ];
+    for (set, add, q) in dequantizers {
+        let (codes, metas) = quantized(&q, &x, &u);
+        let cb = q.code_bytes_per_group();
+        let groups = || codes.chunks_exact(cb).zip(&metas);
+        let ns_set = per_element(reps, n, || {
+            for (o, (c, m)) in y.chunks_exact_mut(q.group_size).zip(groups()) {
+                black_box(dequantize_group(&q, c, *m, o, |_, v| v));
+            }
+        });
+        let ns_add = per_element(reps, n, || {
+            for (o, (c, m)) in y.chunks_exact_mut(q.group_size).zip(groups()) {
+                black_box(dequantize_group(&q, c, *m, o, |a, v| a + v));
+            }
+        });
+        out.push((set, ns_set));
+        out.push((add, ns_add));
+    }
+    out
+}
+
+/// A group quantizer.
+fn spec(bits: u8, group_size: usize, symmetric: bool, rounding: Rounding) -> QuantSpec {
+    QuantSpec {
+        bits,
+        group_size,
+        symmetric,
+        rounding,
+    }
+}
+
+/// `x` quantized group by group with `q`: the codes and each group's metadata.
+fn quantized(q: &QuantSpec, x: &[f32], u: &[f32]) -> (Vec<u8>, Vec<GroupMeta>) {
+    let cb = q.code_bytes_per_group();
+    let mut codes = vec![0u8; x.len() / q.group_size * cb];
+    let metas = x
+        .chunks_exact(q.group_size)
+        .zip(u.chunks_exact(q.group_size))
+        .zip(codes.chunks_exact_mut(cb))
+        .map(|((xg, ug), c)| quantize_group(q, xg, ug, c))
+        .collect();
+    (codes, metas)
 }
 
 /// Prints the collective table: each codec against the baseline preset, same run.

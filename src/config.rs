@@ -350,7 +350,7 @@ impl Config {
                     "hadamard_block={block} must be a power of two from 16 to 256"
                 )));
             }
-            if self.grad.group_size % block != 0 {
+            if !self.grad.group_size.is_multiple_of(block) {
                 return Err(Error::Config(format!(
                     "grad_group_size={} must be a multiple of hadamard_block={block}",
                     self.grad.group_size
@@ -433,7 +433,7 @@ fn check_bits(key: &str, bits: u8, allowed: &[u8]) -> Result<()> {
 }
 
 fn check_group(key: &str, group: usize) -> Result<()> {
-    if group == 0 || group % GROUP_QUANTUM != 0 || group > MAX_GROUP_SIZE {
+    if group == 0 || !group.is_multiple_of(GROUP_QUANTUM) || group > MAX_GROUP_SIZE {
         return Err(Error::Config(format!(
             "{key}={group} must be a positive multiple of {GROUP_QUANTUM} and at most {MAX_GROUP_SIZE}"
         )));

@@ -156,7 +156,7 @@ impl BucketPlan {
         if world == 0 {
             return Err(Error::Plan("DP world size is 0".into()));
         }
-        if numel % world != 0 {
+        if !numel.is_multiple_of(world) {
             return Err(Error::Plan(format!(
                 "bucket of {numel} elements does not split into {world} equal shards \
                  (Megatron pads buckets to a multiple of the DP size)"

@@ -77,11 +77,11 @@ pub struct UniformStream {
     stream: u32,
 }
 
-/// Number of Philox blocks computed together by [`UniformStream::fill`]: 16 blocks give 64
-/// uniforms, two independent 8-lane AVX2 chains per round (enough to hide the multiply
-/// latency). Tails use batches of [`HALF`] blocks.
+/// Number of Philox blocks the portable path computes together: 16 blocks give 64 uniforms,
+/// four independent AVX2 vectors of 64-bit lanes per state word pair (enough to hide the
+/// multiply latency). Tails use batches of [`HALF`] blocks.
 const LANES: usize = 16;
-/// The smaller batch for tails (one 8-lane vector chain, 32 uniforms).
+/// The smaller batch for tails (32 uniforms).
 const HALF: usize = 8;
 
 impl UniformStream {
@@ -115,7 +115,7 @@ impl UniformStream {
     /// the rest on the portable path; both produce the same bits.
     #[inline]
     pub fn fill(&self, first: u64, out: &mut [f32]) {
-        debug_assert!(first % 4 == 0 && out.len() % 4 == 0);
+        debug_assert!(first.is_multiple_of(4) && out.len().is_multiple_of(4));
         #[cfg(target_arch = "x86_64")]
         if avx512::detected() {
             let whole = out.len() / avx512::BATCH * avx512::BATCH;

@@ -6,6 +6,9 @@ use sdp4bit::collective::{Comm, check_ranks_agree};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset};
 
+/// (field named in the error, per-rank configs, bucket ids, bucket sizes).
+type Case = (&'static str, [Config; 4], [u32; 4], [usize; 4]);
+
 fn run(configs: &[Config], ids: &[u32], sizes: &[usize]) -> Vec<sdp4bit::Result<()>> {
     let cluster = LocalCluster::new(Topology::uniform(2, 2).unwrap());
     cluster.run(|c| {
@@ -26,7 +29,7 @@ fn identical_setups_agree() {
 fn any_difference_fails_on_every_rank() {
     let base = Config::preset(Preset::Sdp4bit);
     let reseeded = Config::from_overrides(Preset::Sdp4bit, [("seed", "7")]).unwrap();
-    let cases: [(&str, [Config; 4], [u32; 4], [usize; 4]); 4] = [
+    let cases: [Case; 4] = [
         (
             "config fingerprint",
             [base, base, reseeded, base],

@@ -10,7 +10,7 @@ const BLOCKS: [usize; 5] = [16, 32, 64, 128, 256];
 /// Entry (i, j) of the Sylvester Hadamard matrix `H_n = [[H, H], [H, -H]]`:
 /// `(-1)^popcount(i & j)`.
 fn h(i: usize, j: usize) -> f64 {
-    if (i & j).count_ones() % 2 == 0 {
+    if (i & j).count_ones().is_multiple_of(2) {
         1.0
     } else {
         -1.0

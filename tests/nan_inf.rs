@@ -73,7 +73,7 @@ fn grouped_gradient_codecs_poison_exactly_one_group() {
                     let dst = rng.below(w);
                     // A random full group, or the partial tail group.
                     let groups = per_rank.div_ceil(g);
-                    let j = if case % 2 == 0 {
+                    let j = if case.is_multiple_of(2) {
                         groups - 1
                     } else {
                         rng.below(groups - 1)

@@ -84,8 +84,9 @@ fn reference_quantize(s: &QuantSpec, x: &[f32], u: &[f32]) -> (f32, f32, Vec<i32
         let a = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         (a / n as f32, 0f32, -n, n)
     } else {
-        let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
-        let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // -0 canonicalised to +0 (SPEC §1 as documented in codec::quant).
+        let lo = x.iter().copied().fold(f32::INFINITY, f32::min) + 0.0;
+        let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 0.0;
         let scale = (hi - lo) / n as f32;
         if !scale.is_finite() {
             return (f32::NAN, f32::NAN, zeros);
@@ -222,8 +223,9 @@ fn scale_definitions() {
         let g = 32 * (1 + rng.below(8));
         let x = rng.vec_f32(g, |r| r.grad_like());
         let a = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
-        let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // -0 canonicalised to +0 (SPEC §1 as documented in codec::quant).
+        let lo = x.iter().copied().fold(f32::INFINITY, f32::min) + 0.0;
+        let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 0.0;
         let u = uniforms(3, 0, g);
         for (bits, l, n) in [(4u8, 7f32, 15f32), (8, 127.0, 255.0)] {
             let (m, _) = quantize(&spec(bits, g, true, Rounding::Stochastic), &x, &u);
@@ -992,4 +994,33 @@ fn slot_set_meta_writes_scale_and_offset() {
     assert_eq!(view.meta(1).unwrap(), metas[1]);
     assert_eq!(&slab[64..68], &0.5f32.to_le_bytes());
     assert_eq!(&slab[72..76], &(-1.25f32).to_le_bytes());
+}
+
+#[test]
+fn asymmetric_offset_of_signed_zeros_is_positive_zero() {
+    // min/max of a group holding both -0 and +0 may return either zero depending on the order
+    // of evaluation; the quantizer canonicalises to +0 so every build (and the GPU) stores the
+    // same offset bits.
+    for rounding in [Rounding::Nearest, Rounding::Stochastic] {
+        let s = spec(4, 32, false, rounding);
+        let u = uniforms(5, 0, 32);
+        for (first, second) in [(-0.0f32, 0.0f32), (0.0, -0.0)] {
+            let mut x: Vec<f32> = (0..32).map(|i| i as f32).collect();
+            x[0] = first;
+            x[17] = second;
+            let (meta, _) = quantize(&s, &x, &u);
+            assert_eq!(
+                meta.offset.to_bits(),
+                0.0f32.to_bits(),
+                "offset {:?}",
+                meta.offset
+            );
+            let mut y: Vec<f32> = (0..32).map(|i| -(i as f32)).collect();
+            y[0] = first;
+            y[17] = second;
+            let (meta, _) = quantize(&s, &y, &u);
+            assert_eq!(meta.offset, -31.0);
+            assert_eq!(meta.scale.to_bits(), (31.0f32 / 15.0).to_bits());
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! Order of floating-point operations (fixed, so CPU and GPU agree bit for bit; no fused
 //! multiply-add anywhere):
 //! - symmetric: `a = max|x|`, `s = a / L`, `q = clamp(R(x / s), -L, L)`, `x' = q * s`;
-//! - asymmetric: `s = (hi - lo) / (2^b - 1)`, `q = clamp(R((x - lo) / s), 0, 2^b - 1)`,
+//! - asymmetric: `lo`, `hi` with -0 canonicalised to +0, `s = (hi - lo) / (2^b - 1)`, `q = clamp(R((x - lo) / s), 0, 2^b - 1)`,
 //!   `x' = lo + q * s`;
 //! - `R(v)` is `floor(v + u)` (stochastic) or round-half-even (nearest).
 //!
@@ -100,31 +100,21 @@ pub fn quantize_group(spec: &QuantSpec, x: &[f32], u: &[f32], codes: &mut [u8]) 
     let top = spec.max_code() as f32;
     let (scale, offset) = (meta.scale, meta.offset);
     // Symmetric groups skip `x - 0.0`, which is exactly `x` for every finite `x` (-0.0 too).
+    // Codes are clamped floats turned into their two's complement bits; round-to-nearest codes
+    // of a finite group with a positive finite scale cannot be NaN.
+    let sr = |v: f32, r: f32, lo: f32| code_bits((v / scale + r).floor().clamp(lo, top));
+    let rn = |v: f32, lo: f32| finite_code_bits((v / scale).round_ties_even().clamp(lo, top));
     match (spec.symmetric, spec.rounding, spec.bits) {
-        (true, Rounding::Stochastic, 4) => {
-            pack_nibbles(codes, x, u, |v, r| (v / scale + r).floor().clamp(-top, top))
+        (true, Rounding::Stochastic, 4) => pack_nibbles(codes, x, u, |v, r| sr(v, r, -top)),
+        (true, Rounding::Stochastic, _) => pack_bytes(codes, x, u, |v, r| sr(v, r, -top)),
+        (true, Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| rn(v, -top)),
+        (true, Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| rn(v, -top)),
+        (false, Rounding::Stochastic, 4) => {
+            pack_nibbles(codes, x, u, |v, r| sr(v - offset, r, 0.0))
         }
-        (true, Rounding::Stochastic, _) => {
-            pack_bytes(codes, x, u, |v, r| (v / scale + r).floor().clamp(-top, top))
-        }
-        (true, Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| {
-            (v / scale).round_ties_even().clamp(-top, top)
-        }),
-        (true, Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| {
-            (v / scale).round_ties_even().clamp(-top, top)
-        }),
-        (false, Rounding::Stochastic, 4) => pack_nibbles(codes, x, u, |v, r| {
-            ((v - offset) / scale + r).floor().clamp(0.0, top)
-        }),
-        (false, Rounding::Stochastic, _) => pack_bytes(codes, x, u, |v, r| {
-            ((v - offset) / scale + r).floor().clamp(0.0, top)
-        }),
-        (false, Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| {
-            ((v - offset) / scale).round_ties_even().clamp(0.0, top)
-        }),
-        (false, Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| {
-            ((v - offset) / scale).round_ties_even().clamp(0.0, top)
-        }),
+        (false, Rounding::Stochastic, _) => pack_bytes(codes, x, u, |v, r| sr(v - offset, r, 0.0)),
+        (false, Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| rn(v - offset, 0.0)),
+        (false, Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| rn(v - offset, 0.0)),
     }
     meta
 }
@@ -156,6 +146,10 @@ fn asymmetric_meta(spec: &QuantSpec, x: &[f32]) -> (GroupMeta, bool) {
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
             (lo.min(v), hi.max(v))
         });
+    // `min`/`max` may return either zero when a group holds both +0 and -0 (the order of
+    // evaluation decides); adding +0 canonicalises -0 to +0 and leaves every other value alone,
+    // so the stored offset is the same on every build and on the GPU.
+    let (lo, hi) = (lo + 0.0, hi + 0.0);
     let scale = (hi - lo) / spec.max_code() as f32;
     if !scale.is_finite() {
         return (non_finite_meta(), false);
@@ -182,13 +176,20 @@ const MAGIC: f32 = 12_582_912.0;
 #[inline(always)]
 pub(crate) fn code_bits(c: f32) -> u32 {
     let c = if c.is_nan() { 0.0 } else { c };
+    finite_code_bits(c)
+}
+
+/// [`code_bits`] for a `c` that cannot be NaN (round-to-nearest codes of a finite group with a
+/// positive finite scale): one add instead of three operations.
+#[inline(always)]
+fn finite_code_bits(c: f32) -> u32 {
     (c + MAGIC).to_bits()
 }
 
-/// Packs `code(x[i], u[i])` as nibbles, element `2k` low, `2k + 1` high. `x.len()` is a
-/// multiple of [`PACK`] and `codes.len() == x.len() / 2`.
+/// Packs the codes `code(x[i], u[i])` (their two's complement bits) as nibbles, element `2k`
+/// low, `2k + 1` high. `x.len()` is a multiple of [`PACK`] and `codes.len() == x.len() / 2`.
 #[inline(always)]
-fn pack_nibbles(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) -> f32) {
+fn pack_nibbles(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) -> u32) {
     for ((line, x), u) in codes
         .chunks_exact_mut(PACK / 2)
         .zip(x.chunks_exact(PACK))
@@ -196,7 +197,7 @@ fn pack_nibbles(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) 
     {
         let mut bytes = [0u8; PACK];
         for ((b, &v), &r) in bytes.iter_mut().zip(x).zip(u) {
-            *b = code_bits(code(v, r)) as u8;
+            *b = code(v, r) as u8;
         }
         // Little-endian 16-bit words `code(2k) | code(2k + 1) << 8` -> one byte of two nibbles.
         let words = bytemuck::cast::<[u8; PACK], [u16; PACK / 2]>(bytes);
@@ -207,16 +208,16 @@ fn pack_nibbles(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) 
     }
 }
 
-/// Stores `code(x[i], u[i])` as one byte each (two's complement for negative codes).
+/// Stores the codes `code(x[i], u[i])` (their two's complement bits) as one byte each.
 #[inline(always)]
-fn pack_bytes(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) -> f32) {
+fn pack_bytes(codes: &mut [u8], x: &[f32], u: &[f32], code: impl Fn(f32, f32) -> u32) {
     for ((line, x), u) in codes
         .chunks_exact_mut(PACK)
         .zip(x.chunks_exact(PACK))
         .zip(u.chunks_exact(PACK))
     {
         for ((byte, &v), &r) in line.iter_mut().zip(x).zip(u) {
-            *byte = code_bits(code(v, r)) as u8;
+            *byte = code(v, r) as u8;
         }
     }
 }
@@ -254,13 +255,9 @@ pub fn dequantize_group(
             combine,
         ),
         (false, _) => {
-            decode_bytes(
-                codes,
-                out,
-                |b| b,
-                |q| offset + f32::from(q) * scale,
-                combine,
-            );
+            for (o, &byte) in out.iter_mut().zip(codes) {
+                *o = combine(*o, offset + f32::from(byte) * scale);
+            }
             0
         }
     };

@@ -73,10 +73,10 @@ impl LocalGroup {
 
     /// Aborts every communicator of the cluster; the first reason is kept for the others.
     fn abort(&self, reason: &str) {
-        if let Ok(mut kept) = self.abort.reason.lock() {
-            if kept.is_empty() {
-                *kept = reason.to_string();
-            }
+        if let Ok(mut kept) = self.abort.reason.lock()
+            && kept.is_empty()
+        {
+            *kept = reason.to_string();
         }
         self.abort.aborted.store(true, Ordering::SeqCst);
     }

@@ -1,6 +1,6 @@
 //! The three fused passes of the grouped gradient reduce-scatter (SPEC §5).
 //!
-//! Each pass is parallel over runs of consecutive output groups ([`super::run_groups`]); a run
+//! Each pass is parallel over runs of consecutive output groups (`run_groups`); a run
 //! is processed group by group in a per-thread scratch buffer, so every input byte is read once
 //! and every output byte written once.
 
@@ -164,7 +164,9 @@ pub fn reduce_final(layout: &GradLayout, p: usize, recv: &[u8], shard: &mut [f32
 
 /// `out = sum over slabs s (in order) of dequantize(groups k0 .. k0 + out.len() / g of slab
 /// s)`, where `recv` holds slabs laid out by `layout` (the partial sums of each element are
-/// taken in slab order, as the per-group definition does).
+/// taken in slab order, as the per-group definition does). Runs are short (`TASK_ELEMS`), so
+/// the far-apart slabs are read in short interleaved pieces that keep all their streams in the
+/// hardware prefetcher.
 fn sum_groups(recv: &[u8], layout: SlabLayout, k0: usize, out: &mut [f32]) -> Result<()> {
     let g = layout.spec.group_size;
     for (s, bytes) in recv.chunks_exact(layout.byte_len()).enumerate() {
