@@ -186,14 +186,7 @@ fn gather_steps(
         }
         Ok(out)
     });
-    let res: Vec<Vec<Vec<bf16>>> = res
-        .into_iter()
-        .enumerate()
-        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e} ({config})")))
-        .collect();
-    (0..news.len())
-        .map(|k| res.iter().map(|r| r[k].clone()).collect())
-        .collect()
+    per_step(res, &config.to_string())
 }
 
 #[test]

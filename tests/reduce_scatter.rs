@@ -48,14 +48,7 @@ fn run_steps(
         }
         Ok(out)
     });
-    let per_rank: Vec<Vec<Vec<f32>>> = per_rank
-        .into_iter()
-        .enumerate()
-        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e} (config {config})")))
-        .collect();
-    (0..data.len())
-        .map(|k| per_rank.iter().map(|r| r[k].clone()).collect())
-        .collect()
+    per_step(per_rank, &format!("config {config}"))
 }
 
 /// Scale of the gradients of case `i`: tiny, unit and large, so bounds are checked across

@@ -964,6 +964,28 @@ impl<C: Comm> Comm for Recorder<'_, C> {
 /// Every rank's records of one reduce-scatter: `(shard, world log, intra log, inter log)`.
 pub type RankLogs = (Vec<f32>, Vec<Record>, Vec<Record>, Vec<Record>);
 
+/// Turns what `LocalCluster::run` returns when each rank collects one value per step into
+/// one list over ranks per step, panicking with the failing rank's error and `context`.
+pub fn per_step<T>(per_rank: Vec<Result<Vec<T>>>, context: &str) -> Vec<Vec<T>> {
+    let mut per_rank: Vec<std::vec::IntoIter<T>> = per_rank
+        .into_iter()
+        .enumerate()
+        .map(|(r, x)| {
+            x.unwrap_or_else(|e| panic!("rank {r}: {e} ({context})"))
+                .into_iter()
+        })
+        .collect();
+    let steps = per_rank.first().map_or(0, |r| r.len());
+    (0..steps)
+        .map(|_| {
+            per_rank
+                .iter_mut()
+                .map(|r| r.next().expect("every rank ran every step"))
+                .collect()
+        })
+        .collect()
+}
+
 /// Runs one reduce-scatter per entry of `steps` (fresh objects, `steps[k] = (step, grads)`)
 /// through [`Recorder`]s and returns every rank's shards and logs per step.
 pub fn reduce_scatter_recorded(
@@ -999,12 +1021,5 @@ pub fn reduce_scatter_recorded(
         }
         Ok(out)
     });
-    let per_rank: Vec<Vec<RankLogs>> = per_rank
-        .into_iter()
-        .enumerate()
-        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-        .collect();
-    (0..steps.len())
-        .map(|k| per_rank.iter().map(|r| r[k].clone()).collect())
-        .collect()
+    per_step(per_rank, "recorded reduce-scatter")
 }
