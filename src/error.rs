@@ -22,6 +22,11 @@ pub enum Error {
     /// A collective failed or the ranks disagreed on its arguments.
     #[error("collective failed: {0}")]
     Comm(String),
+    /// The CUDA backend cannot run: the driver or NVRTC library is missing, there is no
+    /// device, a kernel failed to compile or load, or a launch was rejected. The message
+    /// names the library, device or kernel and the driver's or compiler's own words.
+    #[error("CUDA backend: {0}")]
+    Cuda(String),
 }
 
 /// Shorthand for results carrying [`Error`].

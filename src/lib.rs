@@ -11,6 +11,8 @@
 //! - [`codec`]: the group quantizer and the byte layout of a slab on the wire;
 //! - [`plan`]: topology, padding and the swizzled layout;
 //! - [`backend::cpu`]: the fused passes with rayon (the executable reference);
+//! - [`backend::cuda`]: the same passes as CUDA kernels (NVRTC at first use, launched on the
+//!   caller's stream); without a driver or GPU it reports an error value;
 //! - [`collective`]: every algorithm once, over the [`collective::Comm`] trait, plus an
 //!   in-process `Comm` for tests and benchmarks.
 

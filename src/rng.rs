@@ -94,6 +94,13 @@ impl UniformStream {
         }
     }
 
+    /// The Philox key (seed, low word first) and the two fixed counter words `step` and
+    /// `stream`: everything a GPU kernel needs to draw the same uniforms (the CUDA backend
+    /// passes them in its launch parameters).
+    pub fn philox_params(&self) -> ([u32; 2], u32, u32) {
+        (self.key, self.step, self.stream)
+    }
+
     /// The four raw Philox words of block `block` (elements `4 * block .. 4 * block + 4`).
     #[inline]
     pub fn block(&self, block: u64) -> [u32; 4] {

@@ -1,4 +1,6 @@
 //! Executors of the fused passes. `cpu` is the rayon implementation and the executable
-//! reference every other backend must reproduce byte for byte.
+//! reference every other backend must reproduce byte for byte; `cuda` runs the same passes as
+//! kernels on the caller's CUDA stream.
 
 pub mod cpu;
+pub mod cuda;

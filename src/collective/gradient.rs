@@ -7,8 +7,8 @@ use crate::error::{Error, Result};
 use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
 use crate::rng::{Stage, UniformStream, stream_id};
 
-/// Reduce-scatters one fp32 gradient bucket with the configured codec: after [`run`]
-/// (Self::run) this rank's shard holds the sum over ranks (within the codec's error).
+/// Reduce-scatters one fp32 gradient bucket with the configured codec: after
+/// [`run`](Self::run) this rank's shard holds the sum over ranks (within the codec's error).
 ///
 /// Routes: W == 1 copies; the `none` codec and steps before `grad_quant_start_step` use the
 /// communicator's fp32 reduce-scatter; grouped codecs quantize once into the swizzled layout

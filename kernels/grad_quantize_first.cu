@@ -1,0 +1,55 @@
+// grad_quantize_first: the first pass of the grouped gradient reduce-scatter (SPEC §5).
+//
+// Mirrors backend::cpu::gradient::quantize_first (and quantize_first_run): Hadamard (when
+// hadamard_block != 0) + quantize + swizzle of the whole bucket, all P chunks, into
+// P * peers1 slabs of the first level.
+//
+// Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
+// Work unit: one group of one output slab, handled by one warp (8 per block), grid-stride over
+// the P * peers1 * slab.groups groups. Unit u is group k = u % slab.groups of slab
+// s = u / slab.groups, with s = p * peers1 + x1 (chunk p, first-level peer x1).
+//
+// Indexing (the ABI comment of sdp_grad_first; plan::GradLayout, plan::BucketPlan):
+//   x2 = k / groups_per_chunk, j = k % groups_per_chunk, z = dests[x1 * peers2 + x2];
+//   element e of the group has in-shard offset o = p * chunk_len + j * g + e, value
+//   bucket[z * S + o] when o < S (real) else 0 (padding), and Philox index z * S_pad + o.
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict__ dests,
+                    uint8_t* __restrict__ out, sdp_grad_first args)
+{
+    const sdp_slab& layout = args.slab;
+    const sdp_shards& sh = args.shards;
+    const uint32_t g = layout.quant.group_size;
+    const uint32_t lane = sdp_lane();
+    const uint64_t units = (uint64_t)sh.chunks * args.peers1 * layout.groups;
+
+    for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
+        const uint64_t s = u / layout.groups;
+        const uint64_t k = u % layout.groups;
+        const uint64_t p = s / args.peers1;
+        const uint64_t x1 = s % args.peers1;
+        const uint64_t x2 = k / args.groups_per_chunk;
+        const uint64_t j = k % args.groups_per_chunk;
+        const uint64_t z = dests[x1 * args.peers2 + x2];
+        // In-shard offset of the group's first element.
+        const uint64_t first = p * sh.chunk_len + j * g;
+
+        // Tile t: the real elements of shard z, zeros past S, then the forward Hadamard.
+        auto load = [&](uint32_t t, uint32_t rows, float (&v)[SDP_TILE_ROWS]) {
+#pragma unroll
+            for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
+                if (r < rows) {
+                    const uint64_t o = first + sdp_tile_element(t, r, lane);
+                    v[r] = o < sh.shard_len ? bucket[z * sh.shard_len + o] : 0.0f;
+                }
+            }
+            if (args.hadamard_block != 0) {
+                sdp_hadamard_forward(v, rows, args.hadamard_block, lane);
+            }
+        };
+        sdp_quantize_slab_group(sdp_slab_at(out, layout, s), layout, k, load, args.rng,
+                                z * sh.padded_shard_len + first, lane);
+    }
+}

@@ -1,0 +1,51 @@
+// grad_requantize_second: the middle pass of the two-level gradient reduce-scatter (SPEC §5).
+//
+// Mirrors backend::cpu::gradient::requantize_second (and requantize_run, sum_groups): for
+// chunk p, dequantize the peers1 slabs received at the first level, sum them in slab order
+// and requantize the sum at the second level into peers2 slabs (still in the Hadamard domain).
+//
+// Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
+// Work unit: one output group, handled by one warp (8 per block), grid-stride over the
+// peers2 * groups_per_chunk output groups. Unit u is group j = u % groups_per_chunk of output
+// slab x2 = u / groups_per_chunk.
+//
+// Indexing (the ABI comment of sdp_grad_second; plan::GradLayout):
+//   input: group x2 * groups_per_chunk + j of each of the peers1 slabs of recv (in_slab);
+//   output: group j of slab x2 of out (out_slab, groups_per_chunk groups);
+//   z = dests[my_x1 * peers2 + x2]; element e has Philox index
+//   z * S_pad + p * chunk_len + j * g + e.
+// Both levels share the group size g (config::GradConfig::group_size): g is read from
+// out_slab, in_slab's must equal it.
+//
+// A corrupt input group (see common.cuh) makes the sum NaN, so the output group is a
+// non-finite group (scale NaN, codes 0); the CPU returns Error::Decode there.
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restrict__ dests,
+                       uint8_t* __restrict__ out, sdp_grad_second args)
+{
+    const sdp_slab& in = args.in_slab;
+    const sdp_slab& layout = args.out_slab;
+    const sdp_shards& sh = args.shards;
+    const uint32_t g = layout.quant.group_size;
+    const uint32_t lane = sdp_lane();
+    const uint64_t gc = args.groups_per_chunk;
+    const uint64_t units = (uint64_t)args.peers2 * gc;
+
+    for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
+        const uint64_t x2 = u / gc;
+        const uint64_t j = u % gc;
+        const uint64_t k_in = x2 * gc + j;
+        const uint64_t z = dests[(uint64_t)args.my_x1 * args.peers2 + x2];
+        const bool corrupt = sdp_any_peer_corrupt(recv, in, args.peers1, k_in, lane);
+
+        // Tile t: the slab-order sum of the peers' dequantized values.
+        auto load = [&](uint32_t t, uint32_t rows, float (&v)[SDP_TILE_ROWS]) {
+            sdp_sum_peers_tile(recv, in, args.peers1, k_in, corrupt, t, rows, lane, v);
+        };
+        const uint64_t first_index = z * sh.padded_shard_len + args.chunk * sh.chunk_len + j * g;
+        sdp_quantize_slab_group(sdp_slab_at(out, layout, x2), layout, j, load, args.rng, first_index,
+                                lane);
+    }
+}

@@ -1,0 +1,561 @@
+//! Typed launches of every kernel, one method of [`Kernels`] per kernel, mirroring the CPU
+//! passes of `backend::cpu` argument for argument.
+//!
+//! A launch checks the buffer sizes against the plan, builds the kernel's parameter struct
+//! (`abi`), and enqueues the kernel on the caller's stream with `cuLaunchKernel`: no
+//! allocation, no host synchronisation, no wait for the result. Buffers are raw device
+//! pointers ([`DeviceSpan`]) so the torch extension can pass `tensor.data_ptr()` and its
+//! current stream ([`Stream`]). Errors are values; the kernels themselves cannot report
+//! errors, so corrupt received slabs decode to NaN where the CPU returns `Error::Decode`
+//! (see `kernels/common.cuh`).
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use half::bf16;
+
+use super::abi::{
+    SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode, to_u32,
+};
+use super::module::{Kernels, driver_error};
+use super::source::Kernel;
+use crate::backend::cpu::global_qsgd::IntCode;
+use crate::backend::cpu::weight::WeightEncoding;
+use crate::codec::slab::{SLAB_ALIGN, SlabLayout};
+use crate::config::Rounding;
+use crate::error::{Error, Result};
+use crate::plan::{BucketPlan, GradLayout};
+use crate::rng::UniformStream;
+use cudarc::driver::result as driver;
+use cudarc::driver::sys;
+
+/// Threads per block of every kernel (the launch contract of `kernels/common.cuh`).
+const BLOCK_THREADS: u32 = 256;
+/// Groups one block handles at a time: one warp per group.
+const GROUPS_PER_BLOCK: u64 = (BLOCK_THREADS / 32) as u64;
+/// Elements one block handles at a time in the element-wise Global-QSGD kernels.
+const ELEMENTS_PER_BLOCK: u64 = BLOCK_THREADS as u64;
+/// Resident blocks per multiprocessor times waves: grids are capped at this many blocks per
+/// multiprocessor (the kernels loop grid-stride over the rest).
+const BLOCKS_PER_MULTIPROCESSOR: u64 = 32;
+
+/// A CUDA stream of the device's primary context, given as its raw handle (`CUstream`,
+/// `cudaStream_t`: the two are the same object), such as torch's current stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream(usize);
+
+impl Stream {
+    /// The stream whose raw handle is `handle` (`0` is the legacy default stream).
+    ///
+    /// # Safety
+    /// `handle` must be `0`, a per-thread default stream constant, or a live stream created
+    /// in the primary context of the device whose [`Kernels`] launch on it, and must stay
+    /// live until the work launched on it has completed.
+    pub unsafe fn from_raw(handle: usize) -> Self {
+        Self(handle)
+    }
+
+    /// The driver handle.
+    fn raw(self) -> sys::CUstream {
+        self.0 as sys::CUstream
+    }
+}
+
+/// `len` elements of type `T` in device memory, given by their raw address.
+///
+/// A span a launch writes must not overlap any span the same launch reads (checked).
+#[derive(Debug)]
+pub struct DeviceSpan<T> {
+    addr: u64,
+    len: usize,
+    _element: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for DeviceSpan<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for DeviceSpan<T> {}
+
+impl<T> DeviceSpan<T> {
+    /// The `len` elements at device address `addr` (a `CUdeviceptr`, or torch's
+    /// `data_ptr()`).
+    ///
+    /// # Safety
+    /// `addr .. addr + len * size_of::<T>()` must be device memory of the device whose
+    /// [`Kernels`] launch with it (or memory that device can access), valid for reads and for
+    /// the writes of the launches it is passed to as an output, until those launches have
+    /// completed on their stream; nothing else may write it meanwhile.
+    pub unsafe fn from_raw(addr: u64, len: usize) -> Self {
+        Self {
+            addr,
+            len,
+            _element: PhantomData,
+        }
+    }
+
+    /// The device address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the span holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the span.
+    fn bytes(&self) -> u64 {
+        (self.len * size_of::<T>()) as u64
+    }
+
+    /// Checks length, alignment (`align` bytes, at least `T`'s) and non-null address.
+    fn check(&self, what: &str, len: usize, align: usize) -> Result<()> {
+        if self.len != len {
+            return Err(Error::Buffer(format!(
+                "{what} has {} elements, the plan expects {len}",
+                self.len
+            )));
+        }
+        let align = align.max(align_of::<T>()) as u64;
+        if self.addr == 0 || !self.addr.is_multiple_of(align) {
+            return Err(Error::Buffer(format!(
+                "{what} at device address {:#x} is not {align}-byte aligned (or is null)",
+                self.addr
+            )));
+        }
+        Ok(())
+    }
+
+    /// The byte range of the span.
+    fn range(&self) -> (u64, u64) {
+        (self.addr, self.addr + self.bytes())
+    }
+}
+
+/// Fails when the written range `out` overlaps any of the read ranges `inputs`.
+fn check_disjoint(what: &str, out: (u64, u64), inputs: &[(u64, u64)]) -> Result<()> {
+    let overlaps = |&(start, end): &(u64, u64)| start < out.1 && out.0 < end;
+    if inputs.iter().any(overlaps) {
+        return Err(Error::Buffer(format!(
+            "{what} overlaps one of the launch's input buffers"
+        )));
+    }
+    Ok(())
+}
+
+/// The destination table of `layout` for the kernels' `dests` argument: entry
+/// `x1 * second_peers + x2` is the DP rank with first-level index `x1` and second-level index
+/// `x2`. Upload it once per bucket into a device buffer of `u32`.
+pub fn dest_table(layout: &GradLayout) -> Result<Vec<u32>> {
+    let peers2 = layout.second_peers();
+    (0..layout.first.peers * peers2)
+        .map(|i| to_u32("destination rank", layout.dest(i / peers2, i % peers2)))
+        .collect()
+}
+
+/// `max |x|` from the bits `global_absmax` leaves (`bits & 0x7fffffff` maximised over the
+/// bucket): `+Inf` when a NaN or Inf was present, as `cpu::global_qsgd::local_absmax`
+/// returns.
+pub fn absmax_from_bits(bits: u32) -> f32 {
+    if crate::codec::quant::bits_non_finite(bits) {
+        f32::INFINITY
+    } else {
+        f32::from_bits(bits)
+    }
+}
+
+impl Kernels {
+    /// Enqueues `kernel` over `units` work units (`per_block` per block at a time) with the
+    /// argument values `args` (pointers to each argument, in the kernel's order).
+    fn launch(
+        &self,
+        kernel: Kernel,
+        stream: Stream,
+        units: u64,
+        per_block: u64,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        if units == 0 {
+            return Ok(());
+        }
+        let cap = u64::from(self.multiprocessors()) * BLOCKS_PER_MULTIPROCESSOR;
+        // At most `cap` (a u32 times 32), so the conversion cannot fail.
+        let grid = u32::try_from(units.div_ceil(per_block).min(cap)).unwrap_or(u32::MAX);
+        self.with_context(|| {
+            // SAFETY: the function handle comes from a module loaded in this device's primary
+            // context, which is current; `args` points to one value per kernel parameter, of
+            // the parameter's size (device pointers as u64, the #[repr(C)] mirror of the
+            // parameter struct), alive for the call (the driver copies them); the device
+            // buffers are valid per the `DeviceSpan::from_raw` and `Stream::from_raw`
+            // contracts and sized by the checks of the caller.
+            unsafe {
+                driver::launch_kernel(
+                    self.function(kernel),
+                    (grid, 1, 1),
+                    (BLOCK_THREADS, 1, 1),
+                    0,
+                    stream.raw(),
+                    args,
+                )
+            }
+            .map_err(|e| {
+                Error::Cuda(format!(
+                    "launch of {} on device {} failed: {e}",
+                    kernel.name(),
+                    self.ordinal()
+                ))
+            })
+        })
+    }
+
+    /// `grad_quantize_first` (= `cpu::gradient::quantize_first`): Hadamard (when on) +
+    /// quantize + swizzle of the whole `bucket` (`numel` fp32) into `out` (`P * first.peers`
+    /// first-level slabs, 16-byte aligned). `dests` is [`dest_table`] of `layout` in device
+    /// memory.
+    pub fn grad_quantize_first(
+        &self,
+        stream: Stream,
+        layout: &GradLayout,
+        bucket: DeviceSpan<f32>,
+        dests: DeviceSpan<u32>,
+        rng: &UniformStream,
+        out: DeviceSpan<u8>,
+    ) -> Result<()> {
+        let first = layout.first;
+        let chunks = layout.bucket.chunks;
+        bucket.check("gradient bucket", layout.bucket.numel, 1)?;
+        check_dests(layout, &dests)?;
+        out.check(
+            "first-level send buffer",
+            chunks * first.peers * first.slab.byte_len(),
+            SLAB_ALIGN,
+        )?;
+        check_disjoint(
+            "first-level send buffer",
+            out.range(),
+            &[bucket.range(), dests.range()],
+        )?;
+        let mut params = SdpGradFirst::new(layout, rng)?;
+        let units = (chunks * first.peers * first.slab.groups) as u64;
+        let (mut a0, mut a1, mut a2) = (bucket.addr(), dests.addr(), out.addr());
+        self.launch(
+            Kernel::GradQuantizeFirst,
+            stream,
+            units,
+            GROUPS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut params)],
+        )
+    }
+
+    /// `grad_requantize_second` (= `cpu::gradient::requantize_second`) for chunk `chunk`:
+    /// dequantize the `first.peers` received slabs of `recv`, sum them in rank order and
+    /// requantize into `out` (`second.peers` second-level slabs). `my_x1` is this rank's index
+    /// in the first-level communicator; an error when `layout` has one level.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grad_requantize_second(
+        &self,
+        stream: Stream,
+        layout: &GradLayout,
+        my_x1: usize,
+        chunk: usize,
+        recv: DeviceSpan<u8>,
+        dests: DeviceSpan<u32>,
+        rng: &UniformStream,
+        out: DeviceSpan<u8>,
+    ) -> Result<()> {
+        let mut params = SdpGradSecond::new(layout, my_x1, chunk, rng)?;
+        let (first, second) = (layout.first, layout.last());
+        check_index("first-level index", my_x1, first.peers)?;
+        check_index("pipeline chunk", chunk, layout.bucket.chunks)?;
+        recv.check(
+            "first-level receive buffer",
+            first.peers * first.slab.byte_len(),
+            SLAB_ALIGN,
+        )?;
+        check_dests(layout, &dests)?;
+        out.check(
+            "second-level send buffer",
+            second.peers * second.slab.byte_len(),
+            SLAB_ALIGN,
+        )?;
+        check_disjoint(
+            "second-level send buffer",
+            out.range(),
+            &[recv.range(), dests.range()],
+        )?;
+        let units = (second.peers * second.slab.groups) as u64;
+        let (mut a0, mut a1, mut a2) = (recv.addr(), dests.addr(), out.addr());
+        self.launch(
+            Kernel::GradRequantizeSecond,
+            stream,
+            units,
+            GROUPS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut params)],
+        )
+    }
+
+    /// `grad_reduce_final` (= `cpu::gradient::reduce_final`) for chunk `chunk`: dequantize the
+    /// slabs received at the last level (`recv`), sum them in rank order, invert the
+    /// Hadamard transform and write the real elements of chunk `chunk` of this rank's `shard`
+    /// (`S` fp32; the other chunks are left alone).
+    pub fn grad_reduce_final(
+        &self,
+        stream: Stream,
+        layout: &GradLayout,
+        chunk: usize,
+        recv: DeviceSpan<u8>,
+        shard: DeviceSpan<f32>,
+    ) -> Result<()> {
+        let last = layout.last();
+        check_index("pipeline chunk", chunk, layout.bucket.chunks)?;
+        recv.check(
+            "last-level receive buffer",
+            last.peers * last.slab.byte_len(),
+            SLAB_ALIGN,
+        )?;
+        shard.check("gradient shard", layout.bucket.shard_len, 1)?;
+        check_disjoint("gradient shard", shard.range(), &[recv.range()])?;
+        let mut params = SdpGradFinal::new(layout, chunk)?;
+        let units = last.slab.groups as u64;
+        let (mut a0, mut a1) = (recv.addr(), shard.addr());
+        self.launch(
+            Kernel::GradReduceFinal,
+            stream,
+            units,
+            GROUPS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+        )
+    }
+
+    /// `weight_encode` (= `cpu::weight::encode_shard`): quantizes `new - reference`
+    /// (difference) or `new` (direct), computed in fp32 from bf16 and zero-padded, into the
+    /// slab `out`. `new` is the shard (`S` elements); `reference` has `S` elements for
+    /// [`WeightEncoding::Difference`] and is ignored (any span, empty allowed) for direct
+    /// encodings. `first_index` is the padded bucket index of the shard's first element.
+    #[allow(clippy::too_many_arguments)]
+    pub fn weight_encode(
+        &self,
+        stream: Stream,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        first_index: u64,
+        new: DeviceSpan<bf16>,
+        reference: DeviceSpan<bf16>,
+        rng: &UniformStream,
+        out: DeviceSpan<u8>,
+    ) -> Result<()> {
+        let shard_len = new.len();
+        if shard_len > layout.elements() {
+            return Err(Error::Buffer(format!(
+                "weight shard of {shard_len} elements does not fit the slab's {} elements",
+                layout.elements()
+            )));
+        }
+        new.check("new weight shard", shard_len, 1)?;
+        // The second input is filled in for difference encodings; an empty range overlaps nothing.
+        let mut inputs = [new.range(), (0, 0)];
+        let reference_addr = match encoding {
+            WeightEncoding::Difference => {
+                reference.check("reference shard", shard_len, 1)?;
+                inputs[1] = reference.range();
+                reference.addr()
+            }
+            WeightEncoding::Direct => 0,
+        };
+        out.check("weight send buffer", layout.byte_len(), SLAB_ALIGN)?;
+        check_disjoint("weight send buffer", out.range(), &inputs)?;
+        let mut params = SdpWeightEncode::new(layout, encoding, shard_len, first_index, rng)?;
+        let (mut a0, mut a1, mut a2) = (new.addr(), reference_addr, out.addr());
+        self.launch(
+            Kernel::WeightEncode,
+            stream,
+            layout.groups as u64,
+            GROUPS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut params)],
+        )
+    }
+
+    /// `weight_apply` (= `cpu::weight::apply_shards`): applies the `W` received slabs
+    /// (`recv`, in rank order) to the whole param bucket `params` (`numel` bf16): with
+    /// [`WeightEncoding::Difference`] shard `z` becomes `bf16(reference + d')`, the reference
+    /// being `own_reference` (`S` elements, this rank's previous shard) for `z == me` and the
+    /// current params otherwise; direct encodings set `bf16(x')` (`own_reference` is ignored
+    /// and may be empty).
+    #[allow(clippy::too_many_arguments)]
+    pub fn weight_apply(
+        &self,
+        stream: Stream,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        plan: &BucketPlan,
+        me: usize,
+        recv: DeviceSpan<u8>,
+        own_reference: DeviceSpan<bf16>,
+        params: DeviceSpan<bf16>,
+    ) -> Result<()> {
+        check_index("rank", me, plan.world)?;
+        if plan.shard_len > layout.elements() {
+            return Err(Error::Buffer(format!(
+                "weight shard of {} elements does not fit the slab's {} elements",
+                plan.shard_len,
+                layout.elements()
+            )));
+        }
+        recv.check(
+            "weight receive buffer",
+            plan.world * layout.byte_len(),
+            SLAB_ALIGN,
+        )?;
+        params.check("param bucket", plan.numel, 1)?;
+        let mut inputs = [recv.range(), (0, 0)];
+        let reference_addr = match encoding {
+            WeightEncoding::Difference => {
+                own_reference.check("own reference shard", plan.shard_len, 1)?;
+                inputs[1] = own_reference.range();
+                own_reference.addr()
+            }
+            WeightEncoding::Direct => 0,
+        };
+        check_disjoint("param bucket", params.range(), &inputs)?;
+        let mut args = SdpWeightApply::new(layout, encoding, plan, me)?;
+        let g = layout.spec.group_size;
+        let units = (plan.world * plan.shard_len.div_ceil(g)) as u64;
+        let (mut a0, mut a1, mut a2) = (recv.addr(), reference_addr, params.addr());
+        self.launch(
+            Kernel::WeightApply,
+            stream,
+            units,
+            GROUPS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut args)],
+        )
+    }
+
+    /// `global_absmax` (= `cpu::global_qsgd::local_absmax`, in bits): zeroes `abs_bits` (one
+    /// `u32`) on the stream, then leaves in it the maximum over `bucket` of
+    /// `bits & 0x7fffffff`; [`absmax_from_bits`] turns it into the CPU's value.
+    pub fn global_absmax(
+        &self,
+        stream: Stream,
+        bucket: DeviceSpan<f32>,
+        abs_bits: DeviceSpan<u32>,
+    ) -> Result<()> {
+        bucket.check("gradient bucket", bucket.len(), 1)?;
+        abs_bits.check("absmax word", 1, 1)?;
+        check_disjoint("absmax word", abs_bits.range(), &[bucket.range()])?;
+        self.with_context(|| {
+            // SAFETY: `abs_bits` is one u32 of device memory (the `DeviceSpan::from_raw`
+            // contract), the context is current and `stream` belongs to it.
+            unsafe { driver::memset_d8_async(abs_bits.addr, 0, 4, stream.raw()) }
+                .map_err(driver_error("cuMemsetD8Async"))
+        })?;
+        let mut params = SdpGlobal::absmax(bucket.len());
+        let (mut a0, mut a1) = (bucket.addr(), abs_bits.addr());
+        self.launch(
+            Kernel::GlobalAbsmax,
+            stream,
+            bucket.len() as u64,
+            ELEMENTS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+        )
+    }
+
+    /// `global_quantize_i8` / `_i16` (= `cpu::global_qsgd::quantize::<T>`):
+    /// `out[i] = clamp(R(bucket[i] / scale), -k, k)` with the uniforms of element `i`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn global_quantize<T: IntCode>(
+        &self,
+        stream: Stream,
+        bucket: DeviceSpan<f32>,
+        scale: f32,
+        k: i32,
+        rounding: Rounding,
+        rng: &UniformStream,
+        out: DeviceSpan<T>,
+    ) -> Result<()> {
+        let kernel = match T::BITS {
+            8 => Kernel::GlobalQuantizeI8,
+            16 => Kernel::GlobalQuantizeI16,
+            bits => return Err(int_width_error(bits)),
+        };
+        bucket.check("gradient bucket", bucket.len(), 1)?;
+        out.check("integer send buffer", bucket.len(), 1)?;
+        check_disjoint("integer send buffer", out.range(), &[bucket.range()])?;
+        let mut params = SdpGlobal::quantize(bucket.len(), scale, k, rounding, rng);
+        let (mut a0, mut a1) = (bucket.addr(), out.addr());
+        self.launch(
+            kernel,
+            stream,
+            bucket.len() as u64,
+            ELEMENTS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+        )
+    }
+
+    /// `global_dequantize_i8` / `_i16` (= `cpu::global_qsgd::dequantize::<T>`):
+    /// `out[i] = f32(sum[i]) * scale`.
+    pub fn global_dequantize<T: IntCode>(
+        &self,
+        stream: Stream,
+        sum: DeviceSpan<T>,
+        scale: f32,
+        out: DeviceSpan<f32>,
+    ) -> Result<()> {
+        let kernel = match T::BITS {
+            8 => Kernel::GlobalDequantizeI8,
+            16 => Kernel::GlobalDequantizeI16,
+            bits => return Err(int_width_error(bits)),
+        };
+        sum.check("integer receive buffer", sum.len(), 1)?;
+        out.check("gradient shard", sum.len(), 1)?;
+        check_disjoint("gradient shard", out.range(), &[sum.range()])?;
+        let mut params = SdpGlobal::dequantize(sum.len(), scale);
+        let (mut a0, mut a1) = (sum.addr(), out.addr());
+        self.launch(
+            kernel,
+            stream,
+            sum.len() as u64,
+            ELEMENTS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+        )
+    }
+}
+
+/// A kernel argument: a pointer to its value.
+fn arg<T>(value: &mut T) -> *mut c_void {
+    (value as *mut T).cast()
+}
+
+/// Checks the `dests` table's length against `layout`.
+fn check_dests(layout: &GradLayout, dests: &DeviceSpan<u32>) -> Result<()> {
+    dests.check(
+        "destination table",
+        layout.first.peers * layout.second_peers(),
+        1,
+    )
+}
+
+/// Fails unless `index < count`.
+fn check_index(what: &str, index: usize, count: usize) -> Result<()> {
+    if index < count {
+        Ok(())
+    } else {
+        Err(Error::Buffer(format!(
+            "{what} {index} is not below {count}"
+        )))
+    }
+}
+
+/// The error for an integer type no Global-QSGD kernel handles.
+fn int_width_error(bits: u8) -> Error {
+    Error::Cuda(format!(
+        "Global-QSGD kernels exist for 8- and 16-bit integers, not {bits}-bit"
+    ))
+}

@@ -1,0 +1,28 @@
+//! The CUDA backend: the fused passes of `backend::cpu` as kernels (`kernels/*.cu`), compiled
+//! by NVRTC at first use for the device's architecture, cached per device, and launched on the
+//! caller's CUDA stream with no allocation and no host synchronisation per call.
+//!
+//! cudarc is used with dynamic loading: nothing links against CUDA, and [`probe`] checks with
+//! libloading that the driver and NVRTC libraries (and every symbol used) are present before
+//! cudarc is called, so a machine without a GPU gets an [`Error::Cuda`](crate::Error::Cuda)
+//! value and the CPU backend keeps working.
+//!
+//! - [`source`]: the embedded kernel sources and the kernel names;
+//! - [`compile`]: NVRTC compilation of one source to PTX (bit-exact options);
+//! - [`abi`]: `#[repr(C)]` mirrors of the launch ABI (`kernels/sdp4bit_abi.h`);
+//! - [`Kernels`]: the per-device cache of loaded kernels, with one launch method per kernel;
+//! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch.
+//!
+//! Use: `Kernels::get(device)?` once, upload [`dest_table`] once per bucket, then call the
+//! launch methods every step; results are ready when the stream reaches them.
+
+pub mod abi;
+pub mod compile;
+mod launch;
+mod module;
+pub mod probe;
+pub mod source;
+
+pub use compile::{Arch, Compiled};
+pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
+pub use module::{Kernels, device_count};
