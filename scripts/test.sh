@@ -23,5 +23,8 @@ echo "== cargo clippy -D warnings"
 cargo clippy --locked --release --all-targets -- -D warnings
 echo "== cargo test"
 cargo test --locked --release
+echo "== GPU tests again, uncaptured, to show whether they ran or why they skipped"
+cargo test --locked --release --test cuda_gpu -- --nocapture --test-threads=1 2>&1 \
+  | sed -nE 's/.*(skipped: [^[(]*).*/\1/p; /^test result/p' | sort | uniq -c
 echo "== benchmark smoke run (SDP4BIT_BENCH_QUICK=1)"
 SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench cpu
