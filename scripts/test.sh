@@ -28,3 +28,5 @@ cargo test --locked --release --test cuda_gpu -- --nocapture --test-threads=1 2>
   | sed -nE 's/.*(skipped: [^[(]*).*/\1/p; /^test result/p' | sort | uniq -c
 echo "== benchmark smoke run (SDP4BIT_BENCH_QUICK=1)"
 SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench cpu
+echo "== GPU benchmark smoke run (skips without a GPU)"
+SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench gpu
