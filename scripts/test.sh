@@ -16,6 +16,8 @@ fi
 export LD_LIBRARY_PATH="$PWD/$NVRTC_PREFIX/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The kernel compile test must fail, not skip, when NVRTC cannot be loaded.
 export SDP4BIT_REQUIRE_NVRTC=1
+# The emulated-GPU kernel test runs its full sweep (about 25 s on 2 cores).
+export SDP4BIT_EMULATOR_FULL=1
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

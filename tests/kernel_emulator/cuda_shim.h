@@ -1,0 +1,162 @@
+// Host emulation of the CUDA device environment the kernels of kernels/ use, so that g++ can
+// compile them unchanged and tests/cuda_emulated.rs can run them on a machine without a GPU.
+// This header is force-included (g++ -include) ahead of every kernels/*.cu translation unit
+// and of emulator.cpp.
+//
+// Emulation model (the scheduler is in emulator.cpp):
+// - A launch is gridDim.x blocks of blockDim = (256, 1, 1) threads, the launch contract of
+//   kernels/common.cuh. Each warp runs as 32 cooperative fibers (ucontext) on one OS thread;
+//   the warps of a launch run one after another, each to completion, in an order chosen per
+//   launch (forward, reverse or shuffled).
+// - __shfl_sync, __shfl_xor_sync and __any_sync are the only points where lanes meet: each
+//   lane deposits its value and yields; once all 32 lanes have arrived, each gets the values.
+//   All 32 lanes must arrive at the same kind of operation with the full mask; a lane that
+//   returns while others wait, or a different operation or mask, fails the case as a
+//   divergent warp. (Like PTX on sm_70+, lanes may arrive from different call sites.)
+// - Floating point is the host's IEEE binary32 arithmetic with denormals (the emulator checks
+//   they are not flushed): the _rn intrinsics are plain operators (the build passes
+//   -ffp-contract=off, so nothing is fused into an FMA), and floorf, rintf, fminf and fmaxf
+//   are the host libm's.
+//
+// Limits:
+// - Warps never run concurrently, so races between warps (two warps writing the same bytes,
+//   one reading what another writes) go unnoticed unless the warp order changes the result.
+//   Between two warp-wide operations the lanes of a warp run one after another in lane order,
+//   so lanes of one warp writing the same address also resolve deterministically here.
+// - No memory model: nothing needs a fence or __syncwarp here. There is no shared memory,
+//   __syncthreads or other block-level primitive, and only what the kernels use is emulated
+//   (32-bit shuffles without a width argument, the any-vote, a 32-bit atomicMax that is plain
+//   code because only one lane runs at a time): a kernel that starts using anything else fails
+//   to compile here.
+// - Host libm stands in for the GPU's floorf / rintf / fminf / fmaxf. All are exact IEEE
+//   operations, but e.g. which zero fminf returns for (+0, -0) may differ (the kernels
+//   canonicalise zeros where it matters). NaN payloads may differ on a GPU (its arithmetic
+//   returns the canonical NaN), so the test compares NaNs as NaN-ness only.
+// - g++ is not NVRTC: code whose meaning depends on the compiler (undefined behaviour, which
+//   the test's UBSan build reports where it can) may behave differently on a GPU.
+// - Device memory is host memory: the emulator guards every buffer (a PROT_NONE page after
+//   it, canary bytes around it), but reads in the rest of a buffer's 256-byte allocation
+//   granule go unnoticed, as they would on a GPU.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+#include <math.h>
+#include <type_traits>
+
+static_assert(FLT_EVAL_METHOD == 0, "the emulation needs binary32 float arithmetic (no excess precision)");
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(max_threads)
+
+// threadIdx, blockIdx, blockDim, gridDim: set by the emulator for the lane that runs.
+struct emu_uint3 {
+    unsigned x, y, z;
+};
+extern thread_local emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
+
+// ---------------------------------------------------------------------------------------------
+// Warp-wide operations.
+
+enum class emu_warp_op : uint32_t { shfl_idx, shfl_bfly, vote_any };
+
+// Deposits this lane's `value`, waits until all 32 lanes of the warp have deposited theirs
+// (with the same `op` and `mask`) and returns the 32 values, indexed by lane; they stay valid
+// until this lane's next call.
+const uint32_t* emu_warp_exchange(emu_warp_op op, unsigned mask, uint32_t value);
+
+template <class T>
+concept emu_word = sizeof(T) == 4 && std::is_trivially_copyable_v<T>;
+
+template <emu_word T>
+inline uint32_t emu_bits(T value)
+{
+    uint32_t bits;
+    std::memcpy(&bits, &value, 4);
+    return bits;
+}
+
+template <emu_word T>
+inline T emu_from_bits(uint32_t bits)
+{
+    T value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+}
+
+// The value `var` of lane src_lane % 32.
+template <emu_word T>
+inline T __shfl_sync(unsigned mask, T var, int src_lane)
+{
+    const uint32_t* lanes = emu_warp_exchange(emu_warp_op::shfl_idx, mask, emu_bits(var));
+    return emu_from_bits<T>(lanes[(unsigned)src_lane % 32]);
+}
+
+// The value `var` of lane (this lane) ^ lane_mask, or this lane's own value when that lies
+// outside the warp (PTX shfl.bfly).
+template <emu_word T>
+inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask)
+{
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned src = lane ^ (unsigned)lane_mask;
+    const uint32_t* lanes = emu_warp_exchange(emu_warp_op::shfl_bfly, mask, emu_bits(var));
+    return emu_from_bits<T>(lanes[src < 32 ? src : lane]);
+}
+
+// Non-zero when `predicate` is non-zero on any lane.
+inline int __any_sync(unsigned mask, int predicate)
+{
+    const uint32_t* lanes = emu_warp_exchange(emu_warp_op::vote_any, mask, predicate != 0);
+    uint32_t any = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        any |= lanes[lane];
+    }
+    return (int)any;
+}
+
+// Only one lane of one warp runs at a time, so a plain read-modify-write is atomic.
+inline unsigned atomicMax(unsigned* address, unsigned value)
+{
+    const unsigned old = *address;
+    *address = value > old ? value : old;
+    return old;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arithmetic intrinsics: IEEE binary32 round-to-nearest-even on the host.
+
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __uint2float_rn(uint32_t a) { return (float)a; }
+inline float __uint_as_float(uint32_t bits) { return emu_from_bits<float>(bits); }
+inline uint32_t __float_as_uint(float value) { return emu_bits(value); }
+inline uint32_t __umulhi(uint32_t a, uint32_t b) { return (uint32_t)(((uint64_t)a * b) >> 32); }
+
+// ---------------------------------------------------------------------------------------------
+// The kernels' signatures. Declared here, ahead of every kernel translation unit, so that a
+// definition in kernels/*.cu that differs from them ("conflicting declaration of C function")
+// fails the build instead of being called with the wrong arguments by emulator.cpp.
+
+#include "sdp4bit_abi.h"
+
+extern "C" {
+void grad_quantize_first(const float* bucket, const uint32_t* dests, uint8_t* out,
+                         sdp_grad_first args);
+void grad_requantize_second(const uint8_t* recv, const uint32_t* dests, uint8_t* out,
+                            sdp_grad_second args);
+void grad_reduce_final(const uint8_t* recv, float* shard, sdp_grad_final args);
+void weight_encode(const uint16_t* new_shard, const uint16_t* reference, uint8_t* out,
+                   sdp_weight_encode args);
+void weight_apply(const uint8_t* recv, const uint16_t* own_reference, uint16_t* params,
+                  sdp_weight_apply args);
+void global_absmax(const float* bucket, uint32_t* abs_bits, sdp_global args);
+void global_quantize_i8(const float* bucket, int8_t* out, sdp_global args);
+void global_quantize_i16(const float* bucket, int16_t* out, sdp_global args);
+void global_dequantize_i8(const int8_t* sum, float* out, sdp_global args);
+void global_dequantize_i16(const int16_t* sum, float* out, sdp_global args);
+}
