@@ -30,7 +30,7 @@
 use std::error::Error;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{
@@ -47,6 +47,9 @@ use sdp4bit::collective::global_k;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;
 use sdp4bit::{Config, Preset, Rounding};
+
+mod common;
+use common::{gradients, params, updated, utc_now};
 
 const MIB: usize = 1 << 20;
 /// DP ranks of the simulated job (2 nodes x 2 ranks).
@@ -351,46 +354,6 @@ fn time_calls(
 
 // ---------------------------------------------------------------------------------------------
 // Host data.
-
-/// Deterministic pseudo-random gradients: uniform in `[-1, 1) * 1e-3` with one outlier of
-/// 100x every 997 elements (so group scales vary as in real gradients).
-fn gradients(n: usize, seed: u64) -> Vec<f32> {
-    let mut v = vec![0f32; n];
-    v.par_chunks_mut(1 << 16)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            let mut s = seed
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                .wrapping_add(c as u64 + 1);
-            let base = c << 16;
-            for (i, x) in chunk.iter_mut().enumerate() {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let u = (s >> 40) as f32 / (1u64 << 24) as f32;
-                let outlier = if (base + i) % 997 == 0 { 100.0 } else { 1.0 };
-                *x = (2.0 * u - 1.0) * 1e-3 * outlier;
-            }
-        });
-    v
-}
-
-/// Deterministic bf16 parameters of magnitude about 0.02.
-fn params(n: usize, seed: u64) -> Vec<bf16> {
-    gradients(n, seed)
-        .par_iter()
-        .map(|&g| bf16::from_f32(g * 20.0))
-        .collect()
-}
-
-/// `a + small update` as the optimizer would write it.
-fn updated(a: &[bf16], seed: u64) -> Vec<bf16> {
-    let d = gradients(a.len(), seed);
-    a.par_iter()
-        .zip(&d)
-        .map(|(p, d)| bf16::from_f32(p.to_f32() - d * 1e-2))
-        .collect()
-}
 
 /// The bit patterns of `values`, as the device buffers hold them.
 fn bits(values: &[bf16]) -> Vec<u16> {
@@ -758,28 +721,6 @@ fn kernel_rows() -> Vec<(&'static str, RowFn)> {
 
 // ---------------------------------------------------------------------------------------------
 // Output.
-
-/// The current UTC time as `YYYY-MM-DD HH:MM UTC` (civil-from-days, no dependency).
-fn utc_now() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs()) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60
-    )
-}
 
 /// The header: device, driver, date and command.
 fn print_header(gpu: &Gpu, opts: &Opts) {
