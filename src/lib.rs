@@ -14,13 +14,16 @@
 //! - [`backend::cuda`]: the same passes as CUDA kernels (NVRTC at first use, launched on the
 //!   caller's stream); without a driver or GPU it reports an error value;
 //! - [`collective`]: every algorithm once, over the [`collective::Comm`] trait, plus an
-//!   in-process `Comm` for tests and benchmarks.
+//!   in-process `Comm` for tests and benchmarks;
+//! - `ffi` (feature `ffi`): the cxx bridge the torch extension in `cpp/` links against.
 
 pub mod backend;
 pub mod codec;
 pub mod collective;
 pub mod config;
 pub mod error;
+#[cfg(feature = "ffi")]
+mod ffi;
 pub mod hadamard;
 pub mod plan;
 pub mod rng;

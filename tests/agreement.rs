@@ -59,3 +59,31 @@ fn any_difference_fails_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn a_rank_whose_setup_failed_makes_every_rank_fail_at_once() {
+    use sdp4bit::Error;
+    use sdp4bit::collective::check_setup_agrees;
+    let cfg = Config::preset(Preset::Sdp4bit);
+    let cluster = LocalCluster::new(Topology::uniform(2, 2).unwrap());
+    let results = cluster.run(|c| {
+        let reason = Error::Buffer("params must be bfloat16, got float32".to_string());
+        let setup = if c.world.rank() == 2 {
+            Err(&reason)
+        } else {
+            Ok(&cfg)
+        };
+        check_setup_agrees(c.world, setup, 0, 4096)
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = result.expect_err("every rank fails").to_string();
+        if rank == 2 {
+            assert!(message.contains("bfloat16"), "{message}");
+        } else {
+            assert!(
+                message.contains("rank 2 failed to set up bucket 0"),
+                "{message}"
+            );
+        }
+    }
+}

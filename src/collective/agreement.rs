@@ -17,18 +17,45 @@ pub fn check_ranks_agree<C: Comm>(
     bucket_id: u32,
     numel: usize,
 ) -> Result<()> {
+    check_setup_agrees(comm, Ok(config), bucket_id, numel)
+}
+
+/// [`check_ranks_agree`] for a set-up that may already have failed on this rank
+/// (`Err(reason)`: a bad config or input). The failed rank still takes part in the exchange,
+/// so that its peers fail at once, naming it, instead of waiting in the next collective; it
+/// returns its own reason.
+pub fn check_setup_agrees<C: Comm>(
+    comm: &C,
+    setup: std::result::Result<&Config, &Error>,
+    bucket_id: u32,
+    numel: usize,
+) -> Result<()> {
     let mut mine = [0u8; RECORD];
-    mine[..8].copy_from_slice(&config.fingerprint().to_le_bytes());
+    if let Ok(config) = setup {
+        mine[..8].copy_from_slice(&config.fingerprint().to_le_bytes());
+    }
     mine[8..12].copy_from_slice(&bucket_id.to_le_bytes());
+    mine[12..16].copy_from_slice(&u32::from(setup.is_err()).to_le_bytes());
     mine[16..24].copy_from_slice(&(numel as u64).to_le_bytes());
     let mut all = vec![0u8; RECORD * comm.size()];
     comm.all_gather(&mine, &mut all)?;
+    let config = match setup {
+        Ok(config) => config,
+        Err(reason) => return Err(reason.clone()),
+    };
     let records: Vec<&[u8]> = all.chunks_exact(RECORD).collect();
     let field = |r: &[u8], range: std::ops::Range<usize>| {
         let mut word = [0u8; 8];
         word[..range.len()].copy_from_slice(&r[range]);
         u64::from_le_bytes(word)
     };
+    if let Some(failed) = records.iter().position(|r| field(r, 12..16) != 0) {
+        return Err(Error::Comm(format!(
+            "rank {failed} failed to set up bucket {bucket_id} (its own error names the \
+             problem); this rank is {}",
+            comm.rank()
+        )));
+    }
     for (rank, record) in records.iter().enumerate().skip(1) {
         for (name, range) in [
             ("config fingerprint", 0..8),

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
-use crate::collective::{Comm, CommGroups, SumElement};
+use crate::collective::{Comm, CommGroups, SumElement, sum_in_rank_order};
 use crate::error::{Error, Result};
 use crate::plan::Topology;
 
@@ -264,24 +264,10 @@ impl Comm for LocalComm {
                     T::DTYPE
                 )));
             }
-            let len = recv.len();
-            for (rank, slot) in slots.iter().enumerate() {
-                let part: Vec<T> =
-                    bytemuck::pod_collect_to_vec(&slot.payload[me * expect..(me + 1) * expect]);
-                for (i, (acc, v)) in recv.iter_mut().zip(part).enumerate() {
-                    *acc = if rank == 0 {
-                        v
-                    } else {
-                        T::checked_sum(*acc, v).ok_or_else(|| {
-                            Error::Comm(format!(
-                                "reduce_scatter ({}): sum overflows at element {} of {len}",
-                                T::DTYPE,
-                                me * len + i
-                            ))
-                        })?
-                    };
-                }
-            }
+            let blocks = slots
+                .iter()
+                .map(|slot| &slot.payload[me * expect..(me + 1) * expect]);
+            sum_in_rank_order(blocks, recv, me * recv.len())?;
             Ok(())
         })
     }

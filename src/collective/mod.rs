@@ -15,7 +15,7 @@ pub mod local;
 mod weight;
 mod wire;
 
-pub use agreement::check_ranks_agree;
+pub use agreement::{check_ranks_agree, check_setup_agrees};
 pub use gradient::{GradReduceScatter, global_k};
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;
@@ -52,6 +52,42 @@ impl SumElement for i16 {
     }
 }
 
+/// Sums `blocks` (one per rank, each `recv.len()` little-endian `T`s, in rank order) into
+/// `recv`, left to right: `((b0 + b1) + b2) + ...`. Every [`Comm`] sums in this order, so a
+/// reduce-scatter gives the same bits in-process, over gloo and over NCCL. Integer overflow
+/// is an error naming the element (`first_index` is the global index of `recv[0]`).
+pub fn sum_in_rank_order<'a, T: SumElement>(
+    blocks: impl IntoIterator<Item = &'a [u8]>,
+    recv: &mut [T],
+    first_index: usize,
+) -> Result<()> {
+    let len = recv.len();
+    for (rank, block) in blocks.into_iter().enumerate() {
+        if block.len() != std::mem::size_of_val(recv) {
+            return Err(Error::Comm(format!(
+                "reduce_scatter ({}): rank {rank} sent {} bytes for a {len}-element block",
+                T::DTYPE,
+                block.len()
+            )));
+        }
+        let part: Vec<T> = bytemuck::pod_collect_to_vec(block);
+        if rank == 0 {
+            recv.copy_from_slice(&part);
+            continue;
+        }
+        for (i, (acc, v)) in recv.iter_mut().zip(part).enumerate() {
+            *acc = T::checked_sum(*acc, v).ok_or_else(|| {
+                Error::Comm(format!(
+                    "reduce_scatter ({}): sum overflows at element {} of {len}",
+                    T::DTYPE,
+                    first_index + i
+                ))
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// A communicator of `size()` ranks. All calls are collective: every rank of the group makes
 /// the same sequence of calls with the same buffer sizes. Implementations: [`local::LocalComm`]
 /// here, torch.distributed process groups in the extension.
@@ -67,8 +103,8 @@ pub trait Comm {
     fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()>;
     /// The maximum of `value` over all ranks (+Inf wins; callers map NaN to +Inf first).
     fn all_reduce_max(&self, value: f32) -> Result<f32>;
-    /// Sums `send` over all ranks in rank order and keeps block `rank()` in `recv`
-    /// (`send.len() == size() * recv.len()`).
+    /// Sums `send` over all ranks in rank order ([`sum_in_rank_order`]) and keeps block
+    /// `rank()` in `recv` (`send.len() == size() * recv.len()`).
     fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()>;
 }
 

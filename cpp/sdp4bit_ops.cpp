@@ -1,0 +1,445 @@
+// The torch extension: TorchScript classes and ops over the Rust core (src/ffi).
+//
+//   torch.classes.sdp4bit.ProcessGroups(world, intra, inter)   names of c10d groups
+//   torch.classes.sdp4bit.GradReduceScatter(groups, config, node_labels, numel, bucket_id)
+//       .start(bucket, shard, step) -> Work
+//   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id)
+//       .start(params, step) -> Work
+//   torch.classes.sdp4bit.Work.wait() / .is_completed()
+//   torch.ops.sdp4bit.describe_config / config_fingerprint / simulate_* (in-process reference)
+//
+// Collectives run on the ProcessGroups' executor thread in submission order; a Work keeps its
+// tensors alive until it is destroyed. Every error reaches Python as a RuntimeError whose
+// message starts with "sdp4bit:" and names the problem.
+#include <Python.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "executor.h"
+#include "torch_comms_groups.h"
+#include "sdp4bit/src/ffi/mod.rs.h"
+
+namespace sdp4bit {
+namespace {
+
+// Runs `f`, turning an error of the Rust core (or of c10d) into a torch error.
+template <class F>
+auto rethrow_as_torch_error(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "sdp4bit: ", e.what());
+  }
+}
+
+// Why `t` cannot be the `what` of this bucket, or "" if it can.
+std::string tensor_problem(const char* what, const at::Tensor& t, at::ScalarType dtype,
+                           int64_t numel) {
+  std::string problem;
+  if (!t.defined()) return std::string(what) + " is undefined";
+  if (t.device().type() != at::kCPU) {
+    return std::string(what) + " is on " + t.device().str() +
+           "; this build of the extension runs the collectives on CPU tensors only "
+           "(the CUDA kernels are in the Rust core, the device-side path is not wired yet)";
+  }
+  if (t.scalar_type() != dtype) {
+    return std::string(what) + " must be " + c10::toString(dtype) + ", got " +
+           c10::toString(t.scalar_type());
+  }
+  if (!t.is_contiguous()) return std::string(what) + " must be contiguous";
+  if (t.numel() != numel) {
+    return std::string(what) + " has " + std::to_string(t.numel()) + " elements, the bucket " +
+           "was planned for " + std::to_string(numel);
+  }
+  return problem;
+}
+
+void check_tensor(const char* what, const at::Tensor& t, at::ScalarType dtype, int64_t numel) {
+  std::string problem = tensor_problem(what, t, dtype, numel);
+  TORCH_CHECK(problem.empty(), "sdp4bit: ", problem);
+}
+
+uint32_t checked_bucket_id(int64_t bucket_id) {
+  TORCH_CHECK(bucket_id >= 0 && bucket_id <= 4095, "sdp4bit: bucket_id ", bucket_id,
+              " is outside 0..=4095");
+  return static_cast<uint32_t>(bucket_id);
+}
+
+uint64_t checked_step(int64_t step) {
+  TORCH_CHECK(step >= 0, "sdp4bit: step ", step, " is negative");
+  return static_cast<uint64_t>(step);
+}
+
+std::vector<uint64_t> checked_labels(const std::vector<int64_t>& labels) {
+  std::vector<uint64_t> out;
+  out.reserve(labels.size());
+  for (int64_t label : labels) {
+    TORCH_CHECK(label >= 0, "sdp4bit: node label ", label, " is negative");
+    out.push_back(static_cast<uint64_t>(label));
+  }
+  return out;
+}
+
+// Releases the GIL (when this thread holds it) while blocking on the executor, so the
+// executor and other Python threads never wait for a thread that waits for them.
+class WithoutGil {
+ public:
+  WithoutGil() {
+    if (Py_IsInitialized() && PyGILState_Check()) state_ = PyEval_SaveThread();
+  }
+  ~WithoutGil() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
+// A tensor's memory as the executor thread sees it. Jobs never hold at::Tensor handles:
+// changing a tensor's reference count off the Python thread can need the GIL. The Work
+// keeps the tensors alive instead.
+template <class T>
+struct Span {
+  T* data;
+  size_t len;
+
+  explicit Span(const at::Tensor& t)
+      : data(static_cast<T*>(t.data_ptr())), len(static_cast<size_t>(t.numel())) {}
+  rust::Slice<const T> in() const { return {data, len}; }
+  rust::Slice<T> out() const { return {data, len}; }
+};
+
+template <class T>
+rust::Slice<const T> const_slice(const at::Tensor& t) {
+  return {static_cast<const T*>(t.data_ptr()), static_cast<size_t>(t.numel())};
+}
+
+template <class T>
+rust::Slice<T> mut_slice(at::Tensor& t) {
+  return {static_cast<T*>(t.data_ptr()), static_cast<size_t>(t.numel())};
+}
+
+std::vector<int64_t> wire_pair(const ffi::WireBytes& bytes) {
+  return {static_cast<int64_t>(bytes.intra_node), static_cast<int64_t>(bytes.inter_node)};
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_optional(const std::string& name) {
+  if (name.empty()) return {};
+  return c10d::resolve_process_group(name);
+}
+
+}  // namespace
+
+// The process groups of one DP group and the thread their collectives run on.
+class ProcessGroups : public torch::CustomClassHolder {
+ public:
+  ProcessGroups(const std::string& world, const std::string& intra, const std::string& inter) {
+    TORCH_CHECK(!world.empty(), "sdp4bit: the world process group name is empty");
+    auto groups = std::make_unique<ffi::TorchComms::Groups>();
+    rethrow_as_torch_error([&] {
+      groups->world = c10d::resolve_process_group(world);
+      groups->intra = resolve_optional(intra);
+      groups->inter = resolve_optional(inter);
+    });
+    comms_ = std::make_unique<ffi::TorchComms>(std::move(groups));
+  }
+
+  int64_t rank() const { return static_cast<int64_t>(comms_->rank(ffi::CommLevel::World)); }
+  int64_t size() const { return static_cast<int64_t>(comms_->size(ffi::CommLevel::World)); }
+
+  const ffi::TorchComms& comms() const { return *comms_; }
+
+  // Runs `job` on the executor after everything queued before it, and waits for it.
+  template <class F>
+  auto run_in_order(F&& job) -> decltype(job()) {
+    using R = decltype(job());
+    std::optional<R> result;
+    auto done = executor_.submit([&] { result.emplace(job()); });
+    {
+      WithoutGil unlocked;
+      done.wait();
+    }
+    rethrow_as_torch_error([&] { done.get(); });
+    return std::move(*result);
+  }
+
+  std::shared_future<void> submit(std::function<void()> job) {
+    return executor_.submit(std::move(job));
+  }
+
+ private:
+  std::unique_ptr<ffi::TorchComms> comms_;
+  Executor executor_;  // declared last: joined before the groups are released
+};
+
+// A collective in flight. It keeps its tensors and the collective object alive, and waits for
+// the collective if it is dropped before completing, so nothing it uses is freed under the
+// executor thread.
+class Work : public torch::CustomClassHolder {
+ public:
+  Work(std::shared_future<void> done, std::vector<at::Tensor> keep_alive,
+       c10::intrusive_ptr<torch::CustomClassHolder> owner)
+      : done_(std::move(done)), keep_alive_(std::move(keep_alive)), owner_(std::move(owner)) {}
+
+  ~Work() override {
+    if (done_.valid()) {
+      WithoutGil unlocked;
+      done_.wait();
+    }
+  }
+
+  void wait() {
+    {
+      WithoutGil unlocked;
+      done_.wait();
+    }
+    rethrow_as_torch_error([&] { done_.get(); });
+  }
+
+  bool is_completed() {
+    return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+
+ private:
+  std::shared_future<void> done_;
+  std::vector<at::Tensor> keep_alive_;
+  c10::intrusive_ptr<torch::CustomClassHolder> owner_;
+};
+
+// The gradient reduce-scatter of one fp32 bucket.
+class GradReduceScatter : public torch::CustomClassHolder {
+ public:
+  GradReduceScatter(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
+                    const std::vector<int64_t>& node_labels, int64_t numel, int64_t bucket_id)
+      : groups_(std::move(groups)), numel_(numel), bucket_id_(checked_bucket_id(bucket_id)) {
+    TORCH_CHECK(numel > 0, "sdp4bit: bucket size ", numel, " must be positive");
+    auto labels = checked_labels(node_labels);
+    auto parsed = groups_->run_in_order([&] {
+      return ffi::agree_on_setup(groups_->comms(), config, "", bucket_id_,
+                                 static_cast<size_t>(numel));
+    });
+    bucket_ = rethrow_as_torch_error([&] {
+      return ffi::new_grad_bucket(*parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
+                                  static_cast<size_t>(groups_->rank()),
+                                  static_cast<size_t>(numel), bucket_id_);
+    });
+    shard_len_ = static_cast<int64_t>((*bucket_)->shard_len());
+  }
+
+  int64_t shard_len() const { return shard_len_; }
+
+  std::vector<int64_t> wire_bytes(int64_t step) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return wire_pair((*bucket_)->wire_bytes(checked_step(step)));
+  }
+
+  std::vector<int64_t> baseline_wire_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return wire_pair((*bucket_)->baseline_wire_bytes());
+  }
+
+  std::string notice() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::string((*bucket_)->notice());
+  }
+
+  c10::intrusive_ptr<Work> start(at::Tensor bucket, at::Tensor shard, int64_t step) {
+    check_tensor("gradient bucket", bucket, at::kFloat, numel_);
+    check_tensor("gradient shard", shard, at::kFloat, shard_len_);
+    uint64_t at_step = checked_step(step);
+    Span<float> in(bucket), out(shard);
+    auto done = groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
+    return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{bucket, shard},
+                                     c10::intrusive_ptr<GradReduceScatter>::reclaim_copy(this));
+  }
+
+ private:
+  void run(Span<float> bucket, Span<float> shard, uint64_t step) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // The core reads the bucket while it writes the shard: when the shard is a view into the
+    // bucket (Megatron's layout), it writes a persistent scratch shard that is copied over.
+    const float* b = bucket.data;
+    bool aliased = b < shard.data + shard.len && shard.data < b + bucket.len;
+    if (!aliased) {
+      (*bucket_)->run(groups_->comms(), bucket.in(), shard.out(), step);
+      return;
+    }
+    scratch_.resize(shard.len);
+    (*bucket_)->run(groups_->comms(), bucket.in(), rust::Slice<float>(scratch_.data(), shard.len),
+                    step);
+    std::memcpy(shard.data, scratch_.data(), shard.len * sizeof(float));
+  }
+
+  c10::intrusive_ptr<ProcessGroups> groups_;
+  int64_t numel_;
+  uint32_t bucket_id_;
+  int64_t shard_len_ = 0;
+  std::optional<rust::Box<ffi::GradBucket>> bucket_;
+  std::vector<float> scratch_;
+  std::mutex mutex_;
+};
+
+// The parameter all-gather of one bf16 bucket.
+class WeightAllGather : public torch::CustomClassHolder {
+ public:
+  WeightAllGather(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
+                  const std::vector<int64_t>& node_labels, at::Tensor params, int64_t bucket_id)
+      : groups_(std::move(groups)), bucket_id_(checked_bucket_id(bucket_id)) {
+    numel_ = params.defined() ? params.numel() : 0;
+    std::string problem = tensor_problem("param bucket", params, at::kBFloat16, numel_);
+    if (problem.empty() && numel_ <= 0) problem = "param bucket is empty";
+    auto labels = checked_labels(node_labels);
+    auto parsed = groups_->run_in_order([&] {
+      return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
+                                 static_cast<size_t>(numel_));
+    });
+    bucket_ = rethrow_as_torch_error([&] {
+      return ffi::new_weight_bucket(
+          *parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
+          static_cast<size_t>(groups_->rank()), bucket_id_, const_slice<uint16_t>(params));
+    });
+    shard_len_ = static_cast<int64_t>((*bucket_)->shard_len());
+  }
+
+  int64_t shard_len() const { return shard_len_; }
+
+  std::vector<int64_t> wire_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return wire_pair((*bucket_)->wire_bytes());
+  }
+
+  std::vector<int64_t> baseline_wire_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return wire_pair((*bucket_)->baseline_wire_bytes());
+  }
+
+  c10::intrusive_ptr<Work> start(at::Tensor params, int64_t step) {
+    check_tensor("param bucket", params, at::kBFloat16, numel_);
+    uint64_t at_step = checked_step(step);
+    Span<uint16_t> bits(params);
+    auto done = groups_->submit([this, bits, at_step] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      (*bucket_)->run(groups_->comms(), bits.out(), at_step);
+    });
+    return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{params},
+                                     c10::intrusive_ptr<WeightAllGather>::reclaim_copy(this));
+  }
+
+ private:
+  c10::intrusive_ptr<ProcessGroups> groups_;
+  uint32_t bucket_id_;
+  int64_t numel_ = 0;
+  int64_t shard_len_ = 0;
+  std::optional<rust::Box<ffi::WeightBucket>> bucket_;
+  std::mutex mutex_;
+};
+
+namespace {
+
+rust::Box<ffi::ParsedConfig> parse(const std::string& config) {
+  return rethrow_as_torch_error([&] { return ffi::parse_config(config); });
+}
+
+std::string describe_config(const std::string& config) {
+  return std::string(parse(config)->describe());
+}
+
+int64_t config_fingerprint(const std::string& config) {
+  uint64_t fingerprint = parse(config)->fingerprint();
+  int64_t out;
+  std::memcpy(&out, &fingerprint, sizeof out);  // the same 64 bits, as torch's int
+  return out;
+}
+
+at::Tensor simulate_grad_reduce_scatter(const std::string& config,
+                                        const std::vector<int64_t>& node_labels,
+                                        int64_t bucket_id, int64_t step,
+                                        const at::Tensor& inputs) {
+  auto parsed = parse(config);
+  auto labels = checked_labels(node_labels);
+  TORCH_CHECK(inputs.dim() == 2 && inputs.size(0) == static_cast<int64_t>(labels.size()),
+              "sdp4bit: inputs must be [world, numel] with world = ", labels.size(),
+              " node labels, got ", inputs.sizes());
+  at::Tensor in = inputs.contiguous();
+  check_tensor("inputs", in, at::kFloat, in.numel());
+  at::Tensor out = at::empty({inputs.size(0), inputs.size(1) / inputs.size(0)}, in.options());
+  rethrow_as_torch_error([&] {
+    ffi::simulate_grad_reduce_scatter(*parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
+                                      checked_bucket_id(bucket_id), checked_step(step),
+                                      const_slice<float>(in), mut_slice<float>(out));
+  });
+  return out;
+}
+
+at::Tensor simulate_weight_all_gather(const std::string& config,
+                                      const std::vector<int64_t>& node_labels, int64_t bucket_id,
+                                      int64_t first_step, const at::Tensor& initial,
+                                      const at::Tensor& targets) {
+  auto parsed = parse(config);
+  auto labels = checked_labels(node_labels);
+  at::Tensor init = initial.contiguous();
+  at::Tensor tgt = targets.contiguous();
+  check_tensor("initial", init, at::kBFloat16, init.numel());
+  check_tensor("targets", tgt, at::kBFloat16, tgt.numel());
+  TORCH_CHECK(tgt.dim() == 2 && tgt.size(1) == init.numel(),
+              "sdp4bit: targets must be [steps, numel], got ", tgt.sizes());
+  int64_t world = static_cast<int64_t>(labels.size());
+  at::Tensor out = at::empty({tgt.size(0), world, init.numel()}, init.options());
+  rethrow_as_torch_error([&] {
+    ffi::simulate_weight_all_gather(*parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
+                                    checked_bucket_id(bucket_id), checked_step(first_step),
+                                    const_slice<uint16_t>(init), const_slice<uint16_t>(tgt),
+                                    mut_slice<uint16_t>(out));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sdp4bit, m) {
+  m.class_<ProcessGroups>("ProcessGroups")
+      .def(torch::init<std::string, std::string, std::string>())
+      .def("rank", &ProcessGroups::rank)
+      .def("size", &ProcessGroups::size);
+  m.class_<Work>("Work").def("wait", &Work::wait).def("is_completed", &Work::is_completed);
+  m.class_<GradReduceScatter>("GradReduceScatter")
+      .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,
+                       int64_t, int64_t>())
+      .def("start", &GradReduceScatter::start)
+      .def("shard_len", &GradReduceScatter::shard_len)
+      .def("wire_bytes", &GradReduceScatter::wire_bytes)
+      .def("baseline_wire_bytes", &GradReduceScatter::baseline_wire_bytes)
+      .def("notice", &GradReduceScatter::notice);
+  m.class_<WeightAllGather>("WeightAllGather")
+      .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,
+                       at::Tensor, int64_t>())
+      .def("start", &WeightAllGather::start)
+      .def("shard_len", &WeightAllGather::shard_len)
+      .def("wire_bytes", &WeightAllGather::wire_bytes)
+      .def("baseline_wire_bytes", &WeightAllGather::baseline_wire_bytes);
+  m.def("describe_config(str config) -> str", &describe_config);
+  m.def("config_fingerprint(str config) -> int", &config_fingerprint);
+  m.def(
+      "simulate_grad_reduce_scatter(str config, int[] node_labels, int bucket_id, int step, "
+      "Tensor inputs) -> Tensor",
+      &simulate_grad_reduce_scatter);
+  m.def(
+      "simulate_weight_all_gather(str config, int[] node_labels, int bucket_id, int first_step, "
+      "Tensor initial, Tensor targets) -> Tensor",
+      &simulate_weight_all_gather);
+}
+
+}  // namespace sdp4bit

@@ -1,0 +1,38 @@
+// The torch.distributed side of the cxx bridge (src/ffi/mod.rs): the process groups of one
+// DP group, whose collectives the Rust core calls. Declared without torch headers so that
+// cargo can compile the bridge; defined in torch_comms.cpp, built against the installed torch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "rust/cxx.h"
+
+namespace sdp4bit::ffi {
+
+enum class CommLevel : std::uint8_t;
+
+class TorchComms {
+ public:
+  struct Groups;  // the c10d process groups, defined with torch in torch_comms.cpp
+
+  explicit TorchComms(std::unique_ptr<Groups> groups);
+  ~TorchComms();
+  TorchComms(const TorchComms&) = delete;
+  TorchComms& operator=(const TorchComms&) = delete;
+
+  bool has_level(CommLevel level) const;
+  std::size_t rank(CommLevel level) const;
+  std::size_t size(CommLevel level) const;
+  void all_gather(CommLevel level, rust::Slice<const std::uint8_t> send,
+                  rust::Slice<std::uint8_t> recv) const;
+  void all_to_all(CommLevel level, rust::Slice<const std::uint8_t> send,
+                  rust::Slice<std::uint8_t> recv) const;
+  float all_reduce_max(CommLevel level, float value) const;
+
+ private:
+  std::unique_ptr<Groups> groups_;
+};
+
+}  // namespace sdp4bit::ffi

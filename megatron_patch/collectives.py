@@ -1,0 +1,140 @@
+"""Compressed collectives of one flat bucket: the gradient reduce-scatter and the parameter
+all-gather, each started on the groups' background thread and completed by ``wait()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _native
+from .config import Sdp4bitConfig
+from .errors import translated_errors
+from .groups import Sdp4bitGroups
+
+
+@dataclass(frozen=True)
+class WireBytes:
+    """Bytes one rank sends in one call, to peers on its node and on other nodes."""
+
+    intra_node: int
+    inter_node: int
+
+    @property
+    def total(self) -> int:
+        return self.intra_node + self.inter_node
+
+
+class Handle:
+    """A collective in flight; :meth:`wait` completes it (and raises its error, if any)."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        with translated_errors():
+            self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _check_tensor(what: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int) -> None:
+    """Raises TypeError / ValueError naming what is wrong with `tensor`."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"sdp4bit: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"sdp4bit: {what} is on {tensor.device}; this build runs the collectives on CPU "
+            "tensors only (the device-side path of the CUDA kernels is not wired yet)"
+        )
+    if tensor.dtype != dtype:
+        raise TypeError(f"sdp4bit: {what} must be {dtype}, got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"sdp4bit: {what} must be contiguous")
+    if tensor.numel() != numel:
+        raise ValueError(
+            f"sdp4bit: {what} has {tensor.numel()} elements, the bucket was planned for {numel}"
+        )
+
+
+def _check_step(step: int) -> int:
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"sdp4bit: step must be a non-negative int, got {step!r}")
+    return step
+
+
+class GradReduceScatter:
+    """The gradient reduce-scatter of one fp32 bucket of `numel` elements.
+
+    After ``start(bucket, shard, step).wait()`` this rank's `shard` (``numel / W`` elements,
+    shard ``rank`` of the bucket; it may be a view into `bucket`) holds the sum of every
+    rank's `bucket` over that range, within the codec's error. Set-up is collective: every
+    rank of the DP group constructs its bucket with the same config, bucket id and size, or
+    all of them raise.
+    """
+
+    def __init__(self, groups: Sdp4bitGroups, config: Sdp4bitConfig, numel: int, bucket_id: int):
+        if numel <= 0:
+            raise ValueError(f"sdp4bit: bucket size must be positive, got {numel}")
+        self.groups, self.config, self.numel, self.bucket_id = groups, config, numel, bucket_id
+        with translated_errors():
+            self._native = _native.classes().GradReduceScatter(
+                groups.native, config.spec(), groups.node_labels, numel, bucket_id
+            )
+        self.shard_len = self._native.shard_len()
+
+    def start(self, bucket: torch.Tensor, shard: torch.Tensor, step: int) -> Handle:
+        """Starts reduce-scattering `bucket` into `shard` for optimizer step `step`."""
+        _check_tensor("gradient bucket", bucket, torch.float32, self.numel)
+        _check_tensor("gradient shard", shard, torch.float32, self.shard_len)
+        with translated_errors():
+            return Handle(self._native.start(bucket, shard, _check_step(step)))
+
+    def wire_bytes(self, step: int) -> WireBytes:
+        """Bytes this rank sends at step `step`."""
+        return WireBytes(*self._native.wire_bytes(_check_step(step)))
+
+    def baseline_wire_bytes(self) -> WireBytes:
+        """Bytes the uncompressed fp32 reduce-scatter of this bucket sends."""
+        return WireBytes(*self._native.baseline_wire_bytes())
+
+    def notice(self) -> str | None:
+        """Why the route is degraded (nodes of unequal size), if it is."""
+        return self._native.notice() or None
+
+
+class WeightAllGather:
+    """The parameter all-gather of one bf16 bucket.
+
+    `params` is the bucket as every replica holds it at set-up. Before each
+    ``start(params, step)`` the caller writes this rank's new shard (shard ``rank``,
+    ``numel / W`` elements) into `params`; after ``wait()`` every replica holds the same bucket,
+    bit for bit (qWD sends 4-bit differences from the previous values, kept on each rank).
+    """
+
+    def __init__(self, groups: Sdp4bitGroups, config: Sdp4bitConfig, params: torch.Tensor,
+                 bucket_id: int):
+        self.groups, self.config, self.bucket_id = groups, config, bucket_id
+        with translated_errors():
+            # Problems with `params` are reported by every rank at once (the set-up check
+            # runs even when this rank's input is bad), so they are left to the extension.
+            self._native = _native.classes().WeightAllGather(
+                groups.native, config.spec(), groups.node_labels, params, bucket_id
+            )
+        self.numel = params.numel()
+        self.shard_len = self._native.shard_len()
+
+    def start(self, params: torch.Tensor, step: int) -> Handle:
+        """Starts all-gathering `params` for optimizer step `step`."""
+        _check_tensor("param bucket", params, torch.bfloat16, self.numel)
+        with translated_errors():
+            return Handle(self._native.start(params, _check_step(step)))
+
+    def wire_bytes(self) -> WireBytes:
+        """Bytes this rank sends per call."""
+        return WireBytes(*self._native.wire_bytes())
+
+    def baseline_wire_bytes(self) -> WireBytes:
+        """Bytes the uncompressed bf16 all-gather of this bucket sends."""
+        return WireBytes(*self._native.baseline_wire_bytes())

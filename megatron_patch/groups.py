@@ -1,0 +1,121 @@
+"""The process groups one DP group's compressed collectives run over, built once."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from . import _native
+from .errors import translated_errors
+
+
+def node_labels_from_local_world_size(global_ranks: list[int], local_world_size: int) -> list[int]:
+    """Node of each rank when nodes hold `local_world_size` consecutive global ranks."""
+    if local_world_size <= 0:
+        raise ValueError(f"sdp4bit: local_world_size must be positive, got {local_world_size}")
+    return [g // local_world_size for g in global_ranks]
+
+
+def _layout(labels: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
+    """(node index, local index, members per node) of each DP rank, as the Rust core's
+    Topology numbers them: nodes in order of first appearance, locals in DP order."""
+    seen: dict[int, int] = {}
+    node_of, local_of, members = [], [], []
+    for z, label in enumerate(labels):
+        node = seen.setdefault(label, len(seen))
+        if node == len(members):
+            members.append([])
+        node_of.append(node)
+        local_of.append(len(members[node]))
+        members[node].append(z)
+    return node_of, local_of, members
+
+
+@dataclass
+class Sdp4bitGroups:
+    """A DP group and, when every node holds the same number of its ranks, its intra-node and
+    inter-node subgroups, as private process groups (so that the background thread that runs
+    the compressed collectives never interleaves with the training loop's own collectives).
+
+    Build it once per DP group with :meth:`create`; every rank of the DP group must call it.
+    """
+
+    dp_group: dist.ProcessGroup | None
+    global_ranks: list[int]
+    node_labels: list[int]
+    rank: int
+    world: dist.ProcessGroup
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
+    native: object
+
+    @classmethod
+    def create(
+        cls,
+        dp_group: dist.ProcessGroup | None = None,
+        local_world_size: int | None = None,
+        node_labels: list[int] | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> Sdp4bitGroups:
+        """Builds the groups of `dp_group` (default: the whole job).
+
+        Nodes come from `node_labels` (one per DP rank) if given, else from
+        `local_world_size` (default: the ``LOCAL_WORLD_SIZE`` variable torchrun sets), a
+        rank's node being ``global_rank // local_world_size``. `timeout` bounds every
+        collective of these groups (default: torch's).
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("sdp4bit: torch.distributed is not initialized")
+        global_ranks = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
+        if node_labels is None:
+            if local_world_size is None:
+                env = os.environ.get("LOCAL_WORLD_SIZE")
+                if env is None:
+                    raise ValueError(
+                        "sdp4bit: pass local_world_size or node_labels, or launch with torchrun "
+                        "(which sets LOCAL_WORLD_SIZE)"
+                    )
+                local_world_size = int(env)
+            node_labels = node_labels_from_local_world_size(global_ranks, local_world_size)
+        node_labels = [int(label) for label in node_labels]
+        if len(node_labels) != len(global_ranks):
+            raise ValueError(
+                f"sdp4bit: {len(node_labels)} node labels for a DP group of {len(global_ranks)} ranks"
+            )
+        rank = dist.get_rank(dp_group or dist.group.WORLD)
+        node_of, local_of, members = _layout(node_labels)
+        per_node = {len(m) for m in members}
+        kwargs = {"use_local_synchronization": True}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        world = dist.new_group(global_ranks, **kwargs)
+        intra = inter = None
+        if len(per_node) == 1 and len(global_ranks) > 1:
+            # Every rank builds only the subgroups it belongs to (local synchronization), in
+            # the same order on every rank: its node's group, then its local index's group.
+            mine = members[node_of[rank]]
+            across = [m[local_of[rank]] for m in members]
+            if [global_ranks[z] for z in across] != sorted(global_ranks[z] for z in across):
+                raise ValueError(
+                    f"sdp4bit: node labels {node_labels} put nodes in an order that the global "
+                    "ranks do not follow; number nodes by their lowest global rank"
+                )
+            if len(mine) > 1:
+                intra = dist.new_group([global_ranks[z] for z in mine], **kwargs)
+            if len(members) > 1:
+                inter = dist.new_group([global_ranks[z] for z in across], **kwargs)
+        with translated_errors():
+            native = _native.classes().ProcessGroups(
+                world.group_name,
+                intra.group_name if intra is not None else "",
+                inter.group_name if inter is not None else "",
+            )
+        return cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native)
+
+    @property
+    def size(self) -> int:
+        """Ranks in the DP group."""
+        return len(self.global_ranks)

@@ -1,0 +1,95 @@
+"""Builds the Rust static library with its cxx bridge and stages it for the torch extension.
+
+The staged directory (a "native bundle") is what `setup.py` compiles the extension against:
+
+    <dir>/lib/libsdp4bit.a                      the Rust core with the bridge's C++ half
+    <dir>/include/rust/cxx.h                    cxx's C++ runtime header
+    <dir>/include/sdp4bit/src/ffi/mod.rs.h      the generated bridge header
+    <dir>/include/sdp4bit/cpp/torch_comms.h     the C++ side's declarations
+
+Hosts without a Rust toolchain install from a bundle built elsewhere:
+
+    python scripts/build_native.py --out /path/to/bundle          # where cargo is
+    SDP4BIT_NATIVE_DIR=/path/to/bundle pip install .              # where it is not
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HEADERS = ("rust/cxx.h", "sdp4bit/src/ffi/mod.rs.h")
+
+
+def cargo_build(repo: Path = REPO) -> tuple[Path, Path]:
+    """Runs `cargo build --release --features ffi --lib`; returns (staticlib, cxxbridge include)."""
+    cargo = os.environ.get("CARGO", "cargo")
+    if shutil.which(cargo) is None:
+        raise RuntimeError(
+            "sdp4bit: building the Rust core needs cargo (https://rustup.rs); on a host "
+            "without Rust, build a native bundle elsewhere with `python scripts/build_native.py "
+            "--out DIR` and install with SDP4BIT_NATIVE_DIR=DIR"
+        )
+    command = [cargo, "build", "--release", "--locked", "--features", "ffi", "--lib",
+               "--message-format=json-render-diagnostics"]
+    proc = subprocess.run(command, cwd=repo, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sdp4bit: `{' '.join(command)}` failed (exit {proc.returncode})")
+    staticlib = include = None
+    for line in proc.stdout.splitlines():
+        message = json.loads(line)
+        package = message.get("package_id", "")
+        if "sdp4bit" not in package:
+            continue
+        if message.get("reason") == "build-script-executed":
+            include = Path(message["out_dir"]) / "cxxbridge" / "include"
+        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "sdp4bit":
+            staticlib = next(Path(f) for f in message["filenames"] if f.endswith(".a"))
+    if staticlib is None or include is None:
+        raise RuntimeError("sdp4bit: cargo did not report the static library and bridge headers")
+    return staticlib, include
+
+
+def stage(out: Path, repo: Path = REPO) -> Path:
+    """Builds with cargo and writes a native bundle to `out`; returns `out`."""
+    staticlib, include = cargo_build(repo)
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "lib").mkdir(parents=True)
+    shutil.copy2(staticlib, out / "lib" / "libsdp4bit.a")
+    for header in HEADERS:
+        target = out / "include" / header
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(include / header, target)
+    target = out / "include" / "sdp4bit" / "cpp" / "torch_comms.h"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(repo / "cpp" / "torch_comms.h", target)
+    return out
+
+
+def check_bundle(bundle: Path) -> Path:
+    """Raises unless `bundle` holds everything the extension build needs."""
+    needed = [bundle / "lib" / "libsdp4bit.a", bundle / "include" / "sdp4bit" / "cpp" / "torch_comms.h"]
+    needed += [bundle / "include" / h for h in HEADERS]
+    missing = [str(p) for p in needed if not p.is_file()]
+    if missing:
+        raise RuntimeError(f"sdp4bit: native bundle {bundle} lacks {', '.join(missing)}")
+    return bundle
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory to write the bundle to")
+    args = parser.parse_args()
+    print(check_bundle(stage(args.out.resolve())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+//! The only surface C++ sees: a `cxx` bridge used by the torch extension in `cpp/`.
+//!
+//! Rust keeps every algorithm; C++ supplies the exchanges. The extension hands Rust a
+//! [`bridge::TorchComms`] (the private torch.distributed process groups of one DP group) and
+//! Rust calls back into it for each all-gather and all-to-all, so the collectives of
+//! [`crate::collective`] run unchanged over gloo or NCCL. Every entry point catches panics and
+//! returns errors as values, which cxx turns into C++ exceptions and the extension into Python
+//! exceptions.
+//!
+//! Built only with the `ffi` feature (`pip install .` turns it on).
+
+mod buckets;
+mod simulate;
+mod torch_comm;
+
+use buckets::{
+    GradBucket, ParsedConfig, WeightBucket, agree_on_setup, new_grad_bucket, new_weight_bucket,
+    parse_config,
+};
+use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
+
+#[cxx::bridge(namespace = "sdp4bit::ffi")]
+mod bridge {
+    /// One of the communicators of a rank's DP group.
+    #[derive(Debug, Clone, Copy)]
+    #[repr(u8)]
+    enum CommLevel {
+        /// All ranks of the DP group.
+        World,
+        /// The ranks on this rank's node.
+        Intra,
+        /// The ranks with this rank's local index, one per node.
+        Inter,
+    }
+
+    /// Element type of a reduce-scatter sum.
+    #[derive(Debug, Clone, Copy)]
+    #[repr(u8)]
+    enum SumDtype {
+        Float32,
+        Int8,
+        Int16,
+    }
+
+    /// Bytes one rank sends, split by where they travel.
+    #[derive(Debug, Clone, Copy, Default)]
+    struct WireBytes {
+        intra_node: u64,
+        inter_node: u64,
+    }
+
+    extern "Rust" {
+        /// A validated config (preset plus knob overrides).
+        type ParsedConfig;
+        /// Parses `preset[;knob=value]*`, e.g. `sdp4bit;weight_bits=4;seed=7`.
+        fn parse_config(spec: &str) -> Result<Box<ParsedConfig>>;
+        /// The canonical text of the config (what the fingerprint hashes).
+        fn describe(self: &ParsedConfig) -> String;
+        /// The cross-rank fingerprint.
+        fn fingerprint(self: &ParsedConfig) -> u64;
+
+        /// The gradient reduce-scatter of one bucket.
+        type GradBucket;
+        /// Plans bucket `bucket_id` of `numel` fp32 elements for DP rank `rank`; DP rank `z`
+        /// lives on node `node_labels[z]`.
+        fn new_grad_bucket(
+            config: &ParsedConfig,
+            node_labels: &[u64],
+            rank: usize,
+            numel: usize,
+            bucket_id: u32,
+        ) -> Result<Box<GradBucket>>;
+        /// Elements of this rank's shard.
+        fn shard_len(self: &GradBucket) -> usize;
+        /// Bytes sent at step `step`.
+        fn wire_bytes(self: &GradBucket, step: u64) -> WireBytes;
+        /// Bytes the uncompressed fp32 reduce-scatter sends.
+        fn baseline_wire_bytes(self: &GradBucket) -> WireBytes;
+        /// Why the route was degraded (unequal nodes), or empty.
+        fn notice(self: &GradBucket) -> String;
+        /// Reduce-scatters `bucket` into `shard` at optimizer step `step`.
+        fn run(
+            self: &mut GradBucket,
+            comms: &TorchComms,
+            bucket: &[f32],
+            shard: &mut [f32],
+            step: u64,
+        ) -> Result<()>;
+
+        /// The parameter all-gather of one bf16 bucket.
+        type WeightBucket;
+        /// Plans bucket `bucket_id` for DP rank `rank`; `params` (bf16 bit patterns) is the
+        /// bucket as every replica holds it now.
+        fn new_weight_bucket(
+            config: &ParsedConfig,
+            node_labels: &[u64],
+            rank: usize,
+            bucket_id: u32,
+            params: &[u16],
+        ) -> Result<Box<WeightBucket>>;
+        /// Elements of this rank's shard.
+        fn shard_len(self: &WeightBucket) -> usize;
+        /// Bytes sent per call.
+        fn wire_bytes(self: &WeightBucket) -> WireBytes;
+        /// Bytes the uncompressed bf16 all-gather sends.
+        fn baseline_wire_bytes(self: &WeightBucket) -> WireBytes;
+        /// All-gathers `params` (bf16 bit patterns) at optimizer step `step`.
+        fn run(
+            self: &mut WeightBucket,
+            comms: &TorchComms,
+            params: &mut [u16],
+            step: u64,
+        ) -> Result<()>;
+
+        /// The set-up check, run by every rank of the world communicator before it plans a
+        /// bucket: parses `spec` and fails on every rank unless all parsed the same config and
+        /// agree on the bucket id and size. `local_error`, when not empty, is a problem this
+        /// rank already found in its inputs: the rank still takes part, so its peers fail at
+        /// once naming it, and it fails with that message.
+        fn agree_on_setup(
+            comms: &TorchComms,
+            spec: &str,
+            local_error: &str,
+            bucket_id: u32,
+            numel: usize,
+        ) -> Result<Box<ParsedConfig>>;
+
+        /// Runs the gradient reduce-scatter of all W ranks in this process (threads, in-process
+        /// exchanges): `inputs` is W buckets back to back, `outputs` receives W shards.
+        fn simulate_grad_reduce_scatter(
+            config: &ParsedConfig,
+            node_labels: &[u64],
+            bucket_id: u32,
+            step: u64,
+            inputs: &[f32],
+            outputs: &mut [f32],
+        ) -> Result<()>;
+        /// Runs T parameter all-gathers of all W ranks in this process: every replica starts
+        /// from `initial`; at step `first_step + t` rank z writes its shard of `targets[t]`
+        /// and all-gather; `outputs` receives every rank's bucket after every step (T x W
+        /// buckets).
+        fn simulate_weight_all_gather(
+            config: &ParsedConfig,
+            node_labels: &[u64],
+            bucket_id: u32,
+            first_step: u64,
+            initial: &[u16],
+            targets: &[u16],
+            outputs: &mut [u16],
+        ) -> Result<()>;
+    }
+
+    unsafe extern "C++" {
+        include!("sdp4bit/cpp/torch_comms.h");
+
+        /// The process groups of one DP group (world, and intra/inter when nodes are equal).
+        type TorchComms;
+        /// Whether this level's communicator exists.
+        fn has_level(self: &TorchComms, level: CommLevel) -> bool;
+        /// This rank's index in the level's communicator.
+        fn rank(self: &TorchComms, level: CommLevel) -> usize;
+        /// Ranks in the level's communicator.
+        fn size(self: &TorchComms, level: CommLevel) -> usize;
+        /// All-gather of equal byte blocks, blocking.
+        fn all_gather(
+            self: &TorchComms,
+            level: CommLevel,
+            send: &[u8],
+            recv: &mut [u8],
+        ) -> Result<()>;
+        /// Equal-split all-to-all of bytes, blocking.
+        fn all_to_all(
+            self: &TorchComms,
+            level: CommLevel,
+            send: &[u8],
+            recv: &mut [u8],
+        ) -> Result<()>;
+        /// MAX all-reduce of one float, blocking.
+        fn all_reduce_max(self: &TorchComms, level: CommLevel, value: f32) -> Result<f32>;
+    }
+}
+
+/// What bridge functions return: cxx turns the message into a C++ exception.
+type FfiResult<T> = Result<T, String>;
+
+/// Runs `f`, turning a panic into an error so that no unwind crosses the FFI.
+fn guard<T>(what: &str, f: impl FnOnce() -> crate::Result<T>) -> FfiResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(format!(
+                "internal error in {what} (a bug in sdp4bit): {message}"
+            ))
+        }
+    }
+}
+
+impl From<crate::collective::WireBytes> for bridge::WireBytes {
+    fn from(bytes: crate::collective::WireBytes) -> Self {
+        Self {
+            intra_node: bytes.intra_node,
+            inter_node: bytes.inter_node,
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! The core's [`Comm`] over the process groups the torch extension provides.
+
+use std::cell::RefCell;
+
+use super::bridge::{CommLevel, TorchComms};
+use crate::collective::{Comm, CommGroups, SumElement, sum_in_rank_order};
+use crate::error::{Error, Result};
+
+/// One level (world, intra- or inter-node) of a [`TorchComms`] as a [`Comm`].
+///
+/// Reduce-scatters run as an all-to-all followed by [`sum_in_rank_order`], so the sums are
+/// the same bits as the in-process collective's whatever the backend's own reduction order;
+/// the bytes on the wire are those of a direct-send reduce-scatter.
+pub(super) struct TorchLevel<'a> {
+    comms: &'a TorchComms,
+    level: CommLevel,
+    rank: usize,
+    size: usize,
+    /// Receive buffer of the reduce-scatter's all-to-all, kept across calls.
+    scratch: RefCell<Vec<u8>>,
+}
+
+impl<'a> TorchLevel<'a> {
+    /// The level's communicator, if the extension created one.
+    fn new(comms: &'a TorchComms, level: CommLevel) -> Option<Self> {
+        comms.has_level(level).then(|| Self {
+            comms,
+            level,
+            rank: comms.rank(level),
+            size: comms.size(level),
+            scratch: RefCell::default(),
+        })
+    }
+}
+
+/// The world, intra- and inter-node levels of `comms`.
+pub(super) struct TorchLevels<'a> {
+    world: TorchLevel<'a>,
+    intra: Option<TorchLevel<'a>>,
+    inter: Option<TorchLevel<'a>>,
+}
+
+impl<'a> TorchLevels<'a> {
+    /// Wraps every level `comms` has; the world level is required.
+    pub(super) fn new(comms: &'a TorchComms) -> Result<Self> {
+        let world = TorchLevel::new(comms, CommLevel::World).ok_or_else(|| {
+            Error::Comm("the extension provided no world process group".to_string())
+        })?;
+        Ok(Self {
+            world,
+            intra: TorchLevel::new(comms, CommLevel::Intra),
+            inter: TorchLevel::new(comms, CommLevel::Inter),
+        })
+    }
+
+    /// The levels as the collectives take them.
+    pub(super) fn groups(&self) -> CommGroups<'_, TorchLevel<'a>> {
+        CommGroups {
+            world: &self.world,
+            intra: self.intra.as_ref(),
+            inter: self.inter.as_ref(),
+        }
+    }
+
+    /// The world level.
+    pub(super) fn world(&self) -> &TorchLevel<'a> {
+        &self.world
+    }
+}
+
+fn comm_error(what: &str, level: CommLevel, error: cxx::Exception) -> Error {
+    let level = match level {
+        CommLevel::Intra => "intra-node",
+        CommLevel::Inter => "inter-node",
+        _ => "world",
+    };
+    Error::Comm(format!("{what} over the {level} group: {}", error.what()))
+}
+
+impl Comm for TorchLevel<'_> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        if recv.len() != self.size * send.len() {
+            return Err(Error::Comm(format!(
+                "all_gather: {} bytes out must be {} x the {} bytes in",
+                recv.len(),
+                self.size,
+                send.len()
+            )));
+        }
+        self.comms
+            .all_gather(self.level, send, recv)
+            .map_err(|e| comm_error("all_gather", self.level, e))
+    }
+
+    fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        if send.len() != recv.len() || !send.len().is_multiple_of(self.size) {
+            return Err(Error::Comm(format!(
+                "all_to_all: {} bytes in and {} bytes out must be equal multiples of {} ranks",
+                send.len(),
+                recv.len(),
+                self.size
+            )));
+        }
+        self.comms
+            .all_to_all(self.level, send, recv)
+            .map_err(|e| comm_error("all_to_all", self.level, e))
+    }
+
+    fn all_reduce_max(&self, value: f32) -> Result<f32> {
+        self.comms
+            .all_reduce_max(self.level, value)
+            .map_err(|e| comm_error("all_reduce_max", self.level, e))
+    }
+
+    fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        if send.len() != self.size * recv.len() {
+            return Err(Error::Comm(format!(
+                "reduce_scatter ({}): {} elements in must be {} x the {} elements out",
+                T::DTYPE,
+                send.len(),
+                self.size,
+                recv.len()
+            )));
+        }
+        let mut scratch = self.scratch.borrow_mut();
+        let send: &[u8] = bytemuck::cast_slice(send);
+        scratch.resize(send.len(), 0);
+        self.all_to_all(send, &mut scratch)?;
+        let block = std::mem::size_of_val(recv);
+        let first = self.rank * recv.len();
+        sum_in_rank_order(scratch.chunks_exact(block), recv, first)
+    }
+}

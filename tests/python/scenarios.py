@@ -1,0 +1,222 @@
+"""What each rank runs in the multi-process tests (imported by name in spawned processes)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch import (
+    GradReduceScatter,
+    Sdp4bitConfig,
+    Sdp4bitError,
+    Sdp4bitGroups,
+    WeightAllGather,
+)
+
+PRESETS = ("sdp4bit", "qsdp", "global-qsgd", "zeropp", "baseline")
+
+
+def gradients(world: int, numel: int, seed: int) -> torch.Tensor:
+    """Every rank's bucket: normal values over six decades with a few outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world, numel, generator=g)
+    x *= 10.0 ** torch.randint(-3, 3, (world, numel), generator=g).float()
+    x[:, ::97] *= 50.0
+    return x
+
+
+def weight_targets(numel: int, steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial bf16 params and the values an optimizer writes at each of `steps` steps."""
+    g = torch.Generator().manual_seed(seed)
+    initial = torch.randn(numel, generator=g)
+    deltas = 1e-3 * torch.randn(steps, numel, generator=g)
+    return initial.bfloat16(), (initial + deltas.cumsum(0)).bfloat16()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte-for-byte equality (NaNs with equal payloads compare equal)."""
+    view = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return a.shape == b.shape and torch.equal(a.view(view), b.view(view))
+
+
+def replicas_identical(params: torch.Tensor) -> bool:
+    """Whether every rank holds the same bits in `params`."""
+    bits = params.view(torch.int16).to(torch.int32)  # gloo has no int16
+    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, bits)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology):
+    """Every preset's reduce-scatter (2 steps, shard as a separate tensor and as a view into
+    the bucket) and all-gather (3 steps) equal the in-process collective byte for byte."""
+    if use_env_topology:
+        groups = Sdp4bitGroups.create()  # LOCAL_WORLD_SIZE from the launcher
+    else:
+        groups = Sdp4bitGroups.create(node_labels=labels)
+    assert groups.node_labels == labels, (groups.node_labels, labels)
+    numel = world * 3000  # not a multiple of any group size: exercises the padding
+    report = {}
+    for bucket_id, preset in enumerate(presets):
+        config = Sdp4bitConfig(preset, {"seed": 77})
+        spec = config.spec()
+        inputs = gradients(world, numel, seed=bucket_id)
+        rs = GradReduceScatter(groups, config, numel, bucket_id)
+        s = rs.shard_len
+        for step, as_view in ((0, False), (1, True)):
+            bucket = inputs[rank].clone()
+            shard = bucket.narrow(0, rank * s, s) if as_view else torch.empty(s)
+            rs.start(bucket, shard, step).wait()
+            expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+                spec, labels, bucket_id, step, inputs)[rank]
+            assert same_bits(shard, expected), f"{preset}: reduce-scatter step {step} differs"
+            assert torch.isfinite(shard).all(), preset
+
+        initial, targets = weight_targets(numel, steps=3, seed=100 + bucket_id)
+        params = initial.clone()
+        ag = WeightAllGather(groups, config, params, bucket_id)
+        expected = torch.ops.sdp4bit.simulate_weight_all_gather(
+            spec, labels, bucket_id, 0, initial, targets)
+        mine = slice(rank * ag.shard_len, (rank + 1) * ag.shard_len)
+        for step in range(targets.shape[0]):
+            params[mine] = targets[step][mine]
+            ag.start(params, step).wait()
+            assert same_bits(params, expected[step, rank]), f"{preset}: all-gather step {step}"
+            assert replicas_identical(params), f"{preset}: replicas differ at step {step}"
+        report[preset] = (rs.wire_bytes(1).total, rs.baseline_wire_bytes().total,
+                          ag.wire_bytes().total, ag.baseline_wire_bytes().total)
+    return report
+
+
+def repeated_qwd(rank, world, labels, steps):
+    """Replicas stay bit-identical over many qWD all-gathers, and the reconstruction error
+    stays within one step's quantization error instead of growing."""
+    groups = Sdp4bitGroups.create(node_labels=labels)
+    numel = world * 4096
+    initial, targets = weight_targets(numel, steps, seed=5)
+    params = initial.clone()
+    ag = WeightAllGather(groups, Sdp4bitConfig("sdp4bit"), params, bucket_id=9)
+    mine = slice(rank * ag.shard_len, (rank + 1) * ag.shard_len)
+    worst = []
+    for step in range(steps):
+        params[mine] = targets[step][mine]
+        handle = ag.start(params, step)
+        handle.wait()
+        assert handle.is_completed()
+        assert replicas_identical(params), f"replicas differ after step {step}"
+        worst.append((params.float() - targets[step].float()).abs().max().item())
+    return worst
+
+
+def nan_reaches_the_owner(rank, world, labels, presets):
+    """A NaN in rank 1's bucket at offset 17 of every shard makes element 17 of every rank's
+    reduced shard NaN, for every preset, and the result still equals the in-process one."""
+    groups = Sdp4bitGroups.create(node_labels=labels)
+    numel = world * 2048
+    for bucket_id, preset in enumerate(presets):
+        config = Sdp4bitConfig(preset)
+        inputs = gradients(world, numel, seed=3)
+        s = numel // world
+        inputs[1, torch.arange(world) * s + 17] = float("nan")
+        rs = GradReduceScatter(groups, config, numel, bucket_id)
+        shard = torch.empty(s)
+        rs.start(inputs[rank].clone(), shard, step=4).wait()
+        assert torch.isnan(shard[17]), f"{preset}: the NaN did not reach rank {rank}'s shard"
+        expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+            config.spec(), labels, bucket_id, 4, inputs)[rank]
+        assert torch.equal(torch.isnan(shard), torch.isnan(expected)), preset
+        finite = ~torch.isnan(shard)
+        assert same_bits(shard[finite], expected[finite]), preset
+    return True
+
+
+def _expect_error(kind, fragment, make):
+    start = time.monotonic()
+    try:
+        make()
+    except kind as error:
+        assert fragment in str(error), f"expected {fragment!r} in: {error}"
+        return str(error), time.monotonic() - start
+    raise AssertionError(f"no {kind.__name__} containing {fragment!r}")
+
+
+def mismatched_setups(rank, world):
+    """Set-up differences between ranks fail on every rank, quickly, naming the problem; the
+    groups still work afterwards."""
+    groups = Sdp4bitGroups.create(node_labels=[z // 2 for z in range(world)])
+    seen = []
+    config = Sdp4bitConfig("qsdp" if rank == 0 else "sdp4bit")
+    seen.append(_expect_error(Sdp4bitError, "config fingerprint",
+                              lambda: GradReduceScatter(groups, config, world * 1024, 0)))
+    numel = world * (1024 if rank != world - 1 else 2048)
+    seen.append(_expect_error(Sdp4bitError, "bucket size",
+                              lambda: GradReduceScatter(groups, Sdp4bitConfig(), numel, 0)))
+    seen.append(_expect_error(Sdp4bitError, "bucket id",
+                              lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024,
+                                                        rank % 2)))
+    seed = Sdp4bitConfig("sdp4bit", {"seed": 1 if rank == 1 else 2})
+    seen.append(_expect_error(Sdp4bitError, "config fingerprint",
+                              lambda: WeightAllGather(groups, seed, torch.zeros(world * 1024,
+                                                      dtype=torch.bfloat16), 0)))
+    # A bad input on one rank only: that rank names it, the others name that rank.
+    dtype = torch.float32 if rank == 2 else torch.bfloat16
+    fragment = "must be BFloat16" if rank == 2 else "rank 2 failed to set up"
+    seen.append(_expect_error(Sdp4bitError, fragment,
+                              lambda: WeightAllGather(groups, Sdp4bitConfig(),
+                                                      torch.zeros(world * 1024, dtype=dtype), 0)))
+    # An invalid knob on one rank only.
+    knobs = {"weight_bits": 5} if rank == 1 else {}
+    fragment = "weight_bits=5" if rank == 1 else "rank 1 failed to set up"
+    seen.append(_expect_error(Sdp4bitError, fragment,
+                              lambda: GradReduceScatter(groups, Sdp4bitConfig("sdp4bit", knobs),
+                                                        world * 1024, 0)))
+    # Still usable.
+    rs = GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 0)
+    shard = torch.empty(rs.shard_len)
+    rs.start(torch.ones(world * 1024), shard, 0).wait()
+    assert torch.allclose(shard, torch.full_like(shard, float(world)), rtol=0.1)
+    return [(message, seconds) for message, seconds in seen]
+
+
+def bad_inputs(rank, world):
+    """Bad inputs (the same on every rank) raise exceptions that name the problem."""
+    groups = Sdp4bitGroups.create(node_labels=[z // 2 for z in range(world)])
+    rs = GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 0)
+    s = rs.shard_len
+    good = torch.zeros(world * 1024)
+    cases = [
+        (TypeError, "must be torch.float32, got torch.float16",
+         lambda: rs.start(good.half(), torch.empty(s), 0)),
+        (ValueError, "has 1000 elements, the bucket was planned for",
+         lambda: rs.start(torch.zeros(1000), torch.empty(s), 0)),
+        (ValueError, "gradient shard has", lambda: rs.start(good, torch.empty(s + 1), 0)),
+        (ValueError, "is on meta", lambda: rs.start(good.to("meta"), torch.empty(s), 0)),
+        (ValueError, "must be contiguous",
+         lambda: rs.start(torch.zeros(world * 2048)[::2], torch.empty(s), 0)),
+        (ValueError, "step must be a non-negative int", lambda: rs.start(good, torch.empty(s), -1)),
+        (TypeError, "must be a torch.Tensor", lambda: rs.start([0.0], torch.empty(s), 0)),
+        (Sdp4bitError, "unknown preset 'sdp5bit'",
+         lambda: GradReduceScatter(groups, Sdp4bitConfig("sdp5bit"), world * 1024, 1)),
+        (Sdp4bitError, "weight_bits=3",
+         lambda: GradReduceScatter(groups, Sdp4bitConfig("sdp4bit", {"weight_bits": 3}),
+                                   world * 1024, 1)),
+        (Sdp4bitError, "hadamard_block",
+         lambda: GradReduceScatter(groups, Sdp4bitConfig("qsdp", {"hadamard_block": 32}),
+                                   world * 1024, 1)),
+        (Sdp4bitError, "does not split into",
+         lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024 + 1, 1)),
+        (Sdp4bitError, "bucket_id 5000",
+         lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 5000)),
+        (ValueError, "node labels for a DP group",
+         lambda: Sdp4bitGroups.create(node_labels=[0] * (world + 1))),
+        (TypeError, "must be torch.bfloat16",
+         lambda: WeightAllGather(groups, Sdp4bitConfig(), torch.zeros(world * 1024,
+                                 dtype=torch.bfloat16), 2).start(torch.zeros(world * 1024), 0)),
+    ]
+    seen = [_expect_error(kind, fragment, make) for kind, fragment, make in cases]
+    shard = torch.empty(s)
+    rs.start(torch.full((world * 1024,), 2.0), shard, 0).wait()
+    assert torch.allclose(shard, torch.full_like(shard, 2.0 * world), rtol=0.1)
+    return seen
