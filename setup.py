@@ -1,7 +1,7 @@
 """Builds the torch extension `megatron_patch._sdp4bit` against the installed torch.
 
-The Rust core is built with cargo (scripts/build_native.py), or taken prebuilt from
-SDP4BIT_NATIVE_DIR on hosts without a Rust toolchain. See the README.
+The Rust core is built with cargo when the extension is built (scripts/build_native.py), or
+taken prebuilt from SDP4BIT_NATIVE_DIR on hosts without a Rust toolchain. See the README.
 """
 
 import importlib.util
@@ -15,8 +15,8 @@ from setuptools import setup
 REPO = Path(__file__).resolve().parent
 
 
-def import_torch():
-    """The torch of the interpreter pip installs into.
+def import_cpp_extension():
+    """torch.utils.cpp_extension of the interpreter pip installs into.
 
     pip's isolated build environment hides site-packages; the extension must be compiled
     against the torch that will load it, so the target interpreter's site-packages is searched
@@ -39,35 +39,40 @@ def import_torch():
     return cpp_extension
 
 
-def load_build_native():
-    spec = importlib.util.spec_from_file_location("build_native", REPO / "scripts" / "build_native.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def native_bundle() -> Path:
-    build_native = load_build_native()
+    """The Rust core as a native bundle: prebuilt (SDP4BIT_NATIVE_DIR) or built with cargo."""
+    spec = importlib.util.spec_from_file_location("build_native", REPO / "scripts" / "build_native.py")
+    build_native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_native)
     prebuilt = os.environ.get("SDP4BIT_NATIVE_DIR")
     if prebuilt:
         return build_native.check_bundle(Path(prebuilt).resolve())
     return build_native.stage(REPO / "build" / "sdp4bit-native", REPO)
 
 
-cpp_extension = import_torch()
-bundle = native_bundle()
+cpp_extension = import_cpp_extension()
+
+
+class BuildWithRustCore(cpp_extension.BuildExtension):
+    """Builds (or finds) the Rust core first, then compiles the extension against it."""
+
+    def build_extensions(self):
+        bundle = native_bundle()
+        for ext in self.extensions:
+            ext.include_dirs.append(str(bundle / "include"))
+            ext.extra_objects.append(str(bundle / "lib" / "libsdp4bit.a"))
+        super().build_extensions()
+
 
 setup(
     ext_modules=[
         cpp_extension.CppExtension(
             name="megatron_patch._sdp4bit",
             sources=["cpp/sdp4bit_ops.cpp", "cpp/torch_comms.cpp"],
-            include_dirs=[str(bundle / "include"), str(REPO / "cpp")],
-            extra_objects=[str(bundle / "lib" / "libsdp4bit.a")],
+            include_dirs=[str(REPO / "cpp")],
             extra_compile_args=["-O2", "-std=c++17"],
             libraries=["dl", "pthread", "m"],
-            py_limited_api=False,
         )
     ],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True)},
+    cmdclass={"build_ext": BuildWithRustCore.with_options(no_python_abi_suffix=True)},
 )

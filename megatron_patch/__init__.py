@@ -7,10 +7,13 @@ torch.distributed, for Megatron-LM's distributed optimizer and DeepSpeed ZeRO.
     handle.wait()                                           # shard holds the reduced sum
 """
 
+from . import _native
 from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
 from .config import PRESETS, Sdp4bitConfig
 from .errors import Sdp4bitError
 from .groups import Sdp4bitGroups
+
+_native.load()  # registers torch.ops.sdp4bit and torch.classes.sdp4bit
 
 __all__ = [
     "PRESETS",

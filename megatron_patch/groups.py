@@ -87,22 +87,29 @@ class Sdp4bitGroups:
             )
         rank = dist.get_rank(dp_group or dist.group.WORLD)
         node_of, local_of, members = _layout(node_labels)
-        per_node = {len(m) for m in members}
+        equal_nodes = len({len(m) for m in members}) == 1
+        if equal_nodes:
+            # c10d orders a group's ranks by global rank; the core's inter-node group is in
+            # node order. Checked for every local index before any group exists, so that all
+            # ranks raise together instead of some waiting in new_group.
+            for local in range(len(members[0])):
+                across = [global_ranks[m[local]] for m in members]
+                if across != sorted(across):
+                    raise ValueError(
+                        f"sdp4bit: node labels {node_labels} order the nodes differently from "
+                        f"the global ranks (inter-node group {across}); number nodes by their "
+                        "lowest global rank"
+                    )
         kwargs = {"use_local_synchronization": True}
         if timeout is not None:
             kwargs["timeout"] = timeout
         world = dist.new_group(global_ranks, **kwargs)
         intra = inter = None
-        if len(per_node) == 1 and len(global_ranks) > 1:
+        if equal_nodes and len(global_ranks) > 1:
             # Every rank builds only the subgroups it belongs to (local synchronization), in
             # the same order on every rank: its node's group, then its local index's group.
             mine = members[node_of[rank]]
             across = [m[local_of[rank]] for m in members]
-            if [global_ranks[z] for z in across] != sorted(global_ranks[z] for z in across):
-                raise ValueError(
-                    f"sdp4bit: node labels {node_labels} put nodes in an order that the global "
-                    "ranks do not follow; number nodes by their lowest global rank"
-                )
             if len(mine) > 1:
                 intra = dist.new_group([global_ranks[z] for z in mine], **kwargs)
             if len(members) > 1:

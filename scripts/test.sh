@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The project's test command: formatting, lints, every Rust test, and a smoke run of the CPU
-# benchmark. Needs a Rust toolchain and Python's pip: cargo fetches the pinned crates
-# (Cargo.lock), pip fetches NVRTC (the CUDA runtime compiler, no GPU needed) into .cache/ so the
-# CUDA kernels are compile-checked on every run.
+# The project's test command: formatting, lints, every Rust test, the torch extension built
+# three ways (pip install ., from an sdist, from a prebuilt native bundle) and its multi-process
+# tests, and smoke runs of the benchmarks. Needs a Rust toolchain, Python 3.11 and pip: cargo
+# fetches the pinned crates (Cargo.lock); pip fetches NVRTC (the CUDA runtime compiler, no GPU
+# needed) into .cache/ so the CUDA kernels are compile-checked, and the pinned Python packages
+# (requirements-test.txt) into the virtual environment .cache/venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +23,9 @@ export SDP4BIT_EMULATOR_FULL=1
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy -D warnings"
+echo "== cargo clippy -D warnings (with and without the ffi feature)"
 cargo clippy --locked --release --all-targets -- -D warnings
+cargo clippy --locked --release --all-targets --features ffi -- -D warnings
 echo "== cargo test"
 cargo test --locked --release
 echo "== GPU tests again, uncaptured, to show whether they ran or why they skipped"
@@ -32,3 +35,38 @@ echo "== benchmark smoke run (SDP4BIT_BENCH_QUICK=1)"
 SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench cpu
 echo "== GPU benchmark smoke run (skips without a GPU)"
 SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench gpu
+
+VENV=.cache/venv
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  python3 -m venv "$VENV"
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+PIP=("$VENV/bin/python" -m pip --quiet)
+echo "== installing the pinned Python packages (requirements-test.txt)"
+"${PIP[@]}" install -r requirements-test.txt
+smoke() {
+  (cd /tmp && "$ROOT/$VENV/bin/python" -W ignore -c "
+import torch, megatron_patch as m
+c = m.Sdp4bitConfig('sdp4bit')
+x = torch.randn(4, 4096)
+y = torch.ops.sdp4bit.simulate_grad_reduce_scatter(c.spec(), [0, 0, 1, 1], 0, 0, x)
+print('   extension loads from', m.__file__, '| fingerprint', hex(c.fingerprint()),
+      '| max err', float((y.reshape(-1) - x.sum(0)).abs().max()))")
+}
+ROOT=$PWD
+echo "== pip install from an sdist"
+rm -rf .cache/dist && "$VENV/bin/python" -m build --sdist --no-isolation --outdir .cache/dist . >/dev/null
+# The sdist builds in a temporary directory; sharing the target directory reuses compiled crates.
+CARGO_TARGET_DIR=$PWD/target "${PIP[@]}" install --no-deps --force-reinstall .cache/dist/sdp4bit-*.tar.gz
+smoke
+echo "== pip install with a prebuilt native bundle and no cargo"
+"$VENV/bin/python" scripts/build_native.py --out .cache/native-bundle >/dev/null
+SDP4BIT_NATIVE_DIR=$PWD/.cache/native-bundle CARGO=/nonexistent/cargo \
+  "${PIP[@]}" install --no-deps --force-reinstall .
+smoke
+echo "== pip install ."
+"${PIP[@]}" install --no-deps --force-reinstall .
+smoke
+echo "== pytest tests/python (multi-process gloo)"
+"$VENV/bin/pytest" -q tests/python

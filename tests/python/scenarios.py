@@ -181,7 +181,8 @@ def mismatched_setups(rank, world):
 
 
 def bad_inputs(rank, world):
-    """Bad inputs (the same on every rank) raise exceptions that name the problem."""
+    """Bad inputs (the same on every rank) raise exceptions that name the problem; the groups
+    and buckets still work afterwards. Needs W = 4."""
     groups = Sdp4bitGroups.create(node_labels=[z // 2 for z in range(world)])
     rs = GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 0)
     s = rs.shard_len
@@ -211,6 +212,8 @@ def bad_inputs(rank, world):
          lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 5000)),
         (ValueError, "node labels for a DP group",
          lambda: Sdp4bitGroups.create(node_labels=[0] * (world + 1))),
+        (ValueError, "order the nodes differently from the global ranks",
+         lambda: Sdp4bitGroups.create(node_labels=[1, 0, 0, 1])),
         (TypeError, "must be torch.bfloat16",
          lambda: WeightAllGather(groups, Sdp4bitConfig(), torch.zeros(world * 1024,
                                  dtype=torch.bfloat16), 2).start(torch.zeros(world * 1024), 0)),
@@ -220,3 +223,28 @@ def bad_inputs(rank, world):
     rs.start(torch.full((world * 1024,), 2.0), shard, 0).wait()
     assert torch.allclose(shard, torch.full_like(shard, 2.0 * world), rtol=0.1)
     return seen
+
+
+def many_buckets_in_flight(rank, world, labels):
+    """Several buckets started back to back and waited in reverse order (what overlapped
+    training does), and a handle dropped without wait(), give the in-process results."""
+    groups = Sdp4bitGroups.create(node_labels=labels)
+    numel = world * 2048
+    config = Sdp4bitConfig("sdp4bit", {"pipeline_chunks": 2})
+    buckets = [GradReduceScatter(groups, config, numel, bucket_id) for bucket_id in range(3)]
+    inputs = [gradients(world, numel, seed=20 + b) for b in range(3)]
+    shards = [torch.empty(rs.shard_len) for rs in buckets]
+    handles = [rs.start(x[rank].clone(), out, 6) for rs, x, out in zip(buckets, inputs, shards)]
+    for handle in reversed(handles):
+        handle.wait()
+    for bucket_id, (x, out) in enumerate(zip(inputs, shards)):
+        expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+            config.spec(), labels, bucket_id, 6, x)[rank]
+        assert same_bits(out, expected), f"bucket {bucket_id}"
+    # A dropped handle still completes, in order, before the next collective of the bucket.
+    dropped = torch.empty(buckets[0].shard_len)
+    buckets[0].start(inputs[0][rank].clone(), dropped, 7)
+    again = torch.empty(buckets[0].shard_len)
+    buckets[0].start(inputs[0][rank].clone(), again, 7).wait()
+    assert same_bits(dropped, again)
+    return True

@@ -54,3 +54,7 @@ def test_mismatched_setups_fail_on_every_rank_within_seconds():
 
 def test_bad_inputs_raise_clear_errors():
     run_ranks(4, scenarios.bad_inputs)
+
+
+def test_many_buckets_in_flight_complete_in_order():
+    run_ranks(4, scenarios.many_buckets_in_flight, [0, 0, 1, 1])
