@@ -10,25 +10,6 @@ from .errors import translated_errors
 #: The presets of SPEC section 6.
 PRESETS = ("sdp4bit", "qsdp", "global-qsgd", "zeropp", "baseline")
 
-#: Knobs a config may override (see Config::set in src/config.rs).
-KNOBS = (
-    "weight_codec",
-    "weight_bits",
-    "weight_group_size",
-    "weight_rounding",
-    "grad_codec",
-    "grad_intra_bits",
-    "grad_inter_bits",
-    "grad_group_size",
-    "hadamard_block",
-    "grad_rounding",
-    "global_qsgd_bits",
-    "pipeline_chunks",
-    "grad_quant_start_step",
-    "seed",
-)
-
-
 @dataclass(frozen=True)
 class Sdp4bitConfig:
     """A preset and knob overrides, e.g. ``Sdp4bitConfig("sdp4bit", {"weight_bits": 4})``.

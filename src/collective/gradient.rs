@@ -1,7 +1,7 @@
 //! The gradient reduce-scatter of one bucket (SPEC §4, §5).
 
 use crate::backend::cpu::{global_qsgd, gradient};
-use crate::collective::{Comm, CommGroups, WireBytes};
+use crate::collective::{Comm, CommGroups, WireBytes, check_len};
 use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result};
 use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
@@ -220,16 +220,6 @@ impl GradReduceScatter {
                 &stream(Stage::GlobalQsgd)?,
             ),
         }
-    }
-}
-
-fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(Error::Buffer(format!(
-            "{what} has {got} elements, the plan expects {want}"
-        )))
     }
 }
 

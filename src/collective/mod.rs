@@ -52,6 +52,17 @@ impl SumElement for i16 {
     }
 }
 
+/// An [`Error::Buffer`] unless `what` has the `want` elements the plan expects.
+pub(crate) fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Buffer(format!(
+            "{what} has {got} elements, the plan expects {want}"
+        )))
+    }
+}
+
 /// Sums `blocks` (one per rank, each `recv.len()` little-endian `T`s, in rank order) into
 /// `recv`, left to right: `((b0 + b1) + b2) + ...`. Every [`Comm`] sums in this order, so a
 /// reduce-scatter gives the same bits in-process, over gloo and over NCCL. Integer overflow

@@ -6,19 +6,9 @@ use half::bf16;
 use super::buckets::ParsedConfig;
 use super::{FfiResult, guard};
 use crate::collective::local::LocalCluster;
-use crate::collective::{Comm, GradReduceScatter, WeightAllGather};
+use crate::collective::{Comm, GradReduceScatter, WeightAllGather, check_len};
 use crate::error::{Error, Result};
 use crate::plan::Topology;
-
-fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(Error::Buffer(format!(
-            "{what} has {got} elements, expected {want}"
-        )))
-    }
-}
 
 pub(super) fn simulate_grad_reduce_scatter(
     config: &ParsedConfig,
