@@ -241,6 +241,11 @@ class GradReduceScatter : public torch::CustomClassHolder {
 
   int64_t shard_len() const { return shard_len_; }
 
+  bool quantizes_at(int64_t step) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return (*bucket_)->quantizes_at(checked_step(step));
+  }
+
   std::vector<int64_t> wire_bytes(int64_t step) {
     std::lock_guard<std::mutex> lock(mutex_);
     return wire_pair((*bucket_)->wire_bytes(checked_step(step)));
@@ -420,6 +425,7 @@ TORCH_LIBRARY(sdp4bit, m) {
                        int64_t, int64_t>())
       .def("start", &GradReduceScatter::start)
       .def("shard_len", &GradReduceScatter::shard_len)
+      .def("quantizes_at", &GradReduceScatter::quantizes_at)
       .def("wire_bytes", &GradReduceScatter::wire_bytes)
       .def("baseline_wire_bytes", &GradReduceScatter::baseline_wire_bytes)
       .def("notice", &GradReduceScatter::notice);

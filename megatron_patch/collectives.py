@@ -91,6 +91,11 @@ class GradReduceScatter:
         with translated_errors():
             return Handle(self._native.start(bucket, shard, _check_step(step)))
 
+    def quantizes_at(self, step: int) -> bool:
+        """Whether step `step` sends quantized gradients (false for the uncompressed codec
+        and before the config's ``grad_quant_start_step``)."""
+        return self._native.quantizes_at(_check_step(step))
+
     def wire_bytes(self, step: int) -> WireBytes:
         """Bytes this rank sends at step `step`."""
         return WireBytes(*self._native.wire_bytes(_check_step(step)))

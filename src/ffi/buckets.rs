@@ -72,6 +72,10 @@ impl GradBucket {
         self.0.plan().shard_len
     }
 
+    pub(super) fn quantizes_at(&self, step: u64) -> bool {
+        self.0.quantizes_at(step)
+    }
+
     pub(super) fn wire_bytes(&self, step: u64) -> WireBytes {
         self.0.wire_bytes(step).into()
     }

@@ -72,6 +72,9 @@ mod bridge {
         ) -> Result<Box<GradBucket>>;
         /// Elements of this rank's shard.
         fn shard_len(self: &GradBucket) -> usize;
+        /// Whether step `step` sends quantized gradients (false for the uncompressed codec and
+        /// before `grad_quant_start_step`).
+        fn quantizes_at(self: &GradBucket, step: u64) -> bool;
         /// Bytes sent at step `step`.
         fn wire_bytes(self: &GradBucket, step: u64) -> WireBytes;
         /// Bytes the uncompressed fp32 reduce-scatter sends.

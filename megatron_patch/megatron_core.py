@@ -1,0 +1,328 @@
+"""megatron-core integration: the distributed optimizer's gradient reduce-scatter and
+parameter all-gather go through sdp4bit.
+
+``enable(config)`` patches ``_ParamAndGradBucketGroup.start_grad_sync`` and
+``start_param_sync`` (megatron-core 0.16): for every bucket group of a DDP model using the
+distributed optimizer, each bucket's reduce-scatter and all-gather run as a compressed
+collective on sdp4bit's thread and the group's handle is a :class:`BucketGroupHandle`, whose
+``wait()`` completes them, so Megatron's ``finish_grad_sync`` / ``finish_param_sync`` and the
+overlap machinery work unchanged. Megatron's contract is kept: after grad sync this rank's
+shard of each bucket holds the scaled sum over the DP group; after param sync every replica
+holds the same parameters, bit for bit.
+
+What sdp4bit does not compress goes through Megatron's own code untouched: the baseline
+codecs, gradient steps before ``grad_quant_start_step``, forced all-reduces, FP8 parameters,
+several distributed-optimizer instances and the non-distributed optimizer.
+
+A bucket group's collectives are set up at its first gradient sync (after set-up or a
+resume), when every replica holds the same parameters: qWD takes its first differences
+against them, so set-up checks that they really are the same on every rank and raises
+otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
+from .config import Sdp4bitConfig
+from .errors import Sdp4bitError
+from .groups import Sdp4bitGroups
+
+logger = logging.getLogger("sdp4bit")
+
+_ORIGINAL: dict[str, object] = {}
+
+
+@dataclass
+class _Settings:
+    config: Sdp4bitConfig
+    local_world_size: int | None
+    weights: bool  # whether the config compresses weights
+    grads: bool  # whether the config compresses gradients
+    groups: dict[str, Sdp4bitGroups] = field(default_factory=dict)
+    next_bucket_id: int = 0
+
+
+_SETTINGS: _Settings | None = None
+
+
+def _bucket_group_class():
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    return _ParamAndGradBucketGroup
+
+
+def _ddp_class():
+    from megatron.core.distributed import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def _ddp_init(self, *args, **kwargs):
+    """DistributedDataParallel.__init__, then numbers its buckets: in buffer order, counting
+    on from earlier models (model chunks), so the numbering (which seeds each bucket's random
+    streams) does not depend on how buckets are grouped or when they first communicate."""
+    _ORIGINAL["ddp_init"](self, *args, **kwargs)
+    if _SETTINGS is not None:
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            for bucket in buffer.buckets:
+                bucket.sdp4bit_bucket_id = _SETTINGS.next_bucket_id
+                _SETTINGS.next_bucket_id += 1
+
+
+def enable(config: Sdp4bitConfig, local_world_size: int | None = None) -> None:
+    """Routes the distributed optimizer's collectives through sdp4bit with `config`.
+
+    Call it on every rank before the DDP model is built (or at least before its first grad
+    sync). `local_world_size` (ranks per node; default ``LOCAL_WORLD_SIZE``) defines the
+    intra- and inter-node levels.
+    """
+    global _SETTINGS
+    description = config.describe()  # raises Sdp4bitError for a bad preset or knob
+    cls, ddp = _bucket_group_class(), _ddp_class()
+    if not _ORIGINAL:
+        _ORIGINAL["start_grad_sync"] = cls.start_grad_sync
+        _ORIGINAL["start_param_sync"] = cls.start_param_sync
+        _ORIGINAL["ddp_init"] = ddp.__init__
+        cls.start_grad_sync = _start_grad_sync
+        cls.start_param_sync = _start_param_sync
+        ddp.__init__ = _ddp_init
+    _SETTINGS = _Settings(
+        config,
+        local_world_size,
+        weights="weight=none" not in description,
+        grads="grad=none" not in description,
+    )
+    logger.info("sdp4bit enabled: %s", description)
+
+
+def disable() -> None:
+    """Restores Megatron's own collectives."""
+    global _SETTINGS
+    if _ORIGINAL:
+        cls = _bucket_group_class()
+        cls.start_grad_sync = _ORIGINAL.pop("start_grad_sync")
+        cls.start_param_sync = _ORIGINAL.pop("start_param_sync")
+        _ddp_class().__init__ = _ORIGINAL.pop("ddp_init")
+    _SETTINGS = None
+
+
+def is_enabled() -> bool:
+    return _SETTINGS is not None
+
+
+class BucketGroupHandle:
+    """The compressed collectives of one bucket group; ``wait()`` completes all of them and
+    then runs the group's finishing step (copying back bf16 gradients, averaging)."""
+
+    def __init__(self, handles: list[Handle], finish=None) -> None:
+        self._handles = handles
+        self._finish = finish
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+@dataclass
+class _BucketGroupState:
+    """sdp4bit's per-bucket-group state, kept on the bucket group."""
+
+    groups: Sdp4bitGroups
+    grad: list[GradReduceScatter]
+    weight: list[WeightAllGather]
+    staging: list[torch.Tensor | None]  # fp32 copies of bf16 gradient buckets
+    grad_step: int = 0  # gradient syncs so far: the optimizer step being computed
+
+    def wire_bytes(self, step: int) -> tuple[WireBytes, WireBytes]:
+        """(sent, uncompressed baseline) bytes of this group's gradient and parameter sync."""
+        sent = baseline = 0
+        for rs in self.grad:
+            sent += rs.wire_bytes(step).total
+            baseline += rs.baseline_wire_bytes().total
+        for ag in self.weight:
+            sent += ag.wire_bytes().total
+            baseline += ag.baseline_wire_bytes().total
+        return sent, baseline
+
+
+def _groups_for(settings: _Settings, group: dist.ProcessGroup) -> Sdp4bitGroups:
+    key = group.group_name
+    if key not in settings.groups:
+        settings.groups[key] = Sdp4bitGroups.create(group, settings.local_world_size)
+    return settings.groups[key]
+
+
+def _has_fp8(bucket_group) -> bool:
+    from megatron.core.fp8_utils import is_float8tensor
+
+    return any(is_float8tensor(p) for p in bucket_group.params)
+
+
+def _state(bucket_group) -> _BucketGroupState | None:
+    """The group's sdp4bit state, or None where Megatron's own path applies."""
+    settings = _SETTINGS
+    cfg = bucket_group.ddp_config
+    if (
+        settings is None
+        or not cfg.use_distributed_optimizer
+        or cfg.num_distributed_optimizer_instances != 1
+        or _has_fp8(bucket_group)
+    ):
+        return None
+    state = getattr(bucket_group, "_sdp4bit", None)
+    if state is None:
+        groups = _groups_for(settings, bucket_group.intra_distributed_optimizer_instance_group)
+        grads = []
+        for bucket in bucket_group.buckets:
+            if bucket.grad_data.dtype not in (torch.float32, torch.bfloat16):
+                raise Sdp4bitError(
+                    f"gradient buckets must be float32 or bfloat16, got {bucket.grad_data.dtype}"
+                )
+            bucket_id = getattr(bucket, "sdp4bit_bucket_id", None)
+            if bucket_id is None:
+                raise Sdp4bitError(
+                    "this DDP model was built before megatron_patch.megatron_core.enable(); "
+                    "enable sdp4bit first, then build the model"
+                )
+            grads.append(GradReduceScatter(groups, settings.config, bucket.grad_data.numel(),
+                                           bucket_id))
+            if settings.weights and bucket.param_data.dtype != torch.bfloat16:
+                raise Sdp4bitError(
+                    "the weight codecs all-gather bf16 parameters; this model's parameter "
+                    f"buffer is {bucket.param_data.dtype} (train in bf16, or choose "
+                    "weight_codec=none)"
+                )
+        weights = []
+        if settings.weights:
+            _check_replicas_identical(bucket_group, groups)
+            weights = [
+                WeightAllGather(groups, settings.config, bucket.param_data, rs.bucket_id)
+                for bucket, rs in zip(bucket_group.buckets, grads)
+            ]
+        state = _BucketGroupState(groups, grads, weights, staging=[None] * len(grads))
+        bucket_group._sdp4bit = state
+    return state
+
+
+def _check_replicas_identical(bucket_group, groups: Sdp4bitGroups) -> None:
+    """Raises on every rank unless all replicas hold the same parameter buckets (compared by a
+    position-weighted checksum of the bf16 bits, all-gathered over the DP group)."""
+    sums = []
+    for bucket in bucket_group.buckets:
+        bits = bucket.param_data.view(torch.int16).to(torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
+        sums.append(int((bits * (weights + 1)).sum()))
+    mine = torch.tensor(sums, dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(groups.size)]
+    dist.all_gather(every, mine, group=groups.dp_group)
+    differing = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
+    if differing:
+        raise Sdp4bitError(
+            f"DP ranks {differing} hold different parameters than DP rank 0 when sdp4bit sets "
+            "up; the weight codecs need identical replicas (broadcast the parameters, or use "
+            "the same initialization seed on every DP rank)"
+        )
+
+
+def _local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    shard = tensor.numel() // size
+    return tensor[rank * shard:(rank + 1) * shard]
+
+
+def _start_grad_sync(self, force_all_reduce: bool | None = False):
+    state = None if force_all_reduce else _state(self)
+    if state is None or not _SETTINGS.grads or not state.grad[0].quantizes_at(state.grad_step):
+        if state is not None:
+            state.grad_step += 1
+        return _ORIGINAL["start_grad_sync"](self, force_all_reduce)
+    if self.is_first_batch and self.grad_reduce_handle is not None:
+        return
+    assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+    cfg = self.ddp_config
+    if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
+        self.check_grads(
+            check_for_nan_or_inf=cfg.check_for_nan_in_grad,
+            check_for_large=cfg.check_for_large_grads,
+        )
+    rank, size = state.groups.rank, state.groups.size
+    handles, copy_back = [], []
+    for idx, (bucket, rs) in enumerate(zip(self.buckets, state.grad)):
+        if bucket.gradient_scaling_factor != 1.0:
+            bucket.grad_data *= bucket.gradient_scaling_factor
+        if bucket.grad_data.dtype == torch.float32:
+            data = bucket.grad_data
+        else:
+            if state.staging[idx] is None:
+                state.staging[idx] = torch.empty(bucket.grad_data.numel(), dtype=torch.float32,
+                                                 device=bucket.grad_data.device)
+            data = state.staging[idx]
+            data.copy_(bucket.grad_data)
+            copy_back.append((_local_shard(bucket.grad_data, rank, size),
+                              _local_shard(data, rank, size)))
+        handles.append(rs.start(data, _local_shard(data, rank, size), state.grad_step))
+    state.grad_step += 1
+
+    def finish():
+        for out, shard in copy_back:
+            out.copy_(shard)
+        if cfg.average_in_collective:
+            for bucket in self.buckets:
+                _local_shard(bucket.grad_data, rank, size).div_(size)
+
+    handle = BucketGroupHandle(handles, finish)
+    if cfg.overlap_grad_reduce:
+        self.grad_reduce_handle = handle
+    else:
+        handle.wait()
+        self.grad_reduce_handle = None
+
+
+def _start_param_sync(self, force_sync: bool = False):
+    state = _state(self)
+    if state is None or not _SETTINGS.weights:
+        return _ORIGINAL["start_param_sync"](self, force_sync)
+    if force_sync:
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+            return
+    else:
+        assert self.param_gather_handle is None
+    if state.grad_step == 0:
+        # Before the first optimizer step every replica already holds the same parameters
+        # (checked at set-up): there is nothing to gather.
+        self.param_gather_handle = None
+        self.param_gather_dispatched = True
+        return
+    # Numbered by the gradient step whose update it carries, so that the random streams do
+    # not depend on how often Megatron syncs (e.g. the forward hooks of overlapped gathers).
+    step = state.grad_step - 1
+    handles = [ag.start(bucket.param_data, step) for bucket, ag in zip(self.buckets, state.weight)]
+    handle = BucketGroupHandle(handles)
+    if self.ddp_config.overlap_param_gather and not force_sync:
+        self.param_gather_handle = handle
+    else:
+        handle.wait()
+        self.param_gather_handle = None
+    self.param_gather_dispatched = True
+
+
+def wire_bytes(ddp_model, step: int) -> tuple[int, int]:
+    """(bytes sent, bytes the uncompressed collectives would send) by this rank in one training
+    step of `ddp_model` (a megatron-core DistributedDataParallel), summed over bucket groups."""
+    sent = baseline = 0
+    for bucket_group in ddp_model.bucket_groups + ddp_model.expert_parallel_bucket_groups:
+        state = getattr(bucket_group, "_sdp4bit", None)
+        if state is not None:
+            s, b = state.wire_bytes(step)
+            sent, baseline = sent + s, baseline + b
+    return sent, baseline

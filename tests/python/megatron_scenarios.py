@@ -1,0 +1,151 @@
+"""Rank code for the megatron-core tests: real megatron-core DDP and bucket groups on CPU,
+with a small sharded SGD standing in for the CUDA-only DistributedOptimizer."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import megatron_patch.megatron_core as integration
+from megatron_patch import Sdp4bitConfig
+
+HIDDEN = 64
+
+
+@contextlib.contextmanager
+def cuda_device_on_cpu():
+    """megatron-core allocates its buffers on torch.cuda.current_device(); on CPU that is 'cpu'."""
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+
+
+def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(1234)  # the same initial weights on every rank
+    model = torch.nn.Sequential(
+        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
+        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
+        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
+        torch.nn.Linear(HIDDEN, 8),
+    ).bfloat16()
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1,
+                               bf16=True, params_dtype=torch.bfloat16)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=overlap_grad,
+        overlap_param_gather=overlap_param,
+        # Several buckets and bucket groups by default. Without overlap_grad_reduce megatron-core
+        # puts everything in one bucket, whatever this says.
+        bucket_size=bucket_size,
+        check_for_nan_in_grad=False,  # the test exercises the optimizer's found-inf check
+    )
+    with cuda_device_on_cpu():
+        ddp = DistributedDataParallel(config, ddp_config, model)
+    return ddp
+
+
+def _shard(tensor, rank, size):
+    n = tensor.numel() // size
+    return tensor[rank * n:(rank + 1) * n]
+
+
+class ShardedSGD:
+    """The distributed optimizer's contract on CPU: fp32 main params for this rank's shard of
+    every bucket, a found-inf check over the DP group, bf16 params written back into the
+    param buffer, then the param all-gather."""
+
+    def __init__(self, ddp, lr: float):
+        self.ddp, self.lr = ddp, lr
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.buckets = [b for g in ddp.bucket_groups for b in g.buckets]
+        self.main = [_shard(b.param_data, self.rank, self.size).float() for b in self.buckets]
+
+    def step(self) -> bool:
+        grads = [_shard(b.grad_data, self.rank, self.size) for b in self.buckets]
+        found_inf = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0])
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        if found_inf.item() == 0.0:
+            for main, grad, bucket in zip(self.main, grads, self.buckets):
+                main -= self.lr * grad
+                _shard(bucket.param_data, self.rank, self.size).copy_(main.bfloat16())
+        if not self.ddp.ddp_config.overlap_param_gather:
+            self.ddp.start_param_sync()
+        # With overlap, the forward pre-hooks of the next step gather the params.
+        return found_inf.item() == 0.0
+
+
+def _replicas_identical(tensor: torch.Tensor) -> bool:
+    bits = tensor.view(torch.int16).to(torch.int32)
+    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, bits)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None,
+          check_against_core=False, bucket_size=4500):
+    """Trains a few steps; returns (losses, stepped flags, final bf16 params as bytes, (bytes
+    sent, uncompressed bytes) per step). Plain Python values: tensors sent between processes
+    would live in shared memory that ends with the rank."""
+    if preset is None:
+        integration.disable()
+    else:
+        integration.enable(Sdp4bitConfig(preset, {"seed": 5}), local_world_size=2)
+    ddp = build(overlap_grad, overlap_param, bucket_size)
+    opt = ShardedSGD(ddp, lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses, stepped = [], []
+    for step in range(steps):
+        x = torch.randn(16, HIDDEN, generator=g).bfloat16()
+        if step == nan_step and rank == 1:
+            x[3, 5] = float("nan")
+        ddp.zero_grad_buffer()
+        loss = ddp(x).float().pow(2).mean()
+        loss.backward()
+        before = [b.grad_data.clone() for g_ in ddp.bucket_groups for b in g_.buckets]
+        ddp.finish_grad_sync()
+        if check_against_core:
+            _check_grad_shards_against_core(ddp, before, rank, world)
+        stepped.append(opt.step())
+        losses.append(loss.item())
+    if overlap_param:
+        for bucket_group in ddp.bucket_groups:
+            bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
+    params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    assert _replicas_identical(params), "replicas differ"
+    for bucket_group in ddp.bucket_groups:
+        for bucket in bucket_group.buckets:
+            assert _replicas_identical(bucket.param_data), "param buffers differ"
+    sent, baseline = integration.wire_bytes(ddp, steps)
+    integration.disable()
+    return losses, stepped, params.view(torch.int16).numpy().tobytes(), (sent, baseline)
+
+
+def _check_grad_shards_against_core(ddp, before, rank, world):
+    """Each bucket's reduced shard equals the Rust core's in-process reduce-scatter of every
+    rank's (scaled) bucket, byte for byte."""
+    buckets = [(g, i, b) for g in ddp.bucket_groups for i, b in enumerate(g.buckets)]
+    for (group, idx, bucket), grad in zip(buckets, before):
+        state = group._sdp4bit
+        rs = state.grad[idx]
+        step = state.grad_step - 1
+        grad *= bucket.gradient_scaling_factor
+        every = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(every, grad)
+        expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+            rs.config.spec(), state.groups.node_labels, rs.bucket_id, step,
+            torch.stack(every))[rank]
+        got = _shard(bucket.grad_data, rank, world)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (
+            f"bucket {rs.bucket_id} step {step} differs from the core")
