@@ -22,6 +22,7 @@ otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -46,6 +47,8 @@ class _Settings:
     grads: bool  # whether the config compresses gradients
     groups: dict[str, Sdp4bitGroups] = field(default_factory=dict)
     next_bucket_id: int = 0
+    # Gradient steps to resume bucket groups at, by their first bucket's id (load_state_dict).
+    resume_steps: dict[int, int] = field(default_factory=dict)
 
 
 _SETTINGS: _Settings | None = None
@@ -141,6 +144,8 @@ class _BucketGroupState:
     weight: list[WeightAllGather]
     staging: list[torch.Tensor | None]  # fp32 copies of bf16 gradient buckets
     grad_step: int = 0  # gradient syncs so far: the optimizer step being computed
+    # No gradient sync since set-up (or resume): the replicas hold identical parameters.
+    fresh: bool = True
 
     def wire_bytes(self, step: int) -> tuple[WireBytes, WireBytes]:
         """(sent, uncompressed baseline) bytes of this group's gradient and parameter sync."""
@@ -209,6 +214,7 @@ def _state(bucket_group) -> _BucketGroupState | None:
                 for bucket, rs in zip(bucket_group.buckets, grads)
             ]
         state = _BucketGroupState(groups, grads, weights, staging=[None] * len(grads))
+        state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, 0)
         bucket_group._sdp4bit = state
     return state
 
@@ -239,13 +245,15 @@ def _local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 
 def _start_grad_sync(self, force_all_reduce: bool | None = False):
+    if self.is_first_batch and self.grad_reduce_handle is not None:
+        return  # already dispatched in the first batch (Megatron's own rule), nothing to count
     state = None if force_all_reduce else _state(self)
+    if state is not None:
+        state.fresh = False
     if state is None or not _SETTINGS.grads or not state.grad[0].quantizes_at(state.grad_step):
         if state is not None:
             state.grad_step += 1
         return _ORIGINAL["start_grad_sync"](self, force_all_reduce)
-    if self.is_first_batch and self.grad_reduce_handle is not None:
-        return
     assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
     cfg = self.ddp_config
     if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
@@ -297,9 +305,9 @@ def _start_param_sync(self, force_sync: bool = False):
             return
     else:
         assert self.param_gather_handle is None
-    if state.grad_step == 0:
-        # Before the first optimizer step every replica already holds the same parameters
-        # (checked at set-up): there is nothing to gather.
+    if state.fresh:
+        # No optimizer step since set-up or resume: every replica holds the same parameters
+        # (checked at set-up), so there is nothing to gather.
         self.param_gather_handle = None
         self.param_gather_dispatched = True
         return
@@ -316,13 +324,52 @@ def _start_param_sync(self, force_sync: bool = False):
     self.param_gather_dispatched = True
 
 
+def _bucket_groups(ddp_model):
+    return ddp_model.bucket_groups + ddp_model.expert_parallel_bucket_groups
+
+
+def state_dict(ddp_model) -> dict:
+    """What a checkpoint must hold for a resumed run to continue bit for bit: each bucket
+    group's step counter (it numbers the random streams). Save it with the model and optimizer
+    (it is the same on every rank)."""
+    steps = {}
+    for bucket_group in _bucket_groups(ddp_model):
+        state = getattr(bucket_group, "_sdp4bit", None)
+        if state is not None:
+            steps[state.grad[0].bucket_id] = state.grad_step
+    return {"version": 1, "grad_steps": steps}
+
+
+def load_state_dict(saved: dict) -> None:
+    """Resumes the step counters of :func:`state_dict` (call after :func:`enable`, before the
+    first gradient sync). The qWD references are the loaded parameters themselves."""
+    if _SETTINGS is None:
+        raise Sdp4bitError("load_state_dict needs sdp4bit enabled first")
+    if saved.get("version") != 1:
+        raise Sdp4bitError(f"unknown sdp4bit state version {saved.get('version')!r}")
+    _SETTINGS.resume_steps = {int(k): int(v) for k, v in saved["grad_steps"].items()}
+
+
 def wire_bytes(ddp_model, step: int) -> tuple[int, int]:
     """(bytes sent, bytes the uncompressed collectives would send) by this rank in one training
     step of `ddp_model` (a megatron-core DistributedDataParallel), summed over bucket groups."""
     sent = baseline = 0
-    for bucket_group in ddp_model.bucket_groups + ddp_model.expert_parallel_bucket_groups:
+    for bucket_group in _bucket_groups(ddp_model):
         state = getattr(bucket_group, "_sdp4bit", None)
         if state is not None:
             s, b = state.wire_bytes(step)
             sent, baseline = sent + s, baseline + b
     return sent, baseline
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Lets megatron-core build DDP buffers on CPU: it allocates them on
+    ``torch.cuda.current_device()``, which answers ``"cpu"`` inside this block. For CPU runs
+    with gloo (tests, the main job); GPU jobs do not need it."""
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original

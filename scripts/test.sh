@@ -36,15 +36,7 @@ SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench cpu
 echo "== GPU benchmark smoke run (skips without a GPU)"
 SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench gpu
 
-VENV=.cache/venv
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating $VENV"
-  python3 -m venv "$VENV"
-fi
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-PIP=("$VENV/bin/python" -m pip --quiet)
-echo "== installing the pinned Python packages (requirements-test.txt)"
-"${PIP[@]}" install -r requirements-test.txt
+source scripts/python_env.sh
 smoke() {
   (cd /tmp && "$ROOT/$VENV/bin/python" -W ignore -c "
 import torch, megatron_patch as m

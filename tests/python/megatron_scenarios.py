@@ -3,8 +3,6 @@ with a small sharded SGD standing in for the CUDA-only DistributedOptimizer."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -12,17 +10,6 @@ import megatron_patch.megatron_core as integration
 from megatron_patch import Sdp4bitConfig
 
 HIDDEN = 64
-
-
-@contextlib.contextmanager
-def cuda_device_on_cpu():
-    """megatron-core allocates its buffers on torch.cuda.current_device(); on CPU that is 'cpu'."""
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = original
 
 
 def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500):
@@ -51,7 +38,7 @@ def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500):
         bucket_size=bucket_size,
         check_for_nan_in_grad=False,  # the test exercises the optimizer's found-inf check
     )
-    with cuda_device_on_cpu():
+    with integration.megatron_on_cpu():
         ddp = DistributedDataParallel(config, ddp_config, model)
     return ddp
 
@@ -149,3 +136,45 @@ def _check_grad_shards_against_core(ddp, before, rank, world):
         got = _shard(bucket.grad_data, rank, world)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (
             f"bucket {rs.bucket_id} step {step} differs from the core")
+
+
+def train_segment(rank, world, first, last, checkpoint_dir, overlap_param):
+    """Trains steps [first, last) with sdp4bit; resumes from `checkpoint_dir` when first > 0
+    and saves there at the end. Returns (losses, final params as bytes)."""
+    import os
+
+    integration.enable(Sdp4bitConfig("sdp4bit", {"seed": 9}), local_world_size=2)
+    ddp = build(True, overlap_param)
+    opt = ShardedSGD(ddp, lr=0.05)
+    g = torch.Generator().manual_seed(300 + rank)
+    path = os.path.join(checkpoint_dir, f"rank{rank}.pt")
+    buckets = [b for group in ddp.bucket_groups for b in group.buckets]
+    if first > 0:
+        saved = torch.load(path)
+        for bucket, data in zip(buckets, saved["param_buffers"]):
+            bucket.param_data.copy_(data)
+        for main, data in zip(opt.main, saved["main"]):
+            main.copy_(data)
+        g.set_state(saved["generator"])
+        integration.load_state_dict(saved["sdp4bit"])
+    losses = []
+    for _ in range(first, last):
+        x = torch.randn(16, HIDDEN, generator=g).bfloat16()
+        ddp.zero_grad_buffer()
+        loss = ddp(x).float().pow(2).mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        losses.append(loss.item())
+    if overlap_param:  # flush the last gather, as a checkpoint save does
+        for bucket_group in ddp.bucket_groups:
+            bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
+    torch.save({
+        "param_buffers": [b.param_data.clone() for b in buckets],
+        "main": [m.clone() for m in opt.main],
+        "generator": g.get_state(),
+        "sdp4bit": integration.state_dict(ddp),
+    }, path)
+    params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    integration.disable()
+    return losses, params.view(torch.int16).numpy().tobytes()

@@ -55,3 +55,19 @@ def test_nan_gradient_trips_the_found_inf_check_on_every_rank():
                         env={"LOCAL_WORLD_SIZE": "2"})
     for _, stepped, _, _ in results:
         assert stepped == [True, False, True, True], stepped
+
+
+def test_resumed_run_continues_bit_for_bit(tmp_path):
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    for overlap_param in (False, True):
+        (tmp_path / f"a{overlap_param}").mkdir()
+        (tmp_path / f"b{overlap_param}").mkdir()
+        straight = run_ranks(4, ms.train_segment, 0, 5, str(tmp_path / f"a{overlap_param}"),
+                             overlap_param, env=env)
+        first = run_ranks(4, ms.train_segment, 0, 2, str(tmp_path / f"b{overlap_param}"),
+                          overlap_param, env=env)
+        second = run_ranks(4, ms.train_segment, 2, 5, str(tmp_path / f"b{overlap_param}"),
+                           overlap_param, env=env)
+        for (losses, params), (l1, _), (l2, resumed) in zip(straight, first, second):
+            assert l1 + l2 == losses, overlap_param
+            assert resumed == params, overlap_param
