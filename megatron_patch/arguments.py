@@ -13,6 +13,7 @@
     --sdp4bit-seed N                  the random streams' seed
     --sdp4bit-grad-quant-start-iter N gradients are sent uncompressed before iteration N
     --sdp4bit-ranks-per-node N        ranks per node (default: LOCAL_WORLD_SIZE)
+    --sdp4bit-telemetry-interval N    report bytes and quantization error every N iterations
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument(f"--sdp4bit-{suffix}", dest=f"sdp4bit_{knob}", help=text)
     group.add_argument("--sdp4bit-ranks-per-node", type=int,
                        help="ranks per node (default: LOCAL_WORLD_SIZE)")
+    group.add_argument("--sdp4bit-telemetry-interval", type=int, default=0,
+                       help="every N iterations, log bytes sent and the quantization error "
+                            "against an exact collective (costs one uncompressed collective "
+                            "on those iterations; 0 = off)")
     return parser
 
 

@@ -33,6 +33,7 @@ from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
 from .config import Sdp4bitConfig
 from .errors import Sdp4bitError
 from .groups import Sdp4bitGroups
+from .telemetry import ErrorStats, Telemetry
 
 logger = logging.getLogger("sdp4bit")
 
@@ -49,6 +50,11 @@ class _Settings:
     next_bucket_id: int = 0
     # Gradient steps to resume bucket groups at, by their first bucket's id (load_state_dict).
     resume_steps: dict[int, int] = field(default_factory=dict)
+    # The training loop's iteration, where it keeps one (Megatron-LM's args.iteration): a
+    # bucket group set up after a resume starts counting there.
+    iteration: object = None
+    telemetry: Telemetry = field(default_factory=lambda: Telemetry(0))
+    states: int = 0  # bucket groups set up
 
 
 _SETTINGS: _Settings | None = None
@@ -78,12 +84,19 @@ def _ddp_init(self, *args, **kwargs):
                 _SETTINGS.next_bucket_id += 1
 
 
-def enable(config: Sdp4bitConfig, local_world_size: int | None = None) -> None:
+def enable(config: Sdp4bitConfig, local_world_size: int | None = None,
+           iteration=None, telemetry_interval: int = 0, tensorboard_writer=None) -> None:
     """Routes the distributed optimizer's collectives through sdp4bit with `config`.
 
-    Call it on every rank before the DDP model is built (or at least before its first grad
-    sync). `local_world_size` (ranks per node; default ``LOCAL_WORLD_SIZE``) defines the
-    intra- and inter-node levels.
+    Call it on every rank before the DDP model is built. `local_world_size` (ranks per node;
+    default ``LOCAL_WORLD_SIZE``) defines the intra- and inter-node levels. `iteration`, if
+    given, is a function returning the training loop's current iteration (one gradient sync
+    per iteration): a bucket group set up after a resume then numbers its random streams from
+    there, so no sdp4bit state needs checkpointing; without it, save :func:`state_dict` and
+    restore it with :func:`load_state_dict`. Every `telemetry_interval` steps (0: never) each
+    bucket group reports bytes sent and the quantization error of its gradients and
+    parameters against Megatron's exact collectives (:mod:`megatron_patch.telemetry`) to the
+    ``sdp4bit`` logger and `tensorboard_writer` (a writer, or a callable returning one).
     """
     global _SETTINGS
     description = config.describe()  # raises Sdp4bitError for a bad preset or knob
@@ -100,6 +113,8 @@ def enable(config: Sdp4bitConfig, local_world_size: int | None = None) -> None:
         local_world_size,
         weights="weight=none" not in description,
         grads="grad=none" not in description,
+        iteration=iteration,
+        telemetry=Telemetry(telemetry_interval, tensorboard_writer),
     )
     logger.info("sdp4bit enabled: %s", description)
 
@@ -214,8 +229,10 @@ def _state(bucket_group) -> _BucketGroupState | None:
                 for bucket, rs in zip(bucket_group.buckets, grads)
             ]
         state = _BucketGroupState(groups, grads, weights, staging=[None] * len(grads))
-        state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, 0)
+        first = settings.iteration() if settings.iteration is not None else 0
+        state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
         bucket_group._sdp4bit = state
+        settings.states += 1
     return state
 
 
@@ -237,6 +254,25 @@ def _check_replicas_identical(bucket_group, groups: Sdp4bitGroups) -> None:
             "up; the weight codecs need identical replicas (broadcast the parameters, or use "
             "the same initialization seed on every DP rank)"
         )
+
+
+def _dp_group(groups: Sdp4bitGroups):
+    return groups.dp_group if groups.dp_group is not None else dist.group.WORLD
+
+
+def _exact_reduce_scatter(data: torch.Tensor, groups: Sdp4bitGroups) -> torch.Tensor:
+    """Megatron's uncompressed reduce-scatter of `data` (for telemetry), into a new tensor."""
+    out = torch.empty(data.numel() // groups.size, dtype=data.dtype, device=data.device)
+    dist.reduce_scatter_tensor(out, data, group=_dp_group(groups))
+    return out
+
+
+def _exact_all_gather(params: torch.Tensor, groups: Sdp4bitGroups) -> torch.Tensor:
+    """Every owner's current shard of `params`, all-gathered uncompressed (for telemetry)."""
+    out = torch.empty_like(params)
+    mine = _local_shard(params, groups.rank, groups.size).clone()
+    dist.all_gather_into_tensor(out, mine, group=_dp_group(groups))
+    return out
 
 
 def _local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -262,6 +298,9 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
             check_for_large=cfg.check_for_large_grads,
         )
     rank, size = state.groups.rank, state.groups.size
+    step = state.grad_step
+    telemetry = _SETTINGS.telemetry
+    exact = [] if telemetry.due(step) else None
     handles, copy_back = [], []
     for idx, (bucket, rs) in enumerate(zip(self.buckets, state.grad)):
         if bucket.gradient_scaling_factor != 1.0:
@@ -276,12 +315,20 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
             data.copy_(bucket.grad_data)
             copy_back.append((_local_shard(bucket.grad_data, rank, size),
                               _local_shard(data, rank, size)))
-        handles.append(rs.start(data, _local_shard(data, rank, size), state.grad_step))
+        if exact is not None:
+            exact.append(_exact_reduce_scatter(data, state.groups))
+        handles.append(rs.start(data, _local_shard(data, rank, size), step))
     state.grad_step += 1
 
     def finish():
         for out, shard in copy_back:
             out.copy_(shard)
+        if exact is not None:
+            got = [_local_shard(b.grad_data, rank, size) for b in self.buckets]
+            sent = sum(rs.wire_bytes(step).total for rs in state.grad)
+            baseline = sum(rs.baseline_wire_bytes().total for rs in state.grad)
+            telemetry.report("grad", step, _SETTINGS.states, sent, baseline,
+                             ErrorStats.of(got, exact))
         if cfg.average_in_collective:
             for bucket in self.buckets:
                 _local_shard(bucket.grad_data, rank, size).div_(size)
@@ -314,8 +361,20 @@ def _start_param_sync(self, force_sync: bool = False):
     # Numbered by the gradient step whose update it carries, so that the random streams do
     # not depend on how often Megatron syncs (e.g. the forward hooks of overlapped gathers).
     step = state.grad_step - 1
+    telemetry = _SETTINGS.telemetry
+    exact = None
+    if telemetry.due(step):
+        exact = [_exact_all_gather(bucket.param_data, state.groups) for bucket in self.buckets]
     handles = [ag.start(bucket.param_data, step) for bucket, ag in zip(self.buckets, state.weight)]
-    handle = BucketGroupHandle(handles)
+    finish = None
+    if exact is not None:
+        def finish():
+            sent = sum(ag.wire_bytes().total for ag in state.weight)
+            baseline = sum(ag.baseline_wire_bytes().total for ag in state.weight)
+            got = [bucket.param_data for bucket in self.buckets]
+            telemetry.report("param", step, _SETTINGS.states, sent, baseline,
+                             ErrorStats.of(got, exact))
+    handle = BucketGroupHandle(handles, finish)
     if self.ddp_config.overlap_param_gather and not force_sync:
         self.param_gather_handle = handle
     else:

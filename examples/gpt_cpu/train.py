@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 
@@ -41,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--telemetry-interval", type=int, default=20,
+                   help="every N steps, log sdp4bit's quantization error against an exact "
+                        "collective (0 = off)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--json-out", help="write the loss curve and byte counts here (rank 0)")
     return p.parse_args()
@@ -82,11 +86,14 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        logging.basicConfig(level=logging.INFO, format="      %(message)s")
     config = None
     if args.preset != "megatron":
         knobs = dict(k.split("=", 1) for k in args.knob)
         config = Sdp4bitConfig(args.preset, knobs)
-        sdp4bit_megatron.enable(config, local_world_size=args.ranks_per_node)
+        sdp4bit_megatron.enable(config, local_world_size=args.ranks_per_node,
+                                telemetry_interval=args.telemetry_interval)
     train_text, val_text = split(stdlib_corpus(args.corpus_bytes), held_out=0.1)
     ddp = build_ddp(args)
     optimizer = ShardedAdamW(ddp, lr=args.lr)

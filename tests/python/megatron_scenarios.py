@@ -178,3 +178,30 @@ def train_segment(rank, world, first, last, checkpoint_dir, overlap_param):
     params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
     integration.disable()
     return losses, params.view(torch.int16).numpy().tobytes()
+
+
+class RecordingWriter:
+    """A tensorboard writer that keeps what it is given."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, name, value, step):
+        self.scalars[(name, step)] = value
+
+
+def telemetry(rank, world, steps, interval):
+    """Trains with telemetry every `interval` steps; returns the recorded scalars."""
+    writer = RecordingWriter()
+    integration.enable(Sdp4bitConfig("sdp4bit"), local_world_size=2,
+                       telemetry_interval=interval, tensorboard_writer=writer)
+    ddp = build(True, False)
+    opt = ShardedSGD(ddp, lr=0.05)
+    g = torch.Generator().manual_seed(500 + rank)
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(16, HIDDEN, generator=g).bfloat16()).float().pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    integration.disable()
+    return writer.scalars

@@ -71,3 +71,19 @@ def test_resumed_run_continues_bit_for_bit(tmp_path):
         for (losses, params), (l1, _), (l2, resumed) in zip(straight, first, second):
             assert l1 + l2 == losses, overlap_param
             assert resumed == params, overlap_param
+
+
+def test_telemetry_reports_bytes_and_error_at_the_interval():
+    per_rank = run_ranks(4, ms.telemetry, 5, 2, env={"LOCAL_WORLD_SIZE": "2"})
+    scalars = per_rank[0]
+    steps = {step for (_, step) in scalars}
+    assert steps == {0, 2, 4}, steps
+    for step in (0, 2, 4):
+        sent = scalars[("sdp4bit/grad/bytes_sent", step)]
+        assert 0 < sent < scalars[("sdp4bit/grad/bytes_uncompressed", step)] / 2  # tiny buckets
+        # 8-bit then 4-bit gradients: a clearly non-zero but bounded relative error.
+        assert 1e-3 < scalars[("sdp4bit/grad/rel_l2_error", step)] < 0.5
+        assert scalars[("sdp4bit/grad/nonfinite", step)] == 0
+    for step in (2, 4):  # the first sync after set-up sends nothing
+        assert 0 < scalars[("sdp4bit/param/rel_l2_error", step)] < 0.05
+        assert scalars[("sdp4bit/param/bytes_sent", step)] > 0

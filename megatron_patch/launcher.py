@@ -1,0 +1,81 @@
+"""Runs an unmodified Megatron-LM training script with the sdp4bit flags:
+
+    torchrun ... -m megatron_patch pretrain_gpt.py --sdp4bit [--sdp4bit-...] <Megatron flags>
+
+Before the script runs, Megatron-LM's ``parse_args`` is wrapped so that its parser also gets
+the sdp4bit flags (:mod:`megatron_patch.arguments`, composed with the script's own
+``extra_args_provider``) and, once the flags are parsed, sdp4bit is enabled for the
+distributed optimizer (before any model is built), numbering its random streams by
+``args.iteration`` so that a resumed run continues where it stopped. Scripts that build their
+own parser can instead call :func:`megatron_patch.arguments.add_arguments` and
+:func:`megatron_patch.megatron_core.enable` themselves (the one-import usage in the README).
+"""
+
+from __future__ import annotations
+
+import functools
+import runpy
+import sys
+
+from . import megatron_core
+from .arguments import add_arguments, config_from_args
+
+
+def _compose(extra_args_provider):
+    def provider(parser):
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return add_arguments(parser)
+
+    return provider
+
+
+def _wrap(parse_args):
+    @functools.wraps(parse_args)
+    def parse_args_with_sdp4bit(extra_args_provider=None, *args, **kwargs):
+        parsed = parse_args(_compose(extra_args_provider), *args, **kwargs)
+        config = config_from_args(parsed)
+        if config is not None:
+            megatron_core.enable(config, local_world_size=parsed.sdp4bit_ranks_per_node,
+                                 iteration=_megatron_iteration,
+                                 telemetry_interval=parsed.sdp4bit_telemetry_interval,
+                                 tensorboard_writer=_megatron_tensorboard_writer)
+        return parsed
+
+    parse_args_with_sdp4bit.sdp4bit_original = parse_args
+    return parse_args_with_sdp4bit
+
+
+def _megatron_iteration() -> int:
+    from megatron.training.global_vars import get_args
+
+    return int(getattr(get_args(), "iteration", 0) or 0)
+
+
+def _megatron_tensorboard_writer():
+    from megatron.training.global_vars import get_tensorboard_writer
+
+    return get_tensorboard_writer()
+
+
+def install() -> None:
+    """Wraps ``megatron.training.arguments.parse_args`` and every already-imported
+    ``megatron.training`` module's reference to it (``initialize`` imports it by name)."""
+    import megatron.training.arguments as arguments
+
+    original = getattr(arguments.parse_args, "sdp4bit_original", arguments.parse_args)
+    wrapped = _wrap(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.training") and getattr(module, "parse_args", None) is original:
+            module.parse_args = wrapped
+    arguments.parse_args = wrapped
+
+
+def main(argv: list[str]) -> None:
+    """``python -m megatron_patch SCRIPT [ARGS...]``: runs SCRIPT as ``__main__``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    install()
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")

@@ -1,0 +1,99 @@
+"""Telemetry of the compressed collectives: bytes sent against the uncompressed baseline, and
+at a configurable interval the quantization error, measured against Megatron's own exact
+collective run on the same data (which costs one uncompressed collective on those steps only).
+Reported through the ``sdp4bit`` logger and, when one is given, a tensorboard writer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("sdp4bit")
+
+
+@dataclass
+class ErrorStats:
+    """How far compressed results are from the exact ones (mergeable sums)."""
+
+    diff_sq: float = 0.0  # sum of (got - exact)^2 over finite elements
+    ref_sq: float = 0.0  # sum of exact^2 over the same elements
+    max_abs: float = 0.0  # max |got - exact| over finite elements
+    nonfinite: int = 0  # elements that are NaN/Inf in the compressed result only
+
+    @property
+    def rel_l2(self) -> float:
+        return (self.diff_sq / self.ref_sq) ** 0.5 if self.ref_sq > 0 else 0.0
+
+    @staticmethod
+    def of(got: list[torch.Tensor], exact: list[torch.Tensor]) -> ErrorStats:
+        stats = ErrorStats()
+        for g, e in zip(got, exact):
+            g, e = g.float(), e.float()
+            finite = torch.isfinite(g) & torch.isfinite(e)
+            stats.nonfinite += int((~torch.isfinite(g) & torch.isfinite(e)).sum())
+            d = (g - e)[finite]
+            stats.diff_sq += float(d.double().pow(2).sum())
+            stats.ref_sq += float(e[finite].double().pow(2).sum())
+            if d.numel():
+                stats.max_abs = max(stats.max_abs, float(d.abs().max()))
+        return stats
+
+    def merge(self, other: ErrorStats) -> None:
+        self.diff_sq += other.diff_sq
+        self.ref_sq += other.ref_sq
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.nonfinite += other.nonfinite
+
+
+@dataclass
+class _Step:
+    reports: int = 0
+    sent: int = 0
+    baseline: int = 0
+    error: ErrorStats = field(default_factory=ErrorStats)
+
+
+class Telemetry:
+    """Reports every `interval` steps (0: never) to the log and to `writer()`'s tensorboard
+    writer (a callable returning a writer or None, e.g. Megatron-LM's get_tensorboard_writer).
+    Bucket groups report separately; a step is emitted once all of them have."""
+
+    def __init__(self, interval: int, writer=None):
+        if interval < 0:
+            raise ValueError(f"sdp4bit: telemetry interval must be >= 0, got {interval}")
+        self.interval, self._writer = interval, writer
+        self._open: dict[tuple[str, int], _Step] = {}
+
+    def due(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0
+
+    def report(self, what: str, step: int, groups: int, sent: int, baseline: int,
+               error: ErrorStats) -> None:
+        """One bucket group's numbers for `what` ("grad" or "param") at `step`, of `groups`."""
+        acc = self._open.setdefault((what, step), _Step())
+        acc.reports += 1
+        acc.sent += sent
+        acc.baseline += baseline
+        acc.error.merge(error)
+        if acc.reports >= groups:
+            del self._open[(what, step)]
+            self._emit(what, step, acc)
+
+    def _emit(self, what: str, step: int, acc: _Step) -> None:
+        e = acc.error
+        values = {"bytes_sent": acc.sent, "bytes_uncompressed": acc.baseline,
+                  "rel_l2_error": e.rel_l2, "max_abs_error": e.max_abs, "nonfinite": e.nonfinite}
+        writer = self._writer() if callable(self._writer) else self._writer
+        if writer is not None:
+            for name, value in values.items():
+                writer.add_scalar(f"sdp4bit/{what}/{name}", value, step)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            ratio = f"{acc.baseline / acc.sent:.2f}x less" if acc.sent else "nothing sent"
+            logger.info(
+                f"sdp4bit {what} step {step}: {acc.sent:,d} B sent vs {acc.baseline:,d} B "
+                f"({ratio}); error rel-L2 {e.rel_l2:.3e}, max {e.max_abs:.3e}, "
+                f"{e.nonfinite} new non-finite"
+            )
