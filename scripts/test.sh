@@ -62,3 +62,7 @@ echo "== pip install ."
 smoke
 echo "== pytest tests/python (multi-process gloo)"
 "$VENV/bin/pytest" -q tests/python
+echo "== convergence study smoke run (3 steps, 3 rows; the study itself is bench/convergence.py)"
+(cd /tmp && OMP_NUM_THREADS=1 "$ROOT/$VENV/bin/python" "$ROOT/bench/convergence.py" --steps 3 \
+  --rows baseline,qWD,SDP4Bit --out "$ROOT/.cache/convergence-smoke")
+test -s .cache/convergence-smoke/convergence.png

@@ -63,7 +63,10 @@ def build_ddp(args: argparse.Namespace):
                                params_dtype=torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-        overlap_grad_reduce=True, overlap_param_gather=True,
+        # Megatron's own asynchronous coalesced all-gather over gloo (the path of the baseline
+        # rows) crashed intermittently on CPU in our runs (SIGSEGV in its handle's wait()), so
+        # parameters are gathered synchronously here; gradients overlap with backward.
+        overlap_grad_reduce=True, overlap_param_gather=False,
         bucket_size=40_000,
     )
     with sdp4bit_megatron.megatron_on_cpu():
@@ -124,8 +127,9 @@ def main() -> None:
             ratio = f"{baseline / sent:5.2f}x" if sent else "     -"
             print(f"{step:5d} {train_loss:8.4f} {sent:12,d} {baseline:13,d} {ratio} "
                   f"{elapsed * 1e3:8.1f}ms", flush=True)
-    for bucket_group in ddp.bucket_groups:  # the last step's gather, when overlapped
-        bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
+    if ddp.ddp_config.overlap_param_gather:  # the last step's gather
+        for bucket_group in ddp.bucket_groups:
+            bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
     with torch.no_grad():
         eval_gen = torch.Generator().manual_seed(args.seed + 7)  # the same batches on every rank
         val = [loss_of(ddp, *batch(val_text, args.batch, args.context, eval_gen)).item()

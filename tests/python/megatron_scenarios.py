@@ -12,14 +12,15 @@ from megatron_patch import Sdp4bitConfig
 HIDDEN = 64
 
 
-def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500):
+def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500, tp: int = 1,
+          seed: int = 1234):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(1234)  # the same initial weights on every rank
+        parallel_state.initialize_model_parallel(tp, 1)
+    torch.manual_seed(seed)  # the same initial weights on every rank
     model = torch.nn.Sequential(
         torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
         torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
@@ -54,8 +55,11 @@ class ShardedSGD:
     param buffer, then the param all-gather."""
 
     def __init__(self, ddp, lr: float):
+        from megatron.core import parallel_state
+
         self.ddp, self.lr = ddp, lr
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        group = parallel_state.get_data_parallel_group()
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.buckets = [b for g in ddp.bucket_groups for b in g.buckets]
         self.main = [_shard(b.param_data, self.rank, self.size).float() for b in self.buckets]
 
@@ -74,9 +78,13 @@ class ShardedSGD:
 
 
 def _replicas_identical(tensor: torch.Tensor) -> bool:
+    """Whether every rank of this rank's DP group holds the same bits."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
     bits = tensor.view(torch.int16).to(torch.int32)
-    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, bits)
+    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, bits, group=group)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
@@ -103,7 +111,7 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
         before = [b.grad_data.clone() for g_ in ddp.bucket_groups for b in g_.buckets]
         ddp.finish_grad_sync()
         if check_against_core:
-            _check_grad_shards_against_core(ddp, before, rank, world)
+            _check_grad_shards_against_core(ddp, before)
         stepped.append(opt.step())
         losses.append(loss.item())
     if overlap_param:
@@ -119,9 +127,13 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
     return losses, stepped, params.view(torch.int16).numpy().tobytes(), (sent, baseline)
 
 
-def _check_grad_shards_against_core(ddp, before, rank, world):
+def _check_grad_shards_against_core(ddp, before):
     """Each bucket's reduced shard equals the Rust core's in-process reduce-scatter of every
-    rank's (scaled) bucket, byte for byte."""
+    DP rank's (scaled) bucket, byte for byte."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_group()
+    rank, world = dist.get_rank(dp), dist.get_world_size(dp)
     buckets = [(g, i, b) for g in ddp.bucket_groups for i, b in enumerate(g.buckets)]
     for (group, idx, bucket), grad in zip(buckets, before):
         state = group._sdp4bit
@@ -129,7 +141,7 @@ def _check_grad_shards_against_core(ddp, before, rank, world):
         step = state.grad_step - 1
         grad *= bucket.gradient_scaling_factor
         every = [torch.empty_like(grad) for _ in range(world)]
-        dist.all_gather(every, grad)
+        dist.all_gather(every, grad, group=dp)
         expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
             rs.config.spec(), state.groups.node_labels, rs.bucket_id, step,
             torch.stack(every))[rank]
@@ -205,3 +217,33 @@ def telemetry(rank, world, steps, interval):
         opt.step()
     integration.disable()
     return writer.scalars
+
+
+def tensor_parallel_and_chunks(rank, world, tp, chunks, steps):
+    """DP groups per tensor-parallel rank (W / tp ranks each) and several model chunks (DDP
+    instances) sharing them: every chunk's shards equal the core's, replicas within each DP
+    group stay identical. Returns each chunk's losses."""
+    integration.enable(Sdp4bitConfig("sdp4bit"), local_world_size=2)
+    models = [build(False, False, tp=tp, seed=1234 + c) for c in range(chunks)]
+    optimizers = [ShardedSGD(ddp, lr=0.05) for ddp in models]
+    g = torch.Generator().manual_seed(700 + rank)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, HIDDEN, generator=g).bfloat16()
+        for ddp in models:
+            ddp.zero_grad_buffer()
+        loss = sum(ddp(x).float().pow(2).mean() for ddp in models)
+        loss.backward()
+        for ddp in models:
+            before = [b.grad_data.clone() for g_ in ddp.bucket_groups for b in g_.buckets]
+            ddp.finish_grad_sync()
+            _check_grad_shards_against_core(ddp, before)
+        for opt in optimizers:
+            opt.step()
+        losses.append(loss.item())
+    for ddp in models:
+        for bucket_group in ddp.bucket_groups:
+            for bucket in bucket_group.buckets:
+                assert _replicas_identical(bucket.param_data), "param buffers differ"
+    integration.disable()
+    return losses

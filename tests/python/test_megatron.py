@@ -87,3 +87,10 @@ def test_telemetry_reports_bytes_and_error_at_the_interval():
     for step in (2, 4):  # the first sync after set-up sends nothing
         assert 0 < scalars[("sdp4bit/param/rel_l2_error", step)] < 0.05
         assert scalars[("sdp4bit/param/bytes_sent", step)] > 0
+
+
+def test_tensor_parallel_dp_groups_and_several_model_chunks():
+    # W = 4, TP = 2: DP groups {0, 2} and {1, 3}, one rank per node each; two model chunks.
+    per_rank = run_ranks(4, ms.tensor_parallel_and_chunks, 2, 2, 3, env={"LOCAL_WORLD_SIZE": "2"})
+    for losses in per_rank:
+        assert len(losses) == 3
