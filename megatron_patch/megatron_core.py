@@ -182,57 +182,64 @@ def _groups_for(settings: _Settings, group: dist.ProcessGroup) -> Sdp4bitGroups:
 
 
 def _has_fp8(bucket_group) -> bool:
-    from megatron.core.fp8_utils import is_float8tensor
+    """Whether the group holds FP8 parameters (scanned once, then remembered)."""
+    cached = getattr(bucket_group, "_sdp4bit_has_fp8", None)
+    if cached is None:
+        from megatron.core.fp8_utils import is_float8tensor
 
-    return any(is_float8tensor(p) for p in bucket_group.params)
+        cached = any(is_float8tensor(p) for p in bucket_group.params)
+        bucket_group._sdp4bit_has_fp8 = cached
+    return cached
 
 
 def _state(bucket_group) -> _BucketGroupState | None:
     """The group's sdp4bit state, or None where Megatron's own path applies."""
     settings = _SETTINGS
+    if settings is None:
+        return None
+    state = getattr(bucket_group, "_sdp4bit", None)
+    if state is not None:  # set up: the checks below passed then
+        return state
     cfg = bucket_group.ddp_config
     if (
-        settings is None
-        or not cfg.use_distributed_optimizer
+        not cfg.use_distributed_optimizer
         or cfg.num_distributed_optimizer_instances != 1
         or _has_fp8(bucket_group)
     ):
         return None
-    state = getattr(bucket_group, "_sdp4bit", None)
-    if state is None:
-        groups = _groups_for(settings, bucket_group.intra_distributed_optimizer_instance_group)
-        grads = []
-        for bucket in bucket_group.buckets:
-            if bucket.grad_data.dtype not in (torch.float32, torch.bfloat16):
-                raise Sdp4bitError(
-                    f"gradient buckets must be float32 or bfloat16, got {bucket.grad_data.dtype}"
-                )
-            bucket_id = getattr(bucket, "sdp4bit_bucket_id", None)
-            if bucket_id is None:
-                raise Sdp4bitError(
-                    "this DDP model was built before megatron_patch.megatron_core.enable(); "
-                    "enable sdp4bit first, then build the model"
-                )
-            grads.append(GradReduceScatter(groups, settings.config, bucket.grad_data.numel(),
-                                           bucket_id))
-            if settings.weights and bucket.param_data.dtype != torch.bfloat16:
-                raise Sdp4bitError(
-                    "the weight codecs all-gather bf16 parameters; this model's parameter "
-                    f"buffer is {bucket.param_data.dtype} (train in bf16, or choose "
-                    "weight_codec=none)"
-                )
-        weights = []
-        if settings.weights:
-            _check_replicas_identical(bucket_group, groups)
-            weights = [
-                WeightAllGather(groups, settings.config, bucket.param_data, rs.bucket_id)
-                for bucket, rs in zip(bucket_group.buckets, grads)
-            ]
-        state = _BucketGroupState(groups, grads, weights, staging=[None] * len(grads))
-        first = settings.iteration() if settings.iteration is not None else 0
-        state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
-        bucket_group._sdp4bit = state
-        settings.states += 1
+    groups = _groups_for(settings, bucket_group.intra_distributed_optimizer_instance_group)
+    grads = []
+    for bucket in bucket_group.buckets:
+        if bucket.grad_data.dtype not in (torch.float32, torch.bfloat16):
+            raise Sdp4bitError(
+                f"gradient buckets must be float32 or bfloat16, got {bucket.grad_data.dtype}"
+            )
+        bucket_id = getattr(bucket, "sdp4bit_bucket_id", None)
+        if bucket_id is None:
+            raise Sdp4bitError(
+                "this DDP model was built before megatron_patch.megatron_core.enable(); "
+                "enable sdp4bit first, then build the model"
+            )
+        grads.append(GradReduceScatter(groups, settings.config, bucket.grad_data.numel(),
+                                       bucket_id))
+        if settings.weights and bucket.param_data.dtype != torch.bfloat16:
+            raise Sdp4bitError(
+                "the weight codecs all-gather bf16 parameters; this model's parameter "
+                f"buffer is {bucket.param_data.dtype} (train in bf16, or choose "
+                "weight_codec=none)"
+            )
+    weights = []
+    if settings.weights:
+        _check_replicas_identical(bucket_group, groups)
+        weights = [
+            WeightAllGather(groups, settings.config, bucket.param_data, rs.bucket_id)
+            for bucket, rs in zip(bucket_group.buckets, grads)
+        ]
+    state = _BucketGroupState(groups, grads, weights, staging=[None] * len(grads))
+    first = settings.iteration() if settings.iteration is not None else 0
+    state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
+    bucket_group._sdp4bit = state
+    settings.states += 1
     return state
 
 
@@ -270,12 +277,14 @@ def _exact_reduce_scatter(data: torch.Tensor, groups: Sdp4bitGroups) -> torch.Te
 def _exact_all_gather(params: torch.Tensor, groups: Sdp4bitGroups) -> torch.Tensor:
     """Every owner's current shard of `params`, all-gathered uncompressed (for telemetry)."""
     out = torch.empty_like(params)
-    mine = _local_shard(params, groups.rank, groups.size).clone()
+    mine = local_shard(params, groups.rank, groups.size).clone()
     dist.all_gather_into_tensor(out, mine, group=_dp_group(groups))
     return out
 
 
-def _local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """DP rank `rank`'s shard of a bucket buffer split into `size` equal parts (Megatron's
+    layout)."""
     shard = tensor.numel() // size
     return tensor[rank * shard:(rank + 1) * shard]
 
@@ -313,25 +322,25 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
                                                  device=bucket.grad_data.device)
             data = state.staging[idx]
             data.copy_(bucket.grad_data)
-            copy_back.append((_local_shard(bucket.grad_data, rank, size),
-                              _local_shard(data, rank, size)))
+            copy_back.append((local_shard(bucket.grad_data, rank, size),
+                              local_shard(data, rank, size)))
         if exact is not None:
             exact.append(_exact_reduce_scatter(data, state.groups))
-        handles.append(rs.start(data, _local_shard(data, rank, size), step))
+        handles.append(rs.start(data, local_shard(data, rank, size), step))
     state.grad_step += 1
 
     def finish():
         for out, shard in copy_back:
             out.copy_(shard)
         if exact is not None:
-            got = [_local_shard(b.grad_data, rank, size) for b in self.buckets]
+            got = [local_shard(b.grad_data, rank, size) for b in self.buckets]
             sent = sum(rs.wire_bytes(step).total for rs in state.grad)
             baseline = sum(rs.baseline_wire_bytes().total for rs in state.grad)
             telemetry.report("grad", step, _SETTINGS.states, sent, baseline,
                              ErrorStats.of(got, exact))
         if cfg.average_in_collective:
             for bucket in self.buckets:
-                _local_shard(bucket.grad_data, rank, size).div_(size)
+                local_shard(bucket.grad_data, rank, size).div_(size)
 
     handle = BucketGroupHandle(handles, finish)
     if cfg.overlap_grad_reduce:

@@ -6,10 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    n = tensor.numel() // size
-    return tensor[rank * n:(rank + 1) * n]
+from megatron_patch.megatron_core import local_shard
 
 
 class ShardedAdamW:
@@ -21,14 +18,14 @@ class ShardedAdamW:
         self.ddp, self.lr, self.betas, self.eps, self.wd = ddp, lr, betas, eps, weight_decay
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.buckets = [b for g in ddp.bucket_groups for b in g.buckets]
-        self.main = [_shard(b.param_data, self.rank, self.size).float() for b in self.buckets]
+        self.main = [local_shard(b.param_data, self.rank, self.size).float() for b in self.buckets]
         self.m = [torch.zeros_like(p) for p in self.main]
         self.v = [torch.zeros_like(p) for p in self.main]
         self.steps = 0
 
     def step(self) -> bool:
         """One update; False (and no update) when a gradient anywhere is NaN or Inf."""
-        grads = [_shard(b.grad_data, self.rank, self.size) for b in self.buckets]
+        grads = [local_shard(b.grad_data, self.rank, self.size) for b in self.buckets]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
         found_inf = torch.tensor([0.0 if finite else 1.0])
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
@@ -41,7 +38,7 @@ class ShardedAdamW:
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 p.mul_(1 - self.lr * self.wd)
                 p.addcdiv_(m / c1, (v / c2).sqrt_().add_(self.eps), value=-self.lr)
-                _shard(bucket.param_data, self.rank, self.size).copy_(p.bfloat16())
+                local_shard(bucket.param_data, self.rank, self.size).copy_(p.bfloat16())
         if not self.ddp.ddp_config.overlap_param_gather:
             self.ddp.start_param_sync()
         return found_inf.item() == 0.0

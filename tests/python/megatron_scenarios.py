@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patch.megatron_core as integration
+from megatron_patch.megatron_core import local_shard
 from megatron_patch import Sdp4bitConfig
 
 HIDDEN = 64
@@ -44,11 +45,6 @@ def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500, tp: 
     return ddp
 
 
-def _shard(tensor, rank, size):
-    n = tensor.numel() // size
-    return tensor[rank * n:(rank + 1) * n]
-
-
 class ShardedSGD:
     """The distributed optimizer's contract on CPU: fp32 main params for this rank's shard of
     every bucket, a found-inf check over the DP group, bf16 params written back into the
@@ -61,16 +57,16 @@ class ShardedSGD:
         group = parallel_state.get_data_parallel_group()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.buckets = [b for g in ddp.bucket_groups for b in g.buckets]
-        self.main = [_shard(b.param_data, self.rank, self.size).float() for b in self.buckets]
+        self.main = [local_shard(b.param_data, self.rank, self.size).float() for b in self.buckets]
 
     def step(self) -> bool:
-        grads = [_shard(b.grad_data, self.rank, self.size) for b in self.buckets]
+        grads = [local_shard(b.grad_data, self.rank, self.size) for b in self.buckets]
         found_inf = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0])
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         if found_inf.item() == 0.0:
             for main, grad, bucket in zip(self.main, grads, self.buckets):
                 main -= self.lr * grad
-                _shard(bucket.param_data, self.rank, self.size).copy_(main.bfloat16())
+                local_shard(bucket.param_data, self.rank, self.size).copy_(main.bfloat16())
         if not self.ddp.ddp_config.overlap_param_gather:
             self.ddp.start_param_sync()
         # With overlap, the forward pre-hooks of the next step gather the params.
@@ -145,7 +141,7 @@ def _check_grad_shards_against_core(ddp, before):
         expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
             rs.config.spec(), state.groups.node_labels, rs.bucket_id, step,
             torch.stack(every))[rank]
-        got = _shard(bucket.grad_data, rank, world)
+        got = local_shard(bucket.grad_data, rank, world)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (
             f"bucket {rs.bucket_id} step {step} differs from the core")
 
