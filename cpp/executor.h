@@ -8,6 +8,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 namespace sdp4bit {
@@ -16,24 +17,31 @@ class Executor {
  public:
   Executor() : worker_([this] { loop(); }) {}
 
-  ~Executor() {
+  ~Executor() { shutdown(); }
+
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Runs every queued job, then stops the worker thread and joins it. Idempotent; call it
+  // from any thread but the worker.
+  void shutdown() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
     }
     ready_.notify_one();
-    worker_.join();
+    std::lock_guard<std::mutex> joining(join_mutex_);
+    if (worker_.joinable()) worker_.join();
   }
 
-  Executor(const Executor&) = delete;
-  Executor& operator=(const Executor&) = delete;
-
-  // Queues `job`; the future holds its exception, if it throws.
+  // Queues `job`; the future holds its exception, if it throws. Throws std::logic_error
+  // once shutdown() has begun.
   std::shared_future<void> submit(std::function<void()> job) {
     std::packaged_task<void()> task(std::move(job));
     std::shared_future<void> done = task.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) throw std::logic_error("these process groups were closed (ProcessGroups.close())");
       queue_.push_back(std::move(task));
     }
     ready_.notify_one();
@@ -56,6 +64,7 @@ class Executor {
   }
 
   std::mutex mutex_;
+  std::mutex join_mutex_;  // serializes joins of concurrent shutdown() calls
   std::condition_variable ready_;
   std::deque<std::packaged_task<void()>> queue_;
   bool stopping_ = false;

@@ -155,19 +155,33 @@ class ProcessGroups : public torch::CustomClassHolder {
       groups->inter = resolve_optional(inter);
     });
     comms_ = std::make_unique<ffi::TorchComms>(std::move(groups));
+    rank_ = static_cast<int64_t>(comms_->rank(ffi::CommLevel::World));
+    size_ = static_cast<int64_t>(comms_->size(ffi::CommLevel::World));
   }
 
-  int64_t rank() const { return static_cast<int64_t>(comms_->rank(ffi::CommLevel::World)); }
-  int64_t size() const { return static_cast<int64_t>(comms_->size(ffi::CommLevel::World)); }
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
 
+  // The groups' comms; only jobs on the executor use them, and none runs after close().
   const ffi::TorchComms& comms() const { return *comms_; }
+
+  // Runs every collective already queued, stops the executor thread and releases the c10d
+  // groups. Call it before torch.distributed.destroy_process_group(); collectives started
+  // afterwards raise. Idempotent.
+  void close() {
+    {
+      WithoutGil unlocked;
+      executor_.shutdown();
+    }
+    comms_.reset();
+  }
 
   // Runs `job` on the executor after everything queued before it, and waits for it.
   template <class F>
   auto run_in_order(F&& job) -> decltype(job()) {
     using R = decltype(job());
     std::optional<R> result;
-    auto done = executor_.submit([&] { result.emplace(job()); });
+    auto done = submit([&] { result.emplace(job()); });
     {
       WithoutGil unlocked;
       done.wait();
@@ -177,11 +191,13 @@ class ProcessGroups : public torch::CustomClassHolder {
   }
 
   std::shared_future<void> submit(std::function<void()> job) {
-    return executor_.submit(std::move(job));
+    return rethrow_as_torch_error([&] { return executor_.submit(std::move(job)); });
   }
 
  private:
   std::unique_ptr<ffi::TorchComms> comms_;
+  int64_t rank_ = 0;
+  int64_t size_ = 0;
   Executor executor_;  // declared last: joined before the groups are released
 };
 
@@ -418,7 +434,8 @@ TORCH_LIBRARY(sdp4bit, m) {
   m.class_<ProcessGroups>("ProcessGroups")
       .def(torch::init<std::string, std::string, std::string>())
       .def("rank", &ProcessGroups::rank)
-      .def("size", &ProcessGroups::size);
+      .def("size", &ProcessGroups::size)
+      .def("close", &ProcessGroups::close);
   m.class_<Work>("Work").def("wait", &Work::wait).def("is_completed", &Work::is_completed);
   m.class_<GradReduceScatter>("GradReduceScatter")
       .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,

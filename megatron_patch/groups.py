@@ -122,6 +122,14 @@ class Sdp4bitGroups:
             )
         return cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native)
 
+    def close(self) -> None:
+        """Completes the collectives already started, stops the background thread and
+        releases the private groups. Call it before ``dist.destroy_process_group()`` (process
+        exit then has nothing of sdp4bit's left to tear down); collectives started afterwards
+        raise :class:`Sdp4bitError`. Idempotent."""
+        with translated_errors():
+            self.native.close()
+
     @property
     def size(self) -> int:
         """Ranks in the DP group."""

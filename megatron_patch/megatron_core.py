@@ -54,7 +54,7 @@ class _Settings:
     # bucket group set up after a resume starts counting there.
     iteration: object = None
     telemetry: Telemetry = field(default_factory=lambda: Telemetry(0))
-    states: int = 0  # bucket groups set up
+    bucket_groups: list = field(default_factory=list)  # those set up, in set-up order
 
 
 _SETTINGS: _Settings | None = None
@@ -120,8 +120,15 @@ def enable(config: Sdp4bitConfig, local_world_size: int | None = None,
 
 
 def disable() -> None:
-    """Restores Megatron's own collectives."""
+    """Restores Megatron's own collectives: completes sdp4bit's collectives in flight,
+    forgets every bucket group's state and closes the process groups sdp4bit built. Call it
+    on every rank before ``torch.distributed.destroy_process_group()``."""
     global _SETTINGS
+    if _SETTINGS is not None:
+        for bucket_group in _SETTINGS.bucket_groups:
+            del bucket_group._sdp4bit
+        for groups in _SETTINGS.groups.values():
+            groups.close()
     if _ORIGINAL:
         cls = _bucket_group_class()
         cls.start_grad_sync = _ORIGINAL.pop("start_grad_sync")
@@ -239,7 +246,7 @@ def _state(bucket_group) -> _BucketGroupState | None:
     first = settings.iteration() if settings.iteration is not None else 0
     state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
     bucket_group._sdp4bit = state
-    settings.states += 1
+    settings.bucket_groups.append(bucket_group)
     return state
 
 
@@ -309,6 +316,7 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
     rank, size = state.groups.rank, state.groups.size
     step = state.grad_step
     telemetry = _SETTINGS.telemetry
+    set_up = len(_SETTINGS.bucket_groups)  # bucket groups reporting each step
     exact = [] if telemetry.due(step) else None
     handles, copy_back = [], []
     for idx, (bucket, rs) in enumerate(zip(self.buckets, state.grad)):
@@ -336,7 +344,7 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
             got = [local_shard(b.grad_data, rank, size) for b in self.buckets]
             sent = sum(rs.wire_bytes(step).total for rs in state.grad)
             baseline = sum(rs.baseline_wire_bytes().total for rs in state.grad)
-            telemetry.report("grad", step, _SETTINGS.states, sent, baseline,
+            telemetry.report("grad", step, set_up, sent, baseline,
                              ErrorStats.of(got, exact))
         if cfg.average_in_collective:
             for bucket in self.buckets:
@@ -371,6 +379,7 @@ def _start_param_sync(self, force_sync: bool = False):
     # not depend on how often Megatron syncs (e.g. the forward hooks of overlapped gathers).
     step = state.grad_step - 1
     telemetry = _SETTINGS.telemetry
+    set_up = len(_SETTINGS.bucket_groups)  # bucket groups reporting each step
     exact = None
     if telemetry.due(step):
         exact = [_exact_all_gather(bucket.param_data, state.groups) for bucket in self.buckets]
@@ -381,7 +390,7 @@ def _start_param_sync(self, force_sync: bool = False):
             sent = sum(ag.wire_bytes().total for ag in state.weight)
             baseline = sum(ag.baseline_wire_bytes().total for ag in state.weight)
             got = [bucket.param_data for bucket in self.buckets]
-            telemetry.report("param", step, _SETTINGS.states, sent, baseline,
+            telemetry.report("param", step, set_up, sent, baseline,
                              ErrorStats.of(got, exact))
     handle = BucketGroupHandle(handles, finish)
     if self.ddp_config.overlap_param_gather and not force_sync:

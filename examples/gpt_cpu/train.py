@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--telemetry-interval", type=int, default=20,
                    help="every N steps, log sdp4bit's quantization error against an exact "
                         "collective (0 = off)")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="Megatron's overlap_param_gather (see the note where the DDP is built)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--json-out", help="write the loss curve and byte counts here (rank 0)")
     return p.parse_args()
@@ -65,8 +67,9 @@ def build_ddp(args: argparse.Namespace):
         grad_reduce_in_fp32=True, use_distributed_optimizer=True,
         # Megatron's own asynchronous coalesced all-gather over gloo (the path of the baseline
         # rows) crashed intermittently on CPU in our runs (SIGSEGV in its handle's wait()), so
-        # parameters are gathered synchronously here; gradients overlap with backward.
-        overlap_grad_reduce=True, overlap_param_gather=False,
+        # by default parameters are gathered synchronously here; gradients overlap with
+        # backward.
+        overlap_grad_reduce=True, overlap_param_gather=args.overlap_param_gather,
         bucket_size=40_000,
     )
     with sdp4bit_megatron.megatron_on_cpu():
@@ -151,6 +154,7 @@ def main() -> None:
                 json.dump({"preset": args.preset, "knobs": args.knob, "train_loss": curve,
                            "val_loss": val_loss, "sent": sent_total,
                            "uncompressed": baseline_total}, f)
+    sdp4bit_megatron.disable()  # sdp4bit's groups and thread go before the process groups
     dist.destroy_process_group()
     if not identical:
         raise SystemExit("replicas differ")

@@ -87,6 +87,7 @@ def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology):
             assert replicas_identical(params), f"{preset}: replicas differ at step {step}"
         report[preset] = (rs.wire_bytes(1).total, rs.baseline_wire_bytes().total,
                           ag.wire_bytes().total, ag.baseline_wire_bytes().total)
+    groups.close()
     return report
 
 
@@ -107,6 +108,7 @@ def repeated_qwd(rank, world, labels, steps):
         assert handle.is_completed()
         assert replicas_identical(params), f"replicas differ after step {step}"
         worst.append((params.float() - targets[step].float()).abs().max().item())
+    groups.close()
     return worst
 
 
@@ -129,6 +131,7 @@ def nan_reaches_the_owner(rank, world, labels, presets):
         assert torch.equal(torch.isnan(shard), torch.isnan(expected)), preset
         finite = ~torch.isnan(shard)
         assert same_bits(shard[finite], expected[finite]), preset
+    groups.close()
     return True
 
 
@@ -177,6 +180,7 @@ def mismatched_setups(rank, world):
     shard = torch.empty(rs.shard_len)
     rs.start(torch.ones(world * 1024), shard, 0).wait()
     assert torch.allclose(shard, torch.full_like(shard, float(world)), rtol=0.1)
+    groups.close()
     return [(message, seconds) for message, seconds in seen]
 
 
@@ -222,6 +226,7 @@ def bad_inputs(rank, world):
     shard = torch.empty(s)
     rs.start(torch.full((world * 1024,), 2.0), shard, 0).wait()
     assert torch.allclose(shard, torch.full_like(shard, 2.0 * world), rtol=0.1)
+    groups.close()
     return seen
 
 
@@ -247,4 +252,14 @@ def many_buckets_in_flight(rank, world, labels):
     again = torch.empty(buckets[0].shard_len)
     buckets[0].start(inputs[0][rank].clone(), again, 7).wait()
     assert same_bits(dropped, again)
+    # close() completes what was started, then refuses new collectives; twice is harmless.
+    unwaited = torch.full((buckets[1].shard_len,), float("nan"))
+    buckets[1].start(inputs[1][rank].clone(), unwaited, 6)
+    groups.close()
+    groups.close()
+    expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+        config.spec(), labels, 1, 6, inputs[1])[rank]
+    assert same_bits(unwaited, expected), "close() did not complete the collective in flight"
+    _expect_error(Sdp4bitError, "process groups were closed",
+                  lambda: buckets[2].start(inputs[2][rank].clone(), shards[2], 8))
     return True
