@@ -189,12 +189,16 @@ def _groups_for(settings: _Settings, group: dist.ProcessGroup) -> Sdp4bitGroups:
 
 
 def _has_fp8(bucket_group) -> bool:
-    """Whether the group holds FP8 parameters (scanned once, then remembered)."""
+    """Whether the group holds FP8 (or, in 0.19, any quantized-storage) parameters, scanned
+    once, then remembered."""
     cached = getattr(bucket_group, "_sdp4bit_has_fp8", None)
     if cached is None:
+        from megatron.core.distributed import param_and_grad_buffer
         from megatron.core.fp8_utils import is_float8tensor
 
-        cached = any(is_float8tensor(p) for p in bucket_group.params)
+        quantized = getattr(param_and_grad_buffer, "_param_uses_quantized_storage",
+                            is_float8tensor)
+        cached = any(quantized(p) for p in bucket_group.params)
         bucket_group._sdp4bit_has_fp8 = cached
     return cached
 
@@ -211,6 +215,7 @@ def _state(bucket_group) -> _BucketGroupState | None:
     if (
         not cfg.use_distributed_optimizer
         or cfg.num_distributed_optimizer_instances != 1
+        or getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False)
         or _has_fp8(bucket_group)
     ):
         return None
@@ -296,6 +301,43 @@ def local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return tensor[rank * shard:(rank + 1) * shard]
 
 
+def _prepare_grads(self, force_all_reduce) -> None:
+    """What megatron-core's start_grad_sync does before its reduction, for the versions this
+    supports (0.16 to 0.19; the later steps are feature-detected): drain the predecessor
+    bucket group (0.19), wait for CUDA-graph gradient events (0.19), copy extra main grads
+    into the buffer (0.19), check the grads, scale them."""
+    previous = getattr(self, "previous_grad_reduce_bucket_group", None)
+    if previous is not None and previous.grad_reduce_handle is not None:
+        previous.finish_grad_sync(force_all_reduce=force_all_reduce)
+    assert self.grad_reduce_handle is None, (
+        "Should not have multiple communication calls outstanding at once")
+    events = {}
+    for bucket in self.buckets:
+        for param in bucket.params_list:
+            event = getattr(param, "_cudagraph_wgrad_ready_event", None)
+            if event is not None:
+                events[id(event)] = event
+    if events:
+        stream = torch.cuda.current_stream()
+        for event in events.values():
+            stream.wait_event(event)
+    for bucket in self.buckets:
+        for param in getattr(bucket, "params_with_extra_main_grads", ()):
+            copy_in = getattr(param, "main_grad_copy_in_grad_buffer", None)
+            if copy_in is not None:
+                copy_in.copy_(param.main_grad)
+    cfg = self.ddp_config
+    if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
+        self.check_grads(
+            check_for_nan_or_inf=cfg.check_for_nan_in_grad,
+            check_for_large=cfg.check_for_large_grads,
+        )
+    with torch.no_grad():
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+
+
 def _start_grad_sync(self, force_all_reduce: bool | None = False):
     if self.is_first_batch and self.grad_reduce_handle is not None:
         return  # already dispatched in the first batch (Megatron's own rule), nothing to count
@@ -306,13 +348,8 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
         if state is not None:
             state.grad_step += 1
         return _ORIGINAL["start_grad_sync"](self, force_all_reduce)
-    assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+    _prepare_grads(self, force_all_reduce)
     cfg = self.ddp_config
-    if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
-        self.check_grads(
-            check_for_nan_or_inf=cfg.check_for_nan_in_grad,
-            check_for_large=cfg.check_for_large_grads,
-        )
     rank, size = state.groups.rank, state.groups.size
     step = state.grad_step
     telemetry = _SETTINGS.telemetry
@@ -320,8 +357,6 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
     exact = [] if telemetry.due(step) else None
     handles, copy_back = [], []
     for idx, (bucket, rs) in enumerate(zip(self.buckets, state.grad)):
-        if bucket.gradient_scaling_factor != 1.0:
-            bucket.grad_data *= bucket.gradient_scaling_factor
         if bucket.grad_data.dtype == torch.float32:
             data = bucket.grad_data
         else:
@@ -366,6 +401,7 @@ def _start_param_sync(self, force_sync: bool = False):
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
             self.param_gather_handle = None
+            _post_param_sync(self)
             return
     else:
         assert self.param_gather_handle is None
@@ -398,7 +434,17 @@ def _start_param_sync(self, force_sync: bool = False):
     else:
         handle.wait()
         self.param_gather_handle = None
+    if force_sync and self.ddp_config.overlap_param_gather:
+        _post_param_sync(self)
     self.param_gather_dispatched = True
+
+
+def _post_param_sync(bucket_group) -> None:
+    """megatron-core 0.19's processing after a completed param gather, where it has one (a
+    no-op for the buckets sdp4bit gathers: they hold no quantized parameters)."""
+    post = getattr(bucket_group, "_post_param_sync", None)
+    if post is not None:
+        post()
 
 
 def _bucket_groups(ddp_model):

@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NVRTC_VERSION=13.0.88
+# The newest megatron-core the integration tests also run against (see the pytest step).
+MCORE_NEXT=0.19.2
 NVRTC_PREFIX=.cache/nvrtc-$NVRTC_VERSION
 if [ ! -f "$NVRTC_PREFIX/nvidia/cu13/lib/libnvrtc.so.13" ]; then
   echo "== installing NVRTC $NVRTC_VERSION into $NVRTC_PREFIX"
@@ -62,6 +64,17 @@ echo "== pip install ."
 smoke
 echo "== pytest tests/python (multi-process gloo)"
 "$VENV/bin/pytest" -q tests/python
+echo "== pytest tests/python/test_megatron.py against megatron-core $MCORE_NEXT (pure Python, under 3.11)"
+# megatron-core 0.17+ declares Python 3.12; its megatron.core is pure Python, so its wheel is
+# unpacked beside the pinned 0.16.1 and put first on the path for the integration tests.
+NEXT_DIR=".cache/megatron-core-$MCORE_NEXT"
+if [ ! -d "$NEXT_DIR/megatron/core" ]; then
+  rm -rf "$NEXT_DIR" .cache/mcore-wheel
+  "${PIP[@]}" download --no-deps --only-binary=:all: --python-version 3.12 \
+    --dest .cache/mcore-wheel "megatron-core==$MCORE_NEXT"
+  "$VENV/bin/python" -m zipfile -e .cache/mcore-wheel/megatron_core-"$MCORE_NEXT"-*.whl "$NEXT_DIR"
+fi
+PYTHONPATH="$ROOT/$NEXT_DIR" "$VENV/bin/pytest" -q tests/python/test_megatron.py
 echo "== convergence study smoke run (3 steps, 3 rows; the study itself is bench/convergence.py)"
 (cd /tmp && OMP_NUM_THREADS=1 "$ROOT/$VENV/bin/python" "$ROOT/bench/convergence.py" --steps 3 \
   --rows baseline,qWD,SDP4Bit --out "$ROOT/.cache/convergence-smoke")

@@ -65,10 +65,10 @@ def build_ddp(args: argparse.Namespace):
                                params_dtype=torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-        # Megatron's own asynchronous coalesced all-gather over gloo (the path of the baseline
-        # rows) crashed intermittently on CPU in our runs (SIGSEGV in its handle's wait()), so
-        # by default parameters are gathered synchronously here; gradients overlap with
-        # backward.
+        # Megatron's own asynchronous coalesced all-gather over gloo (the path of uncompressed
+        # rows) crashes on CPU after some hundreds of steps, without sdp4bit too
+        # (bench/results/gloo_coalesced_allgather_crash.md), so by default parameters are
+        # gathered synchronously here; gradients overlap with backward.
         overlap_grad_reduce=True, overlap_param_gather=args.overlap_param_gather,
         bucket_size=40_000,
     )

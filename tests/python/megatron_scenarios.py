@@ -13,8 +13,23 @@ from megatron_patch import Sdp4bitConfig
 HIDDEN = 64
 
 
+class _HostStream:
+    """What megatron-core 0.19's grad sync asks of ``torch.cuda.current_stream()`` (it waits
+    for CUDA-graph events there): on CPU there is nothing to wait for."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+if not torch.cuda.is_available():
+    torch.cuda.current_stream = lambda device=None: _HostStream()
+
+
 def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500, tp: int = 1,
-          seed: int = 1234):
+          seed: int = 1234, out_features: int = 8):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
@@ -26,7 +41,7 @@ def build(overlap_grad: bool, overlap_param: bool, bucket_size: int = 4500, tp: 
         torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
         torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
         torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
-        torch.nn.Linear(HIDDEN, 8),
+        torch.nn.Linear(HIDDEN, out_features),
     ).bfloat16()
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1,
                                bf16=True, params_dtype=torch.bfloat16)
@@ -243,3 +258,46 @@ def tensor_parallel_and_chunks(rank, world, tp, chunks, steps):
                 assert _replicas_identical(bucket.param_data), "param buffers differ"
     integration.disable()
     return losses
+
+
+def pipeline_parallel(rank, world, steps):
+    """PP = 2 on W = 4: a two-stage pipeline (activations and their gradients sent between
+    the stages), DP groups {0, 1} (stage 0) and {2, 3} (stage 1), each rank its own node.
+    Each stage's shards equal the core's, and replicas within each DP group stay identical.
+    Returns (pipeline stage, losses)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 2)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    integration.enable(Sdp4bitConfig("sdp4bit"), local_world_size=1)
+    # Synchronous grad sync: the check below snapshots the buckets before the sync starts.
+    ddp = build(False, False, seed=1234 + stage, out_features=HIDDEN if stage == 0 else 8)
+    opt = ShardedSGD(ddp, lr=0.05)
+    g = torch.Generator().manual_seed(900 + parallel_state.get_data_parallel_rank())
+    losses = []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        if stage == 0:
+            hidden = ddp(torch.randn(16, HIDDEN, generator=g).bfloat16())
+            dist.send(hidden.detach().float(), parallel_state.get_pipeline_model_parallel_next_rank())
+            grad = torch.empty(hidden.shape)
+            dist.recv(grad, parallel_state.get_pipeline_model_parallel_prev_rank())
+            hidden.backward(grad.bfloat16())
+        else:
+            received = torch.empty(16, HIDDEN)
+            dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
+            hidden = received.bfloat16().requires_grad_()
+            loss = ddp(hidden).float().pow(2).mean()
+            loss.backward()
+            dist.send(hidden.grad.float(), parallel_state.get_pipeline_model_parallel_next_rank())
+            losses.append(loss.item())
+        before = [b.grad_data.clone() for g_ in ddp.bucket_groups for b in g_.buckets]
+        ddp.finish_grad_sync()
+        _check_grad_shards_against_core(ddp, before)
+        opt.step()
+    for bucket_group in ddp.bucket_groups:
+        assert bucket_group._sdp4bit.groups.size == 2
+        for bucket in bucket_group.buckets:
+            assert _replicas_identical(bucket.param_data), "param buffers differ"
+    integration.disable()
+    return stage, losses

@@ -94,3 +94,11 @@ def test_tensor_parallel_dp_groups_and_several_model_chunks():
     per_rank = run_ranks(4, ms.tensor_parallel_and_chunks, 2, 2, 3, env={"LOCAL_WORLD_SIZE": "2"})
     for losses in per_rank:
         assert len(losses) == 3
+
+
+def test_pipeline_parallel_dp_groups_per_stage():
+    per_rank = run_ranks(4, ms.pipeline_parallel, 4, env={"LOCAL_WORLD_SIZE": "1"})
+    assert [stage for stage, _ in per_rank] == [0, 0, 1, 1]
+    last = [losses for stage, losses in per_rank if stage == 1]
+    assert all(len(losses) == 4 for losses in last)
+    assert all(losses[-1] < losses[0] for losses in last), last
