@@ -33,6 +33,7 @@ from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
 from .config import Sdp4bitConfig
 from .errors import Sdp4bitError
 from .groups import Sdp4bitGroups
+from .replicas import check_replicas_identical
 from .telemetry import ErrorStats, Telemetry
 
 logger = logging.getLogger("sdp4bit")
@@ -242,7 +243,8 @@ def _state(bucket_group) -> _BucketGroupState | None:
             )
     weights = []
     if settings.weights:
-        _check_replicas_identical(bucket_group, groups)
+        check_replicas_identical([b.param_data for b in bucket_group.buckets],
+                                 _dp_group(groups))
         weights = [
             WeightAllGather(groups, settings.config, bucket.param_data, rs.bucket_id)
             for bucket, rs in zip(bucket_group.buckets, grads)
@@ -253,26 +255,6 @@ def _state(bucket_group) -> _BucketGroupState | None:
     bucket_group._sdp4bit = state
     settings.bucket_groups.append(bucket_group)
     return state
-
-
-def _check_replicas_identical(bucket_group, groups: Sdp4bitGroups) -> None:
-    """Raises on every rank unless all replicas hold the same parameter buckets (compared by a
-    position-weighted checksum of the bf16 bits, all-gathered over the DP group)."""
-    sums = []
-    for bucket in bucket_group.buckets:
-        bits = bucket.param_data.view(torch.int16).to(torch.int64)
-        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
-        sums.append(int((bits * (weights + 1)).sum()))
-    mine = torch.tensor(sums, dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(groups.size)]
-    dist.all_gather(every, mine, group=groups.dp_group)
-    differing = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
-    if differing:
-        raise Sdp4bitError(
-            f"DP ranks {differing} hold different parameters than DP rank 0 when sdp4bit sets "
-            "up; the weight codecs need identical replicas (broadcast the parameters, or use "
-            "the same initialization seed on every DP rank)"
-        )
 
 
 def _dp_group(groups: Sdp4bitGroups):

@@ -1,0 +1,155 @@
+"""Rank code for the DeepSpeed tests: real DeepSpeed ZeRO engines on CPU (DS_ACCELERATOR=cpu,
+gloo), with and without the config's "sdp4bit" section."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+HIDDEN = 64
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    return torch.nn.Sequential(
+        torch.nn.Linear(HIDDEN, 4 * HIDDEN), torch.nn.GELU(),
+        torch.nn.Linear(4 * HIDDEN, HIDDEN), torch.nn.GELU(),
+        torch.nn.Linear(HIDDEN, 8),
+    )
+
+
+def _ds_config(stage: int, gas: int, section: dict | None) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": gas,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    if section is not None:
+        config["sdp4bit"] = section
+    return config
+
+
+def _flat_bits(optimizer) -> torch.Tensor:
+    """Every parameter of this rank's replica, as int32-widened bf16 bits (gloo has no int16
+    collectives)."""
+    if hasattr(optimizer, "bit16_groups_flat"):
+        return torch.cat([f.view(torch.int16).to(torch.int32) for f in optimizer.bit16_groups_flat])
+    return torch.empty(0, dtype=torch.int32)
+
+
+def _replicas_identical(bits: torch.Tensor) -> bool:
+    every = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, bits)
+    return all(torch.equal(e, every[0]) for e in every)
+
+
+def _spy_on_reduce_scatters(optimizer, seen: list):
+    """Records each group's bucket as it enters the compressed reduce-scatter."""
+    for i, group_state in enumerate(optimizer._sdp4bit.per_group):
+        rs = group_state.reduce_scatter
+        original = rs.start
+
+        def start(bucket, shard, step, rs=rs, i=i, original=original):
+            seen.append((i, rs, step, bucket.clone()))
+            return original(bucket, shard, step)
+
+        rs.start = start
+
+
+def _check_partitions_against_core(optimizer, seen: list) -> int:
+    """Each group's gradient partition, as the step reads it, equals the Rust core's
+    in-process reduce-scatter of every rank's bucket, byte for byte. Returns how many
+    partitions it compared."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    labels = optimizer._sdp4bit.groups.node_labels
+    for i, rs, step, bucket in seen:
+        every = [torch.empty_like(bucket) for _ in range(world)]
+        dist.all_gather(every, bucket)
+        expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+            rs.config.spec(), labels, rs.bucket_id, step, torch.stack(every))[rank]
+        got = optimizer.averaged_gradients[i].flat_partition
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (
+            f"group {i} step {step} differs from the core")
+    compared = len(seen)
+    seen.clear()
+    return compared
+
+
+def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
+          exact_gather_at=None):
+    """Trains `steps` optimizer steps of `gas` micro-batches; returns (losses, final params as
+    bytes, (sent, uncompressed) bytes, partitions compared with the core). `section` None:
+    plain deepspeed.initialize."""
+    import deepspeed
+
+    from megatron_patch import deepspeed_zero
+
+    # What a launcher would set (the harness has already joined the gloo group).
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(stage, gas, section)
+    init = deepspeed.initialize if section is None else deepspeed_zero.initialize
+    engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(),
+                                   config=config)
+    seen, compared = [], 0
+    if check_against_core:
+        _spy_on_reduce_scatters(optimizer, seen)
+    g = torch.Generator().manual_seed(500 + rank)
+    target = torch.nn.Linear(HIDDEN, 8)
+    torch.nn.init.normal_(target.weight, std=HIDDEN**-0.5, generator=torch.Generator().manual_seed(9))
+    losses = []
+    for step in range(steps):
+        for _ in range(gas):
+            x = torch.randn(8, HIDDEN, generator=g)
+            y = target(x).detach()
+            loss = (engine(x.bfloat16()).float() - y).pow(2).mean()
+            engine.backward(loss)
+            if check_against_core and seen:
+                compared += _check_partitions_against_core(optimizer, seen)
+            engine.step()
+            losses.append(loss.item())
+        if step == exact_gather_at:
+            optimizer.update_lp_params()  # DeepSpeed's exact all-gather, outside the step
+        assert _replicas_identical(_flat_bits(optimizer)), f"replicas differ after step {step}"
+    params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
+    sent = deepspeed_zero.wire_bytes(optimizer)
+    deepspeed_zero.detach(optimizer)
+    return losses, params.numpy().tobytes(), sent, compared
+
+
+def nan_skips_the_step(rank, world, stage):
+    """bf16 with DeepSpeed's overflow check on and the sdp4bit preset: a NaN in rank 1's batch
+    reaches the check on every rank (through the compressed reduce-scatter), which skips that
+    step. Returns (skipped steps, whether the parameters changed during the NaN step)."""
+    import deepspeed
+
+    from megatron_patch import deepspeed_zero
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(stage, 1, {"preset": "sdp4bit", "ranks_per_node": 1})
+    config["bf16"]["check_grad_overflow"] = True
+    engine, optimizer, _, _ = deepspeed_zero.initialize(
+        model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(700 + rank)
+    changed = None
+    for step in range(3):
+        x = torch.randn(8, HIDDEN, generator=g)
+        if step == 1 and rank == 1:
+            x[2, 3] = float("nan")
+        before = _flat_bits(optimizer).clone()
+        loss = engine(x.bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        if step == 1:
+            changed = not torch.equal(before, _flat_bits(optimizer))
+    skipped = engine.skipped_steps
+    deepspeed_zero.detach(optimizer)
+    return skipped, changed

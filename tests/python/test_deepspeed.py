@@ -1,0 +1,93 @@
+"""DeepSpeed ZeRO integration on CPU (DS_ACCELERATOR=cpu, gloo): the "sdp4bit" config
+section, ZeRO stages 1, 2 and 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepspeed_scenarios as ds
+from harness import run_ranks
+from megatron_patch import Sdp4bitError, deepspeed_zero
+
+CPU = {"DS_ACCELERATOR": "cpu"}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_baseline_preset_is_bit_exact_with_deepspeeds_own_path(stage):
+    own = run_ranks(2, ds.train, stage, None, 4, env=CPU)
+    baseline = run_ranks(2, ds.train, stage, {"preset": "baseline"}, 4, env=CPU)
+    for (own_losses, own_params, _, _), (losses, params, sent, _) in zip(own, baseline):
+        assert losses == own_losses
+        assert params == own_params
+        assert sent == (0, 0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sdp4bit_partitions_equal_the_core_and_replicas_stay_identical(stage):
+    # W = 4 as 2 nodes x 2 ranks, two micro-batches per step, an exact all-gather (as when
+    # loading a checkpoint) after step 2, which restarts qWD from the gathered weights.
+    section = {"preset": "sdp4bit", "ranks_per_node": 2, "seed": 3}
+    per_rank = run_ranks(4, ds.train, stage, section, 5, 2, True, 2, env=CPU)
+    for losses, _, (sent, uncompressed), compared in per_rank:
+        assert compared == 5, "every step's partitions are compared with the core"
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert 0 < sent < uncompressed / 3.5  # 4-bit weights and gradients, with group scales
+    params = {p for _, p, _, _ in per_rank}
+    assert len(params) == 1, "replicas differ"
+
+
+@pytest.mark.parametrize("preset", ["qsdp", "global-qsgd", "zeropp"])
+def test_other_presets_run_on_zero_2(preset):
+    per_rank = run_ranks(2, ds.train, 2, {"preset": preset, "ranks_per_node": 1}, 3, env=CPU)
+    assert len({p for _, p, _, _ in per_rank}) == 1
+
+
+def test_loss_tracks_the_baseline():
+    steps = 40
+    base = run_ranks(2, ds.train, 2, None, steps, env=CPU)[0][0]
+    sdp = run_ranks(2, ds.train, 2, {"preset": "sdp4bit", "ranks_per_node": 1}, steps,
+                    env=CPU)[0][0]
+    tail = slice(steps - 10, steps)
+    base_tail = sum(base[tail]) / 10
+    sdp_tail = sum(sdp[tail]) / 10
+    assert base_tail < 0.5 * base[0], "the baseline did not learn"
+    assert abs(sdp_tail - base_tail) < 0.15 * base_tail, (sdp_tail, base_tail)
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ({"preset": "sdp5bit"}, "is not one of"),
+    ({"preset": "sdp4bit", "weight_bitz": 4}, "unknown key(s) ['weight_bitz']"),
+    ({"preset": "sdp4bit", "weight_bits": 3}, "weight_bits=3"),
+    ({"ranks_per_node": 0}, "ranks_per_node"),
+    ({"enabled": "yes"}, "enabled"),
+    ("sdp4bit", "must be an object"),
+])
+def test_bad_sections_are_rejected(section, fragment):
+    with pytest.raises(Sdp4bitError) as error:
+        deepspeed_zero.settings_from_config({"sdp4bit": section})
+    assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize("stage, section, fragment", [
+    (3, {"preset": "sdp4bit"}, "ZeRO stage 3 frees gathered parameters"),
+    (3, {"preset": "qsdp"}, "stage 3 with compressing codecs is not implemented"),
+    (0, {"preset": "sdp4bit"}, "ZeRO stage 0"),
+])
+def test_stages_it_cannot_serve_are_rejected_before_deepspeed_starts(stage, section, fragment):
+    config = ds._ds_config(stage, 1, section)
+    with pytest.raises(Sdp4bitError) as error:
+        deepspeed_zero.initialize(model=torch.nn.Linear(4, 4), config=config)
+    assert fragment in str(error.value)
+
+
+def test_disabled_section_changes_nothing():
+    assert deepspeed_zero.settings_from_config({"sdp4bit": {"enabled": False}}) is None
+    assert deepspeed_zero.settings_from_config({}) is None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nan_gradient_reaches_the_overflow_check_on_every_rank(stage):
+    for skipped, changed in run_ranks(2, ds.nan_skips_the_step, stage, env=CPU):
+        assert skipped == 1
+        assert not changed
