@@ -19,10 +19,13 @@ gradient-accumulation boundary, so each rank receives exactly its ZeRO partition
 optimizer step then reads as DeepSpeed's own flat gradient partition). After the step the flat
 parameter buffer is all-gathered with the weight codec (qWD included: every replica keeps the
 previous weights in that buffer). All-gathers outside the step (checkpoint loading) stay exact
-and restart the weight codec's state. ZeRO stage 3 gathers parameters on demand and frees them,
-so qWD cannot apply there; stage 3 with compressing codecs is not implemented in this version
-and is refused with an error, as are the ZeRO features this integration does not handle (CPU
-offload, MoE, hierarchical partitioning): nothing falls back to uncompressed traffic silently.
+and restart the weight codec's state.
+
+ZeRO stage 3 gathers parameters on demand and frees them, so no replica keeps a previous copy:
+qWD is refused there; the direct weight codecs (qw, qsdp, zeropp) compress the coordinator's
+parameter gathers and the gradient codecs its bucketed reduce-scatters. Features this
+integration does not handle (offload, MoE, ZeRO++'s own quantization, hierarchical
+partitioning) are refused with an error: nothing falls back to uncompressed traffic silently.
 """
 
 from __future__ import annotations
@@ -141,10 +144,6 @@ def _check_stage(settings: DeepSpeedSettings, ds_config: dict) -> None:
             "qWD (the weight codec of the sdp4bit preset) needs every replica to keep the "
             "previous weights, but ZeRO stage 3 frees gathered parameters; use a direct weight "
             'codec ("weight_codec": "qw", "qsdp" or "zeropp") or ZeRO stage 1/2')
-    if stage == 3 and (settings.weights or settings.grads):
-        raise Sdp4bitError(
-            "ZeRO stage 3 with compressing codecs is not implemented in this version of "
-            "sdp4bit; use ZeRO stage 1 or 2, or the baseline preset")
     if stage not in (1, 2, 3) and (settings.weights or settings.grads):
         raise Sdp4bitError(f"sdp4bit compresses ZeRO's collectives; this config has ZeRO stage "
                            f"{stage} (use stage 1 or 2)")
@@ -172,15 +171,20 @@ class _OptimizerState:
 
 
 def attach(optimizer, settings: DeepSpeedSettings) -> None:
-    """Routes `optimizer`'s (a ZeRO stage 1/2 ``DeepSpeedZeroOptimizer``) gradient reduction
-    and post-step parameter all-gather through sdp4bit. Collective: every DP rank calls it."""
+    """Routes `optimizer`'s gradient reduction and parameter all-gathers through sdp4bit: a
+    ZeRO stage 1/2 ``DeepSpeedZeroOptimizer`` or a stage 3 ``DeepSpeedZeroOptimizer_Stage3``.
+    Collective: every DP rank calls it."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not (settings.weights or settings.grads):
         return  # the baseline preset: DeepSpeed's own collectives, untouched
+    if type(optimizer) is DeepSpeedZeroOptimizer_Stage3:
+        return _attach_stage3(optimizer, settings)
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        raise Sdp4bitError(f"sdp4bit compresses ZeRO stage 1/2 (DeepSpeedZeroOptimizer); this "
-                           f"engine's optimizer is {type(optimizer).__name__}")
+        raise Sdp4bitError(f"sdp4bit compresses ZeRO stages 1-3 (DeepSpeedZeroOptimizer, "
+                           f"DeepSpeedZeroOptimizer_Stage3); this engine's optimizer is "
+                           f"{type(optimizer).__name__}")
     problems = [name for name, present in (
         ("CPU offload", optimizer.cpu_offload),
         ("MoE layers", optimizer.has_moe_layers),
@@ -231,6 +235,7 @@ def detach(optimizer) -> None:
     if state is not None:
         del optimizer._sdp4bit
         _ATTACHED.discard(optimizer)
+        _STAGE3.pop(_group_key(optimizer.dp_process_group), None)
         state.groups.close()
 
 
@@ -370,3 +375,157 @@ def _all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_grou
         if optimizer.bit16_groups_flat is groups_flat and optimizer._sdp4bit.settings.weights:
             _set_up_weights(optimizer)  # qWD restarts from these exact values
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO stage 3: parameters are gathered on demand (module by module, prefetched) and freed, and
+# gradients are reduce-scattered bucket by bucket during the backward pass; both go through
+# DeepSpeed's equal-split flat buffers, so each distinct bucket shape gets its own compressed
+# collective (set up, collectively, the first time it is seen; every rank sees the buckets in
+# the same order).
+
+_STAGE3: dict[tuple, "_Stage3State"] = {}  # by the DP group's global ranks
+_FETCHING: contextvars.ContextVar = contextvars.ContextVar("sdp4bit_fetching", default=False)
+_FIRST_WEIGHT_BUCKET = 2048  # bucket ids: gradients from 0, weights from here (core: <= 4095)
+
+
+@dataclass
+class _Stage3State(_OptimizerState):
+    grad_buckets: dict = field(default_factory=dict)  # numels -> [GradReduceScatter, calls]
+    weight_buckets: dict = field(default_factory=dict)  # numel -> [WeightAllGather, calls]
+
+
+def _attach_stage3(optimizer, settings: DeepSpeedSettings) -> None:
+    problems = [name for name, present in (
+        ("parameter or optimizer offload", optimizer.offload_param or optimizer.offload_optimizer),
+        ("ZeRO++ quantized weights (zero_quantized_weights)",
+         optimizer.parameter_offload.zero_quantized_weights),
+        ("ZeRO++ quantized gradients (zero_quantized_gradients)",
+         optimizer.all2all_process_group is not None),
+        ("hierarchical partitioning (zero_hpz_partition_size > 1)",
+         optimizer.zero_hpz_partition_size > 1),
+        ("MoE layers", getattr(optimizer, "has_moe_layers", False)),
+    ) if present]
+    if problems:
+        raise Sdp4bitError(f"sdp4bit does not handle {', '.join(problems)} in ZeRO stage 3; "
+                           "turn it off or use the baseline preset")
+    if settings.weights:
+        dtypes = {p.ds_tensor.dtype for group in optimizer.fp16_groups for p in group}
+        if dtypes != {torch.bfloat16}:
+            raise Sdp4bitError(f"the weight codecs all-gather bf16 parameters; this model's "
+                               f"partitions are {sorted(map(str, dtypes))} (enable \"bf16\" or "
+                               'set "weight_codec": "none")')
+    _install_stage3()
+    groups = Sdp4bitGroups.create(optimizer.dp_process_group, settings.ranks_per_node)
+    optimizer._sdp4bit = _Stage3State(settings, groups, per_group=[])
+    _STAGE3[_group_key(optimizer.dp_process_group)] = optimizer._sdp4bit
+    _ATTACHED.add(optimizer)
+
+
+def _install_stage3() -> None:
+    if "stage3_reduce_scatter" in _ORIGINAL:
+        return
+    from deepspeed.runtime.zero import partition_parameters, partitioned_param_coordinator, stage3
+
+    coordinator = partitioned_param_coordinator.PartitionedParameterCoordinator
+    fetch = "_PartitionedParameterCoordinator__all_gather_params_"
+    _ORIGINAL["stage3_reduce_scatter"] = stage3.reduce_scatter_coalesced
+    _ORIGINAL["stage3_all_gather"] = partition_parameters._dist_allgather_fn
+    _ORIGINAL["stage3_fetch"] = getattr(coordinator, fetch)
+    stage3.reduce_scatter_coalesced = _reduce_scatter_coalesced
+    partition_parameters._dist_allgather_fn = _dist_allgather_fn
+    setattr(coordinator, fetch, _fetch_params)
+
+
+def _group_key(group) -> tuple:
+    """A process group's global ranks (DeepSpeed hands the same group around under different
+    wrappers)."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _stage3_state(group) -> "_Stage3State | None":
+    """The attached stage 3 state of DP group `group`; raises if stage 3 optimizers are
+    attached but `group` is none of theirs (it would otherwise go uncompressed)."""
+    if not _STAGE3:
+        return None
+    state = _STAGE3.get(_group_key(group))
+    if state is None:
+        raise Sdp4bitError("a ZeRO stage 3 collective ran over a process group that is not the "
+                           "DP group sdp4bit was attached to (sub-group partitioning is not "
+                           "supported)")
+    return state
+
+
+def _reduce_scatter_coalesced(tensors, group=None):
+    """Stage 3's gradient reduce-scatter of a bucket of parameters' gradients: DeepSpeed's
+    interleaved layout (rank r's chunk of every tensor, padded to equal size, then rank r+1's),
+    pre-divided by the DP size, reduced with the gradient codec."""
+    state = _stage3_state(group)
+    if state is None or not state.settings.grads:
+        return _ORIGINAL["stage3_reduce_scatter"](tensors, group)
+    rank, size = state.groups.rank, state.groups.size
+    chunks = [-(-t.numel() // size) for t in tensors]
+    flat = torch.zeros(size * sum(chunks), dtype=torch.float32, device=tensors[0].device)
+    offset = 0
+    for r in range(size):
+        for t, chunk in zip(tensors, chunks):
+            piece = t.reshape(-1)[r * chunk:(r + 1) * chunk]
+            flat[offset:offset + piece.numel()].copy_(piece)
+            offset += chunk
+    flat.div_(size)
+    key = tuple(t.numel() for t in tensors)
+    entry = state.grad_buckets.get(key)
+    if entry is None:
+        bucket_id = len(state.grad_buckets)
+        if bucket_id >= _FIRST_WEIGHT_BUCKET:
+            raise Sdp4bitError(f"more than {_FIRST_WEIGHT_BUCKET} distinct ZeRO stage 3 gradient "
+                               "buckets; raise reduce_bucket_size")
+        entry = state.grad_buckets[key] = [GradReduceScatter(state.groups, state.settings.config,
+                                                             flat.numel(), bucket_id), 0]
+    rs, calls = entry
+    shard = local_shard(flat, rank, size)
+    rs.start(flat, shard, calls).wait()
+    entry[1] += 1
+    state.sent[0] += rs.wire_bytes(calls).total
+    state.sent[1] += rs.baseline_wire_bytes().total
+    outputs, offset = [], 0
+    for t, chunk in zip(tensors, chunks):
+        mine = min(chunk, max(t.numel() - rank * chunk, 0))
+        outputs.append(shard[offset:offset + mine].to(t.dtype))
+        offset += chunk
+    return outputs
+
+
+def _fetch_params(self, params, forward, quantize=False):
+    """The coordinator's on-demand parameter gather: its all-gathers are the ones sdp4bit
+    compresses (other gathers, e.g. GatheredParameters for checkpoints, stay exact)."""
+    token = _FETCHING.set(True)
+    try:
+        return _ORIGINAL["stage3_fetch"](self, params, forward, quantize)
+    finally:
+        _FETCHING.reset(token)
+
+
+def _dist_allgather_fn(input_tensor, output_tensor, group=None):
+    """Stage 3's all-gather of a flat, equal-split parameter buffer: with a direct weight codec
+    when the coordinator fetches parameters for compute."""
+    state = _stage3_state(group) if _FETCHING.get() else None
+    if state is None or not state.settings.weights:
+        return _ORIGINAL["stage3_all_gather"](input_tensor, output_tensor, group)
+    rank, size = state.groups.rank, state.groups.size
+    mine = local_shard(output_tensor, rank, size)
+    if mine.data_ptr() != input_tensor.data_ptr():
+        mine.copy_(input_tensor)
+    entry = state.weight_buckets.get(output_tensor.numel())
+    if entry is None:
+        bucket_id = _FIRST_WEIGHT_BUCKET + len(state.weight_buckets)
+        if bucket_id > 4095:
+            raise Sdp4bitError(f"more than {4096 - _FIRST_WEIGHT_BUCKET} distinct ZeRO stage 3 "
+                               "parameter bucket sizes")
+        entry = state.weight_buckets[output_tensor.numel()] = [
+            WeightAllGather(state.groups, state.settings.config, output_tensor, bucket_id), 0]
+    ag, calls = entry
+    entry[1] += 1
+    state.sent[0] += ag.wire_bytes().total
+    state.sent[1] += ag.baseline_wire_bytes().total
+    return ag.start(output_tensor, calls)

@@ -153,3 +153,77 @@ def nan_skips_the_step(rank, world, stage):
     skipped = engine.skipped_steps
     deepspeed_zero.detach(optimizer)
     return skipped, changed
+
+
+def train_stage3(rank, world, section, steps):
+    """ZeRO stage 3 with `section`: each compressed parameter gather leaves every rank with the
+    same bits and each gradient bucket's partition equals the core's in-process reduce-scatter.
+    Returns (losses, (sent, uncompressed) bytes, gathers checked, reductions checked)."""
+    import deepspeed
+
+    from megatron_patch import deepspeed_zero
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    engine, optimizer, _, _ = deepspeed_zero.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(3, 1, section))
+    state = optimizer._sdp4bit
+    labels = state.groups.node_labels
+    counts = {"gathers": 0, "reductions": 0}
+    gather, reduce = deepspeed_zero._dist_allgather_fn, deepspeed_zero._reduce_scatter_coalesced
+
+    def checked_gather(input_tensor, output_tensor, group=None):
+        handle = gather(input_tensor, output_tensor, group)
+        if deepspeed_zero._FETCHING.get():
+            handle.wait()
+            assert _replicas_identical(output_tensor.view(torch.int16).to(torch.int32))
+            counts["gathers"] += 1
+        return handle
+
+    def checked_reduce(tensors, group=None):
+        every = [[torch.empty_like(t) for _ in range(world)] for t in tensors]
+        for t, gathered in zip(tensors, every):
+            dist.all_gather(gathered, t.contiguous())
+        outputs = reduce(tensors, group)
+        key = tuple(t.numel() for t in tensors)
+        rs, calls = state.grad_buckets[key]
+        inputs = torch.zeros(world, rs.numel)
+        for r in range(world):  # the interleaved, pre-divided layout of DeepSpeed
+            chunks = [-(-t.numel() // world) for t in tensors]
+            offset = 0
+            for q in range(world):
+                for gathered, chunk in zip(every, chunks):
+                    piece = gathered[r].reshape(-1)[q * chunk:(q + 1) * chunk]
+                    inputs[r, offset:offset + piece.numel()] = piece.float()
+                    offset += chunk
+        inputs /= world
+        expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+            rs.config.spec(), labels, rs.bucket_id, calls - 1, inputs)[rank]
+        offset = 0
+        for t, out, chunk in zip(tensors, outputs, chunks):
+            assert torch.equal(out, expected[offset:offset + out.numel()].to(t.dtype))
+            offset += chunk
+        counts["reductions"] += 1
+        return outputs
+
+    from deepspeed.runtime.zero import partition_parameters, stage3
+    partition_parameters._dist_allgather_fn = checked_gather
+    stage3.reduce_scatter_coalesced = checked_reduce
+    g = torch.Generator().manual_seed(500 + rank)
+    target = torch.nn.Linear(HIDDEN, 8)
+    torch.nn.init.normal_(target.weight, std=HIDDEN**-0.5, generator=torch.Generator().manual_seed(9))
+    losses = []
+    try:
+        for _ in range(steps):
+            x = torch.randn(8, HIDDEN, generator=g)
+            loss = (engine(x.bfloat16()).float() - target(x).detach()).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        partition_parameters._dist_allgather_fn = gather
+        stage3.reduce_scatter_coalesced = reduce
+    sent = deepspeed_zero.wire_bytes(optimizer)
+    deepspeed_zero.detach(optimizer)
+    return losses, sent, counts["gathers"], counts["reductions"]
