@@ -6,7 +6,8 @@
 //   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id)
 //       .start(params, step) -> Work
 //   torch.classes.sdp4bit.Work.wait() / .is_completed()
-//   torch.ops.sdp4bit.describe_config / config_fingerprint / simulate_* (in-process reference)
+//   torch.ops.sdp4bit.describe_config / config_fingerprint / plan_wire_bytes /
+//       simulate_* (in-process reference)
 //
 // Collectives run on the ProcessGroups' executor thread in submission order; a Work keeps its
 // tensors alive until it is destroyed. Every error reaches Python as a RuntimeError whose
@@ -428,6 +429,31 @@ at::Tensor simulate_weight_all_gather(const std::string& config,
   return out;
 }
 
+// Bytes rank 0 of `node_labels` sends per call for one bucket of `numel` elements, planned
+// without communicating: [gradient intra, inter, weight intra, inter], then the same four for
+// the uncompressed collectives (fp32 reduce-scatter, bf16 all-gather).
+std::vector<int64_t> plan_wire_bytes(const std::string& config,
+                                     const std::vector<int64_t>& node_labels, int64_t numel,
+                                     int64_t step) {
+  auto parsed = parse(config);
+  auto labels = checked_labels(node_labels);
+  TORCH_CHECK(numel > 0, "sdp4bit: numel ", numel, " must be positive");
+  std::vector<uint16_t> zeros(static_cast<size_t>(numel), 0);
+  return rethrow_as_torch_error([&] {
+    rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
+    auto grad = ffi::new_grad_bucket(*parsed, nodes, 0, static_cast<size_t>(numel), 0);
+    auto weight = ffi::new_weight_bucket(
+        *parsed, nodes, 0, 0, rust::Slice<const uint16_t>(zeros.data(), zeros.size()));
+    std::vector<int64_t> out;
+    for (const auto& bytes : {grad->wire_bytes(checked_step(step)), weight->wire_bytes(),
+                              grad->baseline_wire_bytes(), weight->baseline_wire_bytes()}) {
+      auto pair = wire_pair(bytes);
+      out.insert(out.end(), pair.begin(), pair.end());
+    }
+    return out;
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sdp4bit, m) {
@@ -455,6 +481,8 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def("baseline_wire_bytes", &WeightAllGather::baseline_wire_bytes);
   m.def("describe_config(str config) -> str", &describe_config);
   m.def("config_fingerprint(str config) -> int", &config_fingerprint);
+  m.def("plan_wire_bytes(str config, int[] node_labels, int numel, int step) -> int[]",
+        &plan_wire_bytes);
   m.def(
       "simulate_grad_reduce_scatter(str config, int[] node_labels, int bucket_id, int step, "
       "Tensor inputs) -> Tensor",

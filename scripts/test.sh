@@ -63,7 +63,7 @@ echo "== pip install ."
 "${PIP[@]}" install --no-deps --force-reinstall .
 smoke
 echo "== pytest tests/python (multi-process gloo)"
-"$VENV/bin/pytest" -q tests/python
+"$VENV/bin/pytest" -q -rs tests/python
 echo "== pytest tests/python/test_megatron.py against megatron-core $MCORE_NEXT (pure Python, under 3.11)"
 # megatron-core 0.17+ declares Python 3.12; its megatron.core is pure Python, so its wheel is
 # unpacked beside the pinned 0.16.1 and put first on the path for the integration tests.

@@ -112,7 +112,7 @@ def main() -> None:
         print("collectives:", config.describe() if config else "Megatron's own (uncompressed)")
         print(f"{'step':>5} {'loss':>8} {'sent/step':>12} {'uncompressed':>13} {'ratio':>6} "
               f"{'step time':>10}")
-    curve, sent_total, baseline_total = [], 0, 0
+    curve, step_ms, sent_total, baseline_total = [], [], 0, 0
     for step in range(args.steps):
         start = time.perf_counter()
         inputs, targets = batch(train_text, args.batch, args.context, generator)
@@ -126,6 +126,7 @@ def main() -> None:
         sent_total, baseline_total = sent_total + sent, baseline_total + baseline
         train_loss = mean_over_ranks(loss.item())
         curve.append(train_loss)
+        step_ms.append(elapsed * 1e3)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             ratio = f"{baseline / sent:5.2f}x" if sent else "     -"
             print(f"{step:5d} {train_loss:8.4f} {sent:12,d} {baseline:13,d} {ratio} "
@@ -152,6 +153,7 @@ def main() -> None:
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump({"preset": args.preset, "knobs": args.knob, "train_loss": curve,
+                           "step_ms": step_ms,
                            "val_loss": val_loss, "sent": sent_total,
                            "uncompressed": baseline_total}, f)
     sdp4bit_megatron.disable()  # sdp4bit's groups and thread go before the process groups

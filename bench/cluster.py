@@ -1,0 +1,209 @@
+"""Speed on an emulated cluster: nodes as network namespaces joined by links shaped with tc
+(bench/netns.py), ranks of a node inside its namespace, gloo over those links. For each
+topology and link rate it measures, side by side in one run, one bucket's reduce-scatter and
+all-gather per preset (bench/cluster_collectives.py) and the training step of the small GPT
+(examples/gpt_cpu/train.py), and writes a table, JSON and a PNG plot.
+
+    sudo python bench/cluster.py --topologies 2x2,4x1 --rates-mbit 1000,10000 --out bench/results
+
+Needs root and iproute2 (it says so and stops otherwise); removes everything it made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns import Cluster, ClusterUnavailable, Link, check_host  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_ranks(cluster: Cluster, per_node: int, argv: list[str], port: int, timeout: float) -> None:
+    """Runs `argv` as every rank (ranks of node k inside namespace k) and waits for all."""
+    world = cluster.nodes * per_node
+    procs = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
+               "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": cluster.address(0),
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        procs.append(cluster.popen(rank // per_node, [sys.executable, *argv], env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    failed = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} of {argv[0]} ran past {timeout} s")
+        if proc.returncode != 0:
+            failed.append(f"--- rank {rank} (exit {proc.returncode}) ---\n{out[-3000:]}")
+    if failed:
+        raise RuntimeError("\n".join(failed))
+
+
+def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
+    nodes, per_node = (int(x) for x in topology.split("x"))
+    rows = []
+    with Cluster(nodes, Link(rate, args.delay_ms)) as cluster:
+        out = workdir / f"coll-{topology}-{rate}.json"
+        run_ranks(cluster, per_node, [str(ROOT / "bench/cluster_collectives.py"), "--numel",
+                                      str(args.numel), "--reps", str(args.reps), "--presets",
+                                      args.presets, "--out", str(out)], 29400, args.timeout)
+        collectives = json.loads(out.read_text())
+        for preset_row in collectives["rows"]:
+            preset = preset_row["preset"]
+            json_out = workdir / f"train-{topology}-{rate}-{preset}.json"
+            run_ranks(cluster, per_node, [
+                str(ROOT / "examples/gpt_cpu/train.py"),
+                "--preset", "megatron" if preset == "baseline" else preset,
+                "--ranks-per-node", str(per_node), "--steps", str(args.steps),
+                "--log-every", "1000000", "--telemetry-interval", "0", "--eval-batches", "1",
+                "--json-out", str(json_out), *args.model.split()], 29401, args.timeout)
+            trained = json.loads(json_out.read_text())
+            steady = sorted(trained["step_ms"][args.warmup_steps:])
+            rows.append({
+                "topology": topology, "rate_mbit": rate, "delay_ms": args.delay_ms,
+                "preset": preset, "bucket_numel": collectives["numel"],
+                "rs_ms": preset_row["rs_s"] * 1e3, "ag_ms": preset_row["ag_s"] * 1e3,
+                "bucket_bytes": preset_row["rs_bytes"] + preset_row["ag_bytes"],
+                "step_ms": steady[len(steady) // 2],
+                "step_bytes": trained["sent"] // args.steps if trained["sent"] else None,
+            })
+    base = {(r["topology"], r["rate_mbit"]): r for r in rows if r["preset"] == "baseline"}
+    for r in rows:
+        b = base[(r["topology"], r["rate_mbit"])]
+        r["comm_speedup"] = (b["rs_ms"] + b["ag_ms"]) / (r["rs_ms"] + r["ag_ms"])
+        r["ideal_speedup"] = b["bucket_bytes"] / r["bucket_bytes"]
+        r["step_speedup"] = b["step_ms"] / r["step_ms"]
+    return rows
+
+
+def add_predictions(rows: list[dict]) -> None:
+    """The cost model (megatron_patch.plan) checked against the measurements: each preset's
+    time at the fastest link calibrates its fixed part (codec passes, intra-node traffic,
+    latency); the time at every other rate is then predicted from the inter-node bytes the
+    core plans, sharing each node's link, and compared with what was measured."""
+    from megatron_patch import plan
+
+    for topology in {r["topology"] for r in rows}:
+        nodes, per_node = (int(x) for x in topology.split("x"))
+        mine = [r for r in rows if r["topology"] == topology]
+        fastest = max(r["rate_mbit"] for r in mine)
+        for preset in {r["preset"] for r in mine}:
+            measured = {r["rate_mbit"]: r for r in mine if r["preset"] == preset}
+            numel = measured[fastest]["bucket_numel"]
+            b, _ = plan.step_bytes(preset, numel, nodes * per_node, per_node)
+            inter_bits = per_node * (b.grad[1] + b.weight[1]) * 8
+
+            def wire_ms(rate):
+                return inter_bits / (rate * 1e6) * 1e3
+
+            calibration = measured[fastest]
+            fixed = calibration["rs_ms"] + calibration["ag_ms"] - wire_ms(fastest)
+            for rate, r in measured.items():
+                r["predicted_ms"] = fixed + wire_ms(rate)
+                r["prediction_error"] = (None if rate == fastest else
+                                         r["predicted_ms"] / (r["rs_ms"] + r["ag_ms"]) - 1)
+
+
+def write_results(rows: list[dict], args, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(),
+            "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
+    (out_dir / "cluster.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [
+        "# Emulated cluster: measured communication and step time", "",
+        f"Machine: {meta['cpus']} CPUs ({platform.processor() or platform.machine()}), "
+        f"date {meta['date']}. Command: `{meta['command']}`", "",
+        f"Bucket: {rows[0]['bucket_numel']:,} elements (fp32 gradients, bf16 parameters); "
+        f"links shaped with tc (tbf rate; {args.delay_ms} ms added one-way delay); training: "
+        f"`examples/gpt_cpu/train.py {args.model}`, median step after {args.warmup_steps} "
+        "warm-up steps. Times are the slowest rank's; comm = reduce-scatter + all-gather. "
+        "Model: megatron_patch.plan's inter-node bytes over each node's link, its fixed part "
+        "calibrated per preset at the fastest link (marked), predicted at the others.", "",
+        "| topology | link | preset | RS ms | AG ms | bytes sent/rank | comm speedup | ideal "
+        "(byte ratio) | measured/ideal | model ms | model error | step ms | step speedup |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['topology']} | {r['rate_mbit'] / 1000:g} Gbit/s | {r['preset']} | "
+            f"{r['rs_ms']:.1f} | {r['ag_ms']:.1f} | {r['bucket_bytes']:,} | "
+            f"{r['comm_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
+            f"{r['comm_speedup'] / r['ideal_speedup']:.2f} | {r['predicted_ms']:.1f} | "
+            + ("calibration" if r["prediction_error"] is None
+               else f"{100 * r['prediction_error']:+.0f}%")
+            + f" | {r['step_ms']:.0f} | {r['step_speedup']:.2f}x |")
+    (out_dir / "cluster.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out_dir / "cluster.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({(r["topology"], r["rate_mbit"]) for r in rows})
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(presets)
+    for k, preset in enumerate(presets):
+        by = {(r["topology"], r["rate_mbit"]): r for r in rows if r["preset"] == preset}
+        xs = [i + k * width for i in range(len(settings))]
+        axes[0].bar(xs, [by[s]["comm_speedup"] for s in settings], width, label=preset)
+        axes[1].bar(xs, [by[s]["step_speedup"] for s in settings], width, label=preset)
+    labels = [f"{t}\n{r / 1000:g} Gbit/s" for t, r in settings]
+    for ax, title in zip(axes, ("communication speedup (RS + AG)", "training step speedup")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(settings))], labels)
+        ax.set_title(title)
+        ax.axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topologies", default="2x2,4x1", help="NODESxRANKS, comma-separated")
+    p.add_argument("--rates-mbit", default="1000,10000", help="link rates, comma-separated")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="one-way link delay (needs the kernel's netem)")
+    p.add_argument("--numel", type=int, default=1 << 22, help="bucket elements")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--presets", default="sdp4bit,qsdp,global-qsgd,zeropp",
+                   help="compared with the uncompressed baseline")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--model", default="--width 256 --layers 4 --batch 2 --context 32 "
+                   "--corpus-bytes 1000000", help="train.py model arguments")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", default=str(ROOT / "bench/results"))
+    args = p.parse_args()
+    try:
+        check_host()
+    except ClusterUnavailable as error:
+        raise SystemExit(f"bench/cluster.py: {error}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for topology in args.topologies.split(","):
+            for rate in (float(r) for r in args.rates_mbit.split(",")):
+                print(f"== {topology} at {rate:g} Mbit/s", flush=True)
+                rows += measure(topology, rate, args, Path(tmp))
+    add_predictions(rows)
+    write_results(rows, args, Path(args.out))
+    print((Path(args.out) / "cluster.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

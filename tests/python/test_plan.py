@@ -1,0 +1,91 @@
+"""The cost model (python -m megatron_patch.plan) and the emulated-cluster harness's smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_patch  # noqa: F401  (loads the extension)
+from megatron_patch import plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bytes_come_from_the_core_and_scale_linearly():
+    labels = [0, 0, 1, 1]
+    small = torch.ops.sdp4bit.plan_wire_bytes("sdp4bit", labels, 4 * (1 << 16), 5)
+    large = torch.ops.sdp4bit.plan_wire_bytes("sdp4bit", labels, 4 * (1 << 18), 5)
+    assert [4 * x for x in small] == large
+    mine, base = plan.step_bytes("sdp4bit", 4 * (1 << 18), dp=4, per_node=2)
+    assert (mine.grad, mine.weight) == ((large[0], large[1]), (large[2], large[3]))
+    assert (base.grad, base.weight) == ((large[4], large[5]), (large[6], large[7]))
+    # 4-bit inter-node gradients after 8-bit intra-node reduction: under 1/7 of fp32's bytes.
+    assert mine.grad[1] < base.grad[1] / 7
+
+
+def test_speedups_follow_the_links():
+    slow = plan.Cluster(4, 8, tp=2, inter_gbps=25)
+    fast = plan.Cluster(4, 8, tp=2, inter_gbps=3200, intra_gbps=3200)
+    by = {c: {r["preset"]: r for r in plan.predict(1.3e9, c)} for c in (slow, fast)}
+    assert by[slow]["baseline"]["comm_speedup"] == pytest.approx(1.0)
+    assert by[slow]["sdp4bit"]["comm_speedup"] > 3.5
+    assert by[slow]["sdp4bit"]["comm_speedup"] > by[fast]["sdp4bit"]["comm_speedup"]
+    with_compute = plan.predict(1.3e9, slow, ("sdp4bit",), compute_ms=1000.0)[0]
+    assert 1.0 < with_compute["step_speedup"] < with_compute["comm_speedup"]
+    codec = plan.predict(1.3e9, fast, ("sdp4bit",), codec_gbps=1.0)[0]
+    assert codec["comm_ms"] > by[fast]["sdp4bit"]["comm_ms"]
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match="do not split"):
+        plan.Cluster(2, 8, tp=3).dp_layout()
+
+
+def test_command_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_patch.plan", "--paper"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert "2.39x-3.44x" in out and "1.53x-4.08x" in out and "sdp4bit" in out
+    bad = subprocess.run([sys.executable, "-m", "megatron_patch.plan", "--nodes", "2"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--params, --gpus-per-node required" in bad.stderr
+
+
+def _netns_unavailable() -> str | None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from netns import ClusterUnavailable, check_host
+
+    try:
+        check_host()
+    except ClusterUnavailable as error:
+        return str(error)
+    probe = subprocess.run(["ip", "netns", "add", f"s4bprobe{os.getpid()}"], capture_output=True,
+                           text=True)
+    if probe.returncode != 0:
+        return f"network namespaces unavailable: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", f"s4bprobe{os.getpid()}"], capture_output=True)
+    return None
+
+
+def test_emulated_cluster_smoke(tmp_path):
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster.py"), "--topologies", "2x1",
+         "--rates-mbit", "1000", "--numel", "65536", "--reps", "1", "--steps", "2",
+         "--warmup-steps", "1", "--presets", "sdp4bit", "--model",
+         "--width 32 --layers 1 --batch 1 --context 8 --corpus-bytes 100000",
+         "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "cluster.json").read_text())["rows"]
+    assert [r["preset"] for r in rows] == ["baseline", "sdp4bit"]
+    assert rows[1]["bucket_bytes"] < rows[0]["bucket_bytes"] / 3
+    assert (tmp_path / "cluster.png").stat().st_size > 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"
