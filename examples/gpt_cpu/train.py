@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
                         "collective (0 = off)")
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="Megatron's overlap_param_gather (see the note where the DDP is built)")
+    p.add_argument("--bucket-size", type=int, default=40_000,
+                   help="elements per DDP bucket (megatron-core's bucket_size)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--json-out", help="write the loss curve and byte counts here (rank 0)")
     return p.parse_args()
@@ -70,7 +72,7 @@ def build_ddp(args: argparse.Namespace):
         # (bench/results/gloo_coalesced_allgather_crash.md), so by default parameters are
         # gathered synchronously here; gradients overlap with backward.
         overlap_grad_reduce=True, overlap_param_gather=args.overlap_param_gather,
-        bucket_size=40_000,
+        bucket_size=args.bucket_size,
     )
     with sdp4bit_megatron.megatron_on_cpu():
         return DistributedDataParallel(config, ddp_config, model)
