@@ -34,6 +34,12 @@ class Sdp4bitConfig:
         with translated_errors():
             return _native.ops().describe_config(self.spec())
 
+    def codecs(self) -> tuple[str, str]:
+        """(weight codec, gradient codec) names after validation, ``"none"`` where a side is
+        not compressed (e.g. ``("qwd", "tlq-hs")`` for the sdp4bit preset)."""
+        fields = dict(part.split("=", 1) for part in self.describe().split(";")[1:3])
+        return fields["weight"].split("(", 1)[0], fields["grad"].split("(", 1)[0]
+
     def fingerprint(self) -> int:
         """The cross-rank fingerprint (64 bits, as an unsigned int)."""
         with translated_errors():

@@ -102,10 +102,9 @@ def settings_from_config(ds_config: dict) -> DeepSpeedSettings | None:
                            f"{ranks_per_node!r}")
     knobs = {k: section[k] for k in KNOBS if k in section}
     config = Sdp4bitConfig(preset, knobs)
-    description = config.describe()  # raises Sdp4bitError naming a bad knob
-    weight = description.split("weight=", 1)[1].split("(", 1)[0].split(";", 1)[0]
+    weight, grad = config.codecs()  # raises Sdp4bitError naming a bad knob
     return DeepSpeedSettings(config, ranks_per_node, weights=weight != "none",
-                             grads="grad=none" not in description, weight_codec=weight)
+                             grads=grad != "none", weight_codec=weight)
 
 
 def load_config(config) -> dict:
@@ -247,7 +246,7 @@ def wire_bytes(optimizer) -> tuple[int, int]:
 
 
 def _install() -> None:
-    if _ORIGINAL:
+    if "accumulate" in _ORIGINAL:
         return
     from deepspeed.runtime.zero import stage_1_and_2
 

@@ -112,8 +112,8 @@ def enable(config: Sdp4bitConfig, local_world_size: int | None = None,
     _SETTINGS = _Settings(
         config,
         local_world_size,
-        weights="weight=none" not in description,
-        grads="grad=none" not in description,
+        weights=config.codecs()[0] != "none",
+        grads=config.codecs()[1] != "none",
         iteration=iteration,
         telemetry=Telemetry(telemetry_interval, tensorboard_writer),
     )
