@@ -1,7 +1,8 @@
 // The torch extension: TorchScript classes and ops over the Rust core (src/ffi).
 //
 //   torch.classes.sdp4bit.ProcessGroups(world, intra, inter)   names of c10d groups
-//   torch.classes.sdp4bit.GradReduceScatter(groups, config, node_labels, numel, bucket_id)
+//   torch.classes.sdp4bit.GradReduceScatter(groups, config, node_labels, numel, bucket_id,
+//                                           device)
 //       .start(bucket, shard, step) -> Work
 //   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id)
 //       .start(params, step) -> Work
@@ -12,11 +13,19 @@
 // Collectives run on the ProcessGroups' executor thread in submission order; a Work keeps its
 // tensors alive until it is destroyed. Every error reaches Python as a RuntimeError whose
 // message starts with "sdp4bit:" and names the problem.
+//
+// A bucket lives on the CPU (the Rust core's CPU backend, host exchanges) or on one CUDA
+// device (the CUDA backend: kernels, copies and the process groups' exchanges all enqueued on
+// torch's current stream of that device as it was when start() was called; wait() returns
+// once everything is enqueued, so later work on that stream sees the results).
 #include <Python.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
 #include <cstring>
@@ -44,15 +53,13 @@ auto rethrow_as_torch_error(F&& f) -> decltype(f()) {
   }
 }
 
-// Why `t` cannot be the `what` of this bucket, or "" if it can.
+// Why `t` cannot be the `what` of this bucket, planned on `device`, or "" if it can.
 std::string tensor_problem(const char* what, const at::Tensor& t, at::ScalarType dtype,
-                           int64_t numel) {
-  std::string problem;
+                           int64_t numel, c10::Device device) {
   if (!t.defined()) return std::string(what) + " is undefined";
-  if (t.device().type() != at::kCPU) {
-    return std::string(what) + " is on " + t.device().str() +
-           "; this build of the extension runs the collectives on CPU tensors only "
-           "(the CUDA kernels are in the Rust core, the device-side path is not wired yet)";
+  if (t.device() != device) {
+    return std::string(what) + " is on " + t.device().str() + ", the bucket was planned on " +
+           device.str();
   }
   if (t.scalar_type() != dtype) {
     return std::string(what) + " must be " + c10::toString(dtype) + ", got " +
@@ -63,13 +70,52 @@ std::string tensor_problem(const char* what, const at::Tensor& t, at::ScalarType
     return std::string(what) + " has " + std::to_string(t.numel()) + " elements, the bucket " +
            "was planned for " + std::to_string(numel);
   }
-  return problem;
+  return "";
 }
 
-void check_tensor(const char* what, const at::Tensor& t, at::ScalarType dtype, int64_t numel) {
-  std::string problem = tensor_problem(what, t, dtype, numel);
+void check_tensor(const char* what, const at::Tensor& t, at::ScalarType dtype, int64_t numel,
+                  c10::Device device) {
+  std::string problem = tensor_problem(what, t, dtype, numel, device);
   TORCH_CHECK(problem.empty(), "sdp4bit: ", problem);
 }
+
+// The device named `name` ("cpu", "cuda", "cuda:1"; a bare "cuda" is the current device),
+// or the CPU with `problem` set to what is wrong with the name.
+c10::Device resolve_device(const std::string& name, std::string& problem) {
+  try {
+    c10::Device device(name);
+    if (!device.is_cpu() && !device.is_cuda()) {
+      problem = "buckets live on CPU or CUDA, not " + device.str();
+      return c10::Device(at::kCPU);
+    }
+    if (device.is_cuda() && !device.has_index()) {
+      device = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+    }
+    return device;
+  } catch (const std::exception& e) {
+    problem = "device '" + name + "' cannot be used: " + e.what();
+    return c10::Device(at::kCPU);
+  }
+}
+
+// Why the CUDA backend cannot run on `device`, or "" if it can (or `device` is the CPU).
+std::string device_problem(c10::Device device) {
+  if (!device.is_cuda()) return "";
+  std::string problem(ffi::cuda_device_problem(static_cast<size_t>(device.index())));
+  if (problem.empty()) return "";
+  return "CUDA buckets on " + device.str() + " cannot run: " + problem;
+}
+
+// The stream CUDA work of `device` is enqueued on: torch's current stream of the device.
+c10::Stream current_stream(c10::Device device) {
+  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device);
+}
+
+uint64_t raw_stream(const c10::Stream& stream) {
+  return reinterpret_cast<uint64_t>(stream.native_handle());
+}
+
+uint64_t device_address(const void* data) { return reinterpret_cast<uint64_t>(data); }
 
 uint32_t checked_bucket_id(int64_t bucket_id) {
   TORCH_CHECK(bucket_id >= 0 && bucket_id <= 4095, "sdp4bit: bucket_id ", bucket_id,
@@ -155,9 +201,19 @@ class ProcessGroups : public torch::CustomClassHolder {
       groups->intra = resolve_optional(intra);
       groups->inter = resolve_optional(inter);
     });
+    bool nccl = groups->world->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
     comms_ = std::make_unique<ffi::TorchComms>(std::move(groups));
     rank_ = static_cast<int64_t>(comms_->rank(ffi::CommLevel::World));
     size_ = static_cast<int64_t>(comms_->size(ffi::CommLevel::World));
+    if (nccl) {
+      // Host exchanges of an NCCL group go through its device: make the caller's current CUDA
+      // device (the rank's GPU) the executor thread's.
+      c10::Device device = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+      run_in_order([device] {
+        c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).setDevice(device);
+        return true;
+      });
+    }
   }
 
   int64_t rank() const { return rank_; }
@@ -236,27 +292,41 @@ class Work : public torch::CustomClassHolder {
   c10::intrusive_ptr<torch::CustomClassHolder> owner_;
 };
 
-// The gradient reduce-scatter of one fp32 bucket.
+// The gradient reduce-scatter of one fp32 bucket, on the CPU or on one CUDA device.
 class GradReduceScatter : public torch::CustomClassHolder {
  public:
   GradReduceScatter(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
-                    const std::vector<int64_t>& node_labels, int64_t numel, int64_t bucket_id)
+                    const std::vector<int64_t>& node_labels, int64_t numel, int64_t bucket_id,
+                    const std::string& device)
       : groups_(std::move(groups)), numel_(numel), bucket_id_(checked_bucket_id(bucket_id)) {
     TORCH_CHECK(numel > 0, "sdp4bit: bucket size ", numel, " must be positive");
     auto labels = checked_labels(node_labels);
+    // A device this rank cannot use fails the set-up on every rank, not just here.
+    std::string problem;
+    device_ = resolve_device(device, problem);
+    if (problem.empty()) problem = device_problem(device_);
     auto parsed = groups_->run_in_order([&] {
-      return ffi::agree_on_setup(groups_->comms(), config, "", bucket_id_,
+      return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel));
     });
     bucket_ = rethrow_as_torch_error([&] {
-      return ffi::new_grad_bucket(*parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
-                                  static_cast<size_t>(groups_->rank()),
-                                  static_cast<size_t>(numel), bucket_id_);
+      rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
+      auto rank = static_cast<size_t>(groups_->rank());
+      if (device_.is_cuda()) {
+        return ffi::new_cuda_grad_bucket(*parsed, nodes, rank, static_cast<size_t>(numel),
+                                         bucket_id_, static_cast<size_t>(device_.index()));
+      }
+      return ffi::new_grad_bucket(*parsed, nodes, rank, static_cast<size_t>(numel), bucket_id_);
     });
     shard_len_ = static_cast<int64_t>((*bucket_)->shard_len());
+    if (device_.is_cuda()) {
+      scratch_device_ = at::empty({shard_len_}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    }
   }
 
   int64_t shard_len() const { return shard_len_; }
+
+  std::string device() const { return device_.str(); }
 
   bool quantizes_at(int64_t step) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -279,23 +349,32 @@ class GradReduceScatter : public torch::CustomClassHolder {
   }
 
   c10::intrusive_ptr<Work> start(at::Tensor bucket, at::Tensor shard, int64_t step) {
-    check_tensor("gradient bucket", bucket, at::kFloat, numel_);
-    check_tensor("gradient shard", shard, at::kFloat, shard_len_);
+    check_tensor("gradient bucket", bucket, at::kFloat, numel_, device_);
+    check_tensor("gradient shard", shard, at::kFloat, shard_len_, device_);
     uint64_t at_step = checked_step(step);
     Span<float> in(bucket), out(shard);
-    auto done = groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
+    std::shared_future<void> done;
+    if (device_.is_cuda()) {
+      c10::Stream stream = current_stream(device_);
+      done = groups_->submit([this, in, out, stream, at_step] { run_cuda(in, out, stream, at_step); });
+    } else {
+      done = groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
+    }
     return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{bucket, shard},
                                      c10::intrusive_ptr<GradReduceScatter>::reclaim_copy(this));
   }
 
  private:
+  // The core reads the bucket while it writes the shard: when the shard is a view into the
+  // bucket (Megatron's layout), it writes a persistent scratch shard that is copied over.
+  static bool aliased(Span<float> bucket, Span<float> shard) {
+    const float* b = bucket.data;
+    return b < shard.data + shard.len && shard.data < b + bucket.len;
+  }
+
   void run(Span<float> bucket, Span<float> shard, uint64_t step) {
     std::lock_guard<std::mutex> lock(mutex_);
-    // The core reads the bucket while it writes the shard: when the shard is a view into the
-    // bucket (Megatron's layout), it writes a persistent scratch shard that is copied over.
-    const float* b = bucket.data;
-    bool aliased = b < shard.data + shard.len && shard.data < b + bucket.len;
-    if (!aliased) {
+    if (!aliased(bucket, shard)) {
       (*bucket_)->run(groups_->comms(), bucket.in(), shard.out(), step);
       return;
     }
@@ -305,33 +384,66 @@ class GradReduceScatter : public torch::CustomClassHolder {
     std::memcpy(shard.data, scratch_.data(), shard.len * sizeof(float));
   }
 
+  void run_cuda(Span<float> bucket, Span<float> shard, c10::Stream stream, uint64_t step) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    c10::StreamGuard on_stream(stream);
+    bool alias = aliased(bucket, shard);
+    float* out = alias ? scratch_device_.data_ptr<float>() : shard.data;
+    (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data), device_address(out),
+                         raw_stream(stream), step);
+    if (alias) {
+      at::from_blob(shard.data, {static_cast<int64_t>(shard.len)}, scratch_device_.options())
+          .copy_(scratch_device_);
+    }
+  }
+
   c10::intrusive_ptr<ProcessGroups> groups_;
   int64_t numel_;
   uint32_t bucket_id_;
+  c10::Device device_ = c10::Device(at::kCPU);
   int64_t shard_len_ = 0;
   std::optional<rust::Box<ffi::GradBucket>> bucket_;
   std::vector<float> scratch_;
+  at::Tensor scratch_device_;  // CUDA buckets: the scratch shard, never seen by Python
   std::mutex mutex_;
 };
 
-// The parameter all-gather of one bf16 bucket.
+// The parameter all-gather of one bf16 bucket, on the CPU or on the params' CUDA device.
 class WeightAllGather : public torch::CustomClassHolder {
  public:
   WeightAllGather(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
                   const std::vector<int64_t>& node_labels, at::Tensor params, int64_t bucket_id)
-      : groups_(std::move(groups)), bucket_id_(checked_bucket_id(bucket_id)) {
+      : groups_(std::move(groups)),
+        bucket_id_(checked_bucket_id(bucket_id)),
+        device_(params.defined() ? params.device() : c10::Device(at::kCPU)) {
     numel_ = params.defined() ? params.numel() : 0;
-    std::string problem = tensor_problem("param bucket", params, at::kBFloat16, numel_);
+    std::string problem;
+    if (!device_.is_cpu() && !device_.is_cuda()) {
+      problem = "param bucket is on " + device_.str() + "; buckets live on CPU or CUDA";
+    } else {
+      problem = tensor_problem("param bucket", params, at::kBFloat16, numel_, device_);
+    }
     if (problem.empty() && numel_ <= 0) problem = "param bucket is empty";
+    if (problem.empty()) problem = device_problem(device_);
     auto labels = checked_labels(node_labels);
     auto parsed = groups_->run_in_order([&] {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel_));
     });
     bucket_ = rethrow_as_torch_error([&] {
-      return ffi::new_weight_bucket(
-          *parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
-          static_cast<size_t>(groups_->rank()), bucket_id_, const_slice<uint16_t>(params));
+      rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
+      auto rank = static_cast<size_t>(groups_->rank());
+      if (device_.is_cuda()) {
+        // The first qWD reference is copied on the caller's current stream, after whatever
+        // wrote `params` on it.
+        return ffi::new_cuda_weight_bucket(*parsed, nodes, rank, bucket_id_,
+                                           static_cast<size_t>(device_.index()),
+                                           device_address(params.data_ptr()),
+                                           static_cast<size_t>(numel_),
+                                           raw_stream(current_stream(device_)));
+      }
+      return ffi::new_weight_bucket(*parsed, nodes, rank, bucket_id_,
+                                    const_slice<uint16_t>(params));
     });
     shard_len_ = static_cast<int64_t>((*bucket_)->shard_len());
   }
@@ -349,13 +461,24 @@ class WeightAllGather : public torch::CustomClassHolder {
   }
 
   c10::intrusive_ptr<Work> start(at::Tensor params, int64_t step) {
-    check_tensor("param bucket", params, at::kBFloat16, numel_);
+    check_tensor("param bucket", params, at::kBFloat16, numel_, device_);
     uint64_t at_step = checked_step(step);
     Span<uint16_t> bits(params);
-    auto done = groups_->submit([this, bits, at_step] {
-      std::lock_guard<std::mutex> lock(mutex_);
-      (*bucket_)->run(groups_->comms(), bits.out(), at_step);
-    });
+    std::shared_future<void> done;
+    if (device_.is_cuda()) {
+      c10::Stream stream = current_stream(device_);
+      done = groups_->submit([this, bits, stream, at_step] {
+        std::lock_guard<std::mutex> lock(mutex_);
+        c10::StreamGuard on_stream(stream);
+        (*bucket_)->run_cuda(groups_->comms(), device_address(bits.data), raw_stream(stream),
+                             at_step);
+      });
+    } else {
+      done = groups_->submit([this, bits, at_step] {
+        std::lock_guard<std::mutex> lock(mutex_);
+        (*bucket_)->run(groups_->comms(), bits.out(), at_step);
+      });
+    }
     return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{params},
                                      c10::intrusive_ptr<WeightAllGather>::reclaim_copy(this));
   }
@@ -363,6 +486,7 @@ class WeightAllGather : public torch::CustomClassHolder {
  private:
   c10::intrusive_ptr<ProcessGroups> groups_;
   uint32_t bucket_id_;
+  c10::Device device_;
   int64_t numel_ = 0;
   int64_t shard_len_ = 0;
   std::optional<rust::Box<ffi::WeightBucket>> bucket_;
@@ -396,7 +520,7 @@ at::Tensor simulate_grad_reduce_scatter(const std::string& config,
               "sdp4bit: inputs must be [world, numel] with world = ", labels.size(),
               " node labels, got ", inputs.sizes());
   at::Tensor in = inputs.contiguous();
-  check_tensor("inputs", in, at::kFloat, in.numel());
+  check_tensor("inputs", in, at::kFloat, in.numel(), c10::Device(at::kCPU));
   at::Tensor out = at::empty({inputs.size(0), inputs.size(1) / inputs.size(0)}, in.options());
   rethrow_as_torch_error([&] {
     ffi::simulate_grad_reduce_scatter(*parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
@@ -414,8 +538,8 @@ at::Tensor simulate_weight_all_gather(const std::string& config,
   auto labels = checked_labels(node_labels);
   at::Tensor init = initial.contiguous();
   at::Tensor tgt = targets.contiguous();
-  check_tensor("initial", init, at::kBFloat16, init.numel());
-  check_tensor("targets", tgt, at::kBFloat16, tgt.numel());
+  check_tensor("initial", init, at::kBFloat16, init.numel(), c10::Device(at::kCPU));
+  check_tensor("targets", tgt, at::kBFloat16, tgt.numel(), c10::Device(at::kCPU));
   TORCH_CHECK(tgt.dim() == 2 && tgt.size(1) == init.numel(),
               "sdp4bit: targets must be [steps, numel], got ", tgt.sizes());
   int64_t world = static_cast<int64_t>(labels.size());
@@ -465,9 +589,10 @@ TORCH_LIBRARY(sdp4bit, m) {
   m.class_<Work>("Work").def("wait", &Work::wait).def("is_completed", &Work::is_completed);
   m.class_<GradReduceScatter>("GradReduceScatter")
       .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,
-                       int64_t, int64_t>())
+                       int64_t, int64_t, std::string>())
       .def("start", &GradReduceScatter::start)
       .def("shard_len", &GradReduceScatter::shard_len)
+      .def("device", &GradReduceScatter::device)
       .def("quantizes_at", &GradReduceScatter::quantizes_at)
       .def("wire_bytes", &GradReduceScatter::wire_bytes)
       .def("baseline_wire_bytes", &GradReduceScatter::baseline_wire_bytes)

@@ -1,13 +1,19 @@
-// TorchComms: the Rust core's exchanges over c10d process groups (gloo for CPU tensors).
-// Each call wraps the core's buffers as tensors without copying, issues the collective and
-// waits for it; c10d errors (timeouts, a peer that left) propagate as exceptions, which the
-// cxx bridge hands to Rust as errors.
+// TorchComms: the Rust core's exchanges over c10d process groups. Each call wraps the core's
+// buffers as tensors without copying, issues the collective and waits for it; c10d errors
+// (timeouts, a peer that left) propagate as exceptions, which the cxx bridge hands to Rust as
+// errors.
+//
+// Where a buffer lives and what the group's backend reaches can differ: an NCCL group only
+// takes CUDA tensors, so host buffers (the set-up check, Global-QSGD's absmax) travel through
+// a tensor on the group's CUDA device; a gloo group's exchanges of CUDA buffers travel through
+// host copies (for tests on one GPU; production runs use NCCL, which reads device memory).
 #include "torch_comms_groups.h"
 
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "sdp4bit/src/ffi/mod.rs.h"
 
@@ -15,9 +21,31 @@ namespace sdp4bit::ffi {
 
 namespace {
 
-at::Tensor wrap_bytes(const std::uint8_t* data, std::size_t len) {
-  return at::from_blob(const_cast<std::uint8_t*>(data), {static_cast<int64_t>(len)},
-                       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+at::Tensor wrap(std::uint64_t addr, std::size_t numel, at::ScalarType dtype,
+                c10::Device device) {
+  return at::from_blob(reinterpret_cast<void*>(addr), {static_cast<int64_t>(numel)},
+                       at::TensorOptions().dtype(dtype).device(device));
+}
+
+at::Tensor wrap_host_bytes(const std::uint8_t* data, std::size_t len) {
+  return wrap(reinterpret_cast<std::uint64_t>(data), len, at::kByte, c10::Device(at::kCPU));
+}
+
+// The current CUDA device of the calling thread (set by the extension's stream guard).
+c10::Device current_cuda_device() {
+  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+}
+
+at::ScalarType scalar_type(SumDtype dtype) {
+  switch (dtype) {
+    case SumDtype::Float32:
+      return at::kFloat;
+    case SumDtype::Int8:
+      return at::kChar;
+    case SumDtype::Int16:
+      return at::kShort;
+  }
+  throw std::runtime_error("sdp4bit: unknown reduce-scatter element type");
 }
 
 const char* level_name(CommLevel level) {
@@ -30,6 +58,51 @@ const char* level_name(CommLevel level) {
       return "inter-node";
   }
   return "unknown";
+}
+
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+using Backend = c10d::ProcessGroup::BackendType;
+
+// Runs `collective(out, in)` on tensors the group's backend can read: `in` and `out` as they
+// are, or staged on `device` (copied there, exchanged, copied back into `out`).
+template <class F>
+void exchange_on(const at::Tensor& in, const at::Tensor& out, std::optional<c10::Device> device,
+                 F&& collective) {
+  if (!device) {
+    collective(out, in);
+    return;
+  }
+  at::Tensor staged_in = in.to(*device);
+  at::Tensor staged_out = at::empty_like(out, out.options().device(*device));
+  collective(staged_out, staged_in);
+  out.copy_(staged_out);
+}
+
+// Where host buffers must be staged for `group`: its CUDA device when it is NCCL-only.
+std::optional<c10::Device> host_staging(const Group& group) {
+  if (group->getBackendType() == Backend::NCCL) return current_cuda_device();
+  return std::nullopt;
+}
+
+// Where CUDA buffers must be staged for `group`: the host when it is gloo-only.
+std::optional<c10::Device> device_staging(const Group& group) {
+  if (group->getBackendType() == Backend::GLOO) return c10::Device(at::kCPU);
+  return std::nullopt;
+}
+
+void all_gather_tensors(const Group& group, const at::Tensor& in, const at::Tensor& out,
+                        std::optional<c10::Device> staging) {
+  exchange_on(in, out, staging, [&](at::Tensor o, at::Tensor i) {
+    group->_allgather_base(o, i)->wait();
+  });
+}
+
+void all_to_all_tensors(const Group& group, const at::Tensor& in, const at::Tensor& out,
+                        std::optional<c10::Device> staging) {
+  exchange_on(in, out, staging, [&](at::Tensor o, at::Tensor i) {
+    std::vector<int64_t> equal_splits;
+    group->alltoall_base(o, i, equal_splits, equal_splits)->wait();
+  });
 }
 
 }  // namespace
@@ -80,25 +153,63 @@ std::size_t TorchComms::size(CommLevel level) const {
 
 void TorchComms::all_gather(CommLevel level, rust::Slice<const std::uint8_t> send,
                             rust::Slice<std::uint8_t> recv) const {
-  at::Tensor in = wrap_bytes(send.data(), send.size());
-  at::Tensor out = wrap_bytes(recv.data(), recv.size());
-  groups_->at(level)->_allgather_base(out, in)->wait();
+  const Group& group = groups_->at(level);
+  all_gather_tensors(group, wrap_host_bytes(send.data(), send.size()),
+                     wrap_host_bytes(recv.data(), recv.size()), host_staging(group));
 }
 
 void TorchComms::all_to_all(CommLevel level, rust::Slice<const std::uint8_t> send,
                             rust::Slice<std::uint8_t> recv) const {
-  at::Tensor in = wrap_bytes(send.data(), send.size());
-  at::Tensor out = wrap_bytes(recv.data(), recv.size());
-  std::vector<int64_t> equal_splits;
-  groups_->at(level)->alltoall_base(out, in, equal_splits, equal_splits)->wait();
+  const Group& group = groups_->at(level);
+  all_to_all_tensors(group, wrap_host_bytes(send.data(), send.size()),
+                     wrap_host_bytes(recv.data(), recv.size()), host_staging(group));
 }
 
 float TorchComms::all_reduce_max(CommLevel level, float value) const {
-  std::vector<at::Tensor> tensors{at::full({1}, value, at::TensorOptions().dtype(at::kFloat))};
+  const Group& group = groups_->at(level);
+  c10::Device device = host_staging(group).value_or(c10::Device(at::kCPU));
+  std::vector<at::Tensor> tensors{
+      at::full({1}, value, at::TensorOptions().dtype(at::kFloat).device(device))};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  groups_->at(level)->allreduce(tensors, options)->wait();
+  group->allreduce(tensors, options)->wait();
   return tensors[0].item<float>();
+}
+
+void TorchComms::all_gather_device(CommLevel level, std::uint64_t send, std::size_t send_bytes,
+                                   std::uint64_t recv, std::size_t recv_bytes) const {
+  const Group& group = groups_->at(level);
+  c10::Device device = current_cuda_device();
+  all_gather_tensors(group, wrap(send, send_bytes, at::kByte, device),
+                     wrap(recv, recv_bytes, at::kByte, device), device_staging(group));
+}
+
+void TorchComms::all_to_all_device(CommLevel level, std::uint64_t send, std::size_t send_bytes,
+                                   std::uint64_t recv, std::size_t recv_bytes) const {
+  const Group& group = groups_->at(level);
+  c10::Device device = current_cuda_device();
+  all_to_all_tensors(group, wrap(send, send_bytes, at::kByte, device),
+                     wrap(recv, recv_bytes, at::kByte, device), device_staging(group));
+}
+
+// An all-to-all, then the sum of the W received blocks left to right in rank order on the
+// device ((b0 + b1) + b2 ...), as the host path sums: the same bits as the in-process
+// collective whatever the backend's own reduction order, for the bytes of a direct-send
+// reduce-scatter (and for any element type, NCCL having no 16-bit integer sum).
+void TorchComms::reduce_scatter_device(CommLevel level, SumDtype dtype, std::uint64_t send,
+                                       std::size_t send_numel, std::uint64_t recv,
+                                       std::size_t recv_numel) const {
+  const Group& group = groups_->at(level);
+  c10::Device device = current_cuda_device();
+  at::ScalarType type = scalar_type(dtype);
+  at::Tensor in = wrap(send, send_numel, type, device);
+  at::Tensor out = wrap(recv, recv_numel, type, device);
+  at::Tensor blocks = at::empty_like(in);
+  all_to_all_tensors(group, in, blocks, device_staging(group));
+  auto size = static_cast<int64_t>(send_numel / recv_numel);
+  at::Tensor per_rank = blocks.view({size, static_cast<int64_t>(recv_numel)});
+  out.copy_(per_rank[0]);
+  for (int64_t r = 1; r < size; ++r) out.add_(per_rank[r]);
 }
 
 }  // namespace sdp4bit::ffi

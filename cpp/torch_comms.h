@@ -12,6 +12,7 @@
 namespace sdp4bit::ffi {
 
 enum class CommLevel : std::uint8_t;
+enum class SumDtype : std::uint8_t;
 
 class TorchComms {
  public:
@@ -30,6 +31,15 @@ class TorchComms {
   void all_to_all(CommLevel level, rust::Slice<const std::uint8_t> send,
                   rust::Slice<std::uint8_t> recv) const;
   float all_reduce_max(CommLevel level, float value) const;
+  // The same exchanges on CUDA memory given by device address, on the current stream of the
+  // current CUDA device (the caller sets both).
+  void all_gather_device(CommLevel level, std::uint64_t send, std::size_t send_bytes,
+                         std::uint64_t recv, std::size_t recv_bytes) const;
+  void all_to_all_device(CommLevel level, std::uint64_t send, std::size_t send_bytes,
+                         std::uint64_t recv, std::size_t recv_bytes) const;
+  void reduce_scatter_device(CommLevel level, SumDtype dtype, std::uint64_t send,
+                             std::size_t send_numel, std::uint64_t recv,
+                             std::size_t recv_numel) const;
 
  private:
   std::unique_ptr<Groups> groups_;

@@ -39,14 +39,14 @@ class Handle:
         return self._work.is_completed()
 
 
-def _check_tensor(what: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int) -> None:
+def _check_tensor(what: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int,
+                  device: torch.device) -> None:
     """Raises TypeError / ValueError naming what is wrong with `tensor`."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"sdp4bit: {what} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if tensor.device != device:
         raise ValueError(
-            f"sdp4bit: {what} is on {tensor.device}; this build runs the collectives on CPU "
-            "tensors only (the device-side path of the CUDA kernels is not wired yet)"
+            f"sdp4bit: {what} is on {tensor.device}, the bucket was planned on {device}"
         )
     if tensor.dtype != dtype:
         raise TypeError(f"sdp4bit: {what} must be {dtype}, got {tensor.dtype}")
@@ -65,29 +65,38 @@ def _check_step(step: int) -> int:
 
 
 class GradReduceScatter:
-    """The gradient reduce-scatter of one fp32 bucket of `numel` elements.
+    """The gradient reduce-scatter of one fp32 bucket of `numel` elements on `device` (the
+    CPU, or a CUDA device whose kernels run on the caller's current stream).
 
     After ``start(bucket, shard, step).wait()`` this rank's `shard` (``numel / W`` elements,
     shard ``rank`` of the bucket; it may be a view into `bucket`) holds the sum of every
     rank's `bucket` over that range, within the codec's error. Set-up is collective: every
     rank of the DP group constructs its bucket with the same config, bucket id and size, or
-    all of them raise.
+    all of them raise (also when a rank cannot use its device).
+
+    On CUDA, ``start`` enqueues nothing itself: the groups' thread enqueues every kernel and
+    exchange on the stream that was current at ``start``; after ``wait()`` work issued on that
+    stream sees the shard.
     """
 
-    def __init__(self, groups: Sdp4bitGroups, config: Sdp4bitConfig, numel: int, bucket_id: int):
+    def __init__(self, groups: Sdp4bitGroups, config: Sdp4bitConfig, numel: int, bucket_id: int,
+                 device: torch.device | str = "cpu"):
         if numel <= 0:
             raise ValueError(f"sdp4bit: bucket size must be positive, got {numel}")
         self.groups, self.config, self.numel, self.bucket_id = groups, config, numel, bucket_id
         with translated_errors():
+            # A device this rank cannot use is reported by every rank at once (the
+            # extension's set-up check), so the name is passed on unchecked.
             self._native = _native.classes().GradReduceScatter(
-                groups.native, config.spec(), groups.node_labels, numel, bucket_id
+                groups.native, config.spec(), groups.node_labels, numel, bucket_id, str(device)
             )
+        self.device = torch.device(self._native.device())
         self.shard_len = self._native.shard_len()
 
     def start(self, bucket: torch.Tensor, shard: torch.Tensor, step: int) -> Handle:
         """Starts reduce-scattering `bucket` into `shard` for optimizer step `step`."""
-        _check_tensor("gradient bucket", bucket, torch.float32, self.numel)
-        _check_tensor("gradient shard", shard, torch.float32, self.shard_len)
+        _check_tensor("gradient bucket", bucket, torch.float32, self.numel, self.device)
+        _check_tensor("gradient shard", shard, torch.float32, self.shard_len, self.device)
         with translated_errors():
             return Handle(self._native.start(bucket, shard, _check_step(step)))
 
@@ -112,7 +121,8 @@ class GradReduceScatter:
 class WeightAllGather:
     """The parameter all-gather of one bf16 bucket.
 
-    `params` is the bucket as every replica holds it at set-up. Before each
+    `params` is the bucket as every replica holds it at set-up, on the CPU or a CUDA device
+    (kernels on the caller's current stream, as for :class:`GradReduceScatter`). Before each
     ``start(params, step)`` the caller writes this rank's new shard (shard ``rank``,
     ``numel / W`` elements) into `params`; after ``wait()`` every replica holds the same bucket,
     bit for bit (qWD sends 4-bit differences from the previous values, kept on each rank).
@@ -128,11 +138,12 @@ class WeightAllGather:
                 groups.native, config.spec(), groups.node_labels, params, bucket_id
             )
         self.numel = params.numel()
+        self.device = params.device
         self.shard_len = self._native.shard_len()
 
     def start(self, params: torch.Tensor, step: int) -> Handle:
         """Starts all-gathering `params` for optimizer step `step`."""
-        _check_tensor("param bucket", params, torch.bfloat16, self.numel)
+        _check_tensor("param bucket", params, torch.bfloat16, self.numel, self.device)
         with translated_errors():
             return Handle(self._native.start(params, _check_step(step)))
 

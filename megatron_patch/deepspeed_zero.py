@@ -209,7 +209,8 @@ def attach(optimizer, settings: DeepSpeedSettings) -> None:
         grads = rs = None
         if settings.grads:
             grads = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-            rs = GradReduceScatter(groups, settings.config, flat.numel(), bucket_id=i)
+            rs = GradReduceScatter(groups, settings.config, flat.numel(), bucket_id=i,
+                                   device=flat.device)
         per_group.append(_GroupState(grads, offsets, rs))
     optimizer._sdp4bit = _OptimizerState(settings, groups, per_group)
     if settings.weights:
@@ -480,7 +481,8 @@ def _reduce_scatter_coalesced(tensors, group=None):
             raise Sdp4bitError(f"more than {_FIRST_WEIGHT_BUCKET} distinct ZeRO stage 3 gradient "
                                "buckets; raise reduce_bucket_size")
         entry = state.grad_buckets[key] = [GradReduceScatter(state.groups, state.settings.config,
-                                                             flat.numel(), bucket_id), 0]
+                                                             flat.numel(), bucket_id,
+                                                             device=flat.device), 0]
     rs, calls = entry
     shard = local_shard(flat, rank, size)
     rs.start(flat, shard, calls).wait()

@@ -234,7 +234,7 @@ def _state(bucket_group) -> _BucketGroupState | None:
                 "enable sdp4bit first, then build the model"
             )
         grads.append(GradReduceScatter(groups, settings.config, bucket.grad_data.numel(),
-                                       bucket_id))
+                                       bucket_id, device=bucket.grad_data.device))
         if settings.weights and bucket.param_data.dtype != torch.bfloat16:
             raise Sdp4bitError(
                 "the weight codecs all-gather bf16 parameters; this model's parameter "

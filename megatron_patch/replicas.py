@@ -18,7 +18,9 @@ def check_replicas_identical(buffers: list[torch.Tensor], group) -> None:
         bits = buffer.detach().reshape(-1).view(torch.int16).to(torch.int64)
         weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
         sums.append(int((bits * (weights + 1)).sum()))
-    mine = torch.tensor(sums, dtype=torch.int64)
+    # On the buffers' device: an NCCL group exchanges CUDA tensors, gloo takes either.
+    device = buffers[0].device if buffers else torch.device("cpu")
+    mine = torch.tensor(sums, dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     differing = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]

@@ -1,6 +1,8 @@
 //! The gradient reduce-scatter of one bucket (SPEC §4, §5).
 
-use crate::backend::cpu::{global_qsgd, gradient};
+use crate::backend::cpu::Host;
+use crate::backend::cpu::global_qsgd::IntCode;
+use crate::backend::{Backend, Element};
 use crate::collective::{Comm, CommGroups, WireBytes, check_len};
 use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result};
@@ -14,44 +16,94 @@ use crate::rng::{Stage, UniformStream, stream_id};
 /// communicator's fp32 reduce-scatter; grouped codecs quantize once into the swizzled layout
 /// and run one or two all-to-all levels per pipeline chunk; Global-QSGD all-reduces the absmax
 /// and reduce-scatters integers.
+///
+/// `B` is where the buckets live: host memory ([`new`](GradReduceScatter::new),
+/// [`run`](GradReduceScatter::run)) or any other [`Backend`]
+/// ([`with_backend`](Self::with_backend), [`run_on`](Self::run_on)).
 #[derive(Debug)]
-pub struct GradReduceScatter {
+pub struct GradReduceScatter<B: Backend = Host> {
     config: Config,
     topology: Topology,
     rank: usize,
     bucket_id: u32,
     plan: BucketPlan,
     route: GradRoute,
-    engine: Engine,
+    engine: Engine<B>,
 }
 
 #[derive(Debug)]
-enum Engine {
+enum Engine<B: Backend> {
     Copy,
     Exact,
-    Grouped(Box<Grouped>),
-    Global(GlobalBuffers),
+    Grouped(Box<Grouped<B>>),
+    Global(GlobalBuffers<B>),
 }
 
 #[derive(Debug)]
-struct Grouped {
+struct Grouped<B: Backend> {
     layout: GradLayout,
-    send_first: Vec<u8>,
-    recv_first: Vec<u8>,
-    send_second: Vec<u8>,
-    recv_second: Vec<u8>,
+    tables: B::GradTables,
+    send_first: B::Buffer<u8>,
+    recv_first: B::Buffer<u8>,
+    send_second: B::Buffer<u8>,
+    recv_second: B::Buffer<u8>,
+}
+
+/// Global-QSGD's integer buffers and the backend's absmax scratch word.
+#[derive(Debug)]
+enum GlobalBuffers<B: Backend> {
+    I8(IntBuffers<B, i8>),
+    I16(IntBuffers<B, i16>),
 }
 
 #[derive(Debug)]
-enum GlobalBuffers {
-    I8 { send: Vec<i8>, recv: Vec<i8> },
-    I16 { send: Vec<i16>, recv: Vec<i16> },
+struct IntBuffers<B: Backend, T: Element> {
+    send: B::Buffer<T>,
+    recv: B::Buffer<T>,
+    word: B::Buffer<u32>,
 }
 
-impl GradReduceScatter {
+impl<B: Backend, T: Element> IntBuffers<B, T> {
+    fn new(backend: &B, numel: usize, shard_len: usize) -> Result<Self> {
+        Ok(Self {
+            send: backend.alloc(numel)?,
+            recv: backend.alloc(shard_len)?,
+            word: backend.alloc(1)?,
+        })
+    }
+}
+
+impl GradReduceScatter<Host> {
     /// Plans bucket `bucket_id` of `numel` elements for DP rank `rank` of `topology` and
-    /// allocates its buffers.
+    /// allocates its buffers in host memory.
     pub fn new(
+        config: &Config,
+        topology: &Topology,
+        rank: usize,
+        numel: usize,
+        bucket_id: u32,
+    ) -> Result<Self> {
+        Self::with_backend(&Host, config, topology, rank, numel, bucket_id)
+    }
+
+    /// Reduce-scatters `bucket` (all `numel` elements, already scaled as the caller wants)
+    /// into `shard` (this rank's `S` elements) at optimizer step `step`.
+    pub fn run<C: Comm>(
+        &mut self,
+        comms: &CommGroups<'_, C>,
+        bucket: &[f32],
+        shard: &mut [f32],
+        step: u64,
+    ) -> Result<()> {
+        self.run_on(&Host, comms, bucket, shard, step)
+    }
+}
+
+impl<B: Backend> GradReduceScatter<B> {
+    /// Plans bucket `bucket_id` of `numel` elements for DP rank `rank` of `topology` and
+    /// allocates its buffers with `backend`.
+    pub fn with_backend(
+        backend: &B,
         config: &Config,
         topology: &Topology,
         rank: usize,
@@ -76,22 +128,17 @@ impl GradReduceScatter {
             let first = layout.first.peers * layout.first.slab.byte_len();
             let second = layout.second.map_or(0, |s| s.peers * s.slab.byte_len());
             Engine::Grouped(Box::new(Grouped {
-                send_first: vec![0; first * plan.chunks],
-                recv_first: vec![0; first],
-                send_second: vec![0; second],
-                recv_second: vec![0; second],
+                tables: backend.grad_tables(&layout)?,
+                send_first: backend.alloc(first * plan.chunks)?,
+                recv_first: backend.alloc(first)?,
+                send_second: backend.alloc(second)?,
+                recv_second: backend.alloc(second)?,
                 layout,
             }))
         } else if config.grad.codec == GradCodec::GlobalQsgd {
             Engine::Global(match global_bits(config, w)? {
-                8 => GlobalBuffers::I8 {
-                    send: vec![0; numel],
-                    recv: vec![0; plan.shard_len],
-                },
-                _ => GlobalBuffers::I16 {
-                    send: vec![0; numel],
-                    recv: vec![0; plan.shard_len],
-                },
+                8 => GlobalBuffers::I8(IntBuffers::new(backend, numel, plan.shard_len)?),
+                _ => GlobalBuffers::I16(IntBuffers::new(backend, numel, plan.shard_len)?),
             })
         } else {
             Engine::Exact
@@ -152,8 +199,8 @@ impl GradReduceScatter {
             }
             Engine::Global(b) => {
                 let width = match b {
-                    GlobalBuffers::I8 { .. } => 1,
-                    GlobalBuffers::I16 { .. } => 2,
+                    GlobalBuffers::I8(_) => 1,
+                    GlobalBuffers::I16(_) => 2,
                 };
                 WireBytes::to_every_peer(t, me, self.plan.shard_len * width)
             }
@@ -170,17 +217,23 @@ impl GradReduceScatter {
     }
 
     /// Reduce-scatters `bucket` (all `numel` elements, already scaled as the caller wants)
-    /// into `shard` (this rank's `S` elements) at optimizer step `step`.
-    pub fn run<C: Comm>(
+    /// into `shard` (this rank's `S` elements) at optimizer step `step`, running the passes
+    /// with `backend` (the one the buffers were allocated with).
+    pub fn run_on<C: Comm<B>>(
         &mut self,
+        backend: &B,
         comms: &CommGroups<'_, C>,
-        bucket: &[f32],
-        shard: &mut [f32],
+        bucket: B::Src<'_, f32>,
+        shard: B::Dst<'_, f32>,
         step: u64,
     ) -> Result<()> {
-        check_len("gradient bucket", bucket.len(), self.plan.numel)?;
-        check_len("gradient shard", shard.len(), self.plan.shard_len)?;
-        let world = comms.level(Level::World, &self.topology)?;
+        check_len("gradient bucket", B::len(bucket), self.plan.numel)?;
+        check_len(
+            "gradient shard",
+            B::len(B::read(&shard)),
+            self.plan.shard_len,
+        )?;
+        let world = comms.level::<B>(Level::World, &self.topology)?;
         if world.rank() != self.rank {
             return Err(Error::Comm(format!(
                 "world communicator rank {} is not this reduce-scatter's rank {}",
@@ -198,13 +251,11 @@ impl GradReduceScatter {
             ))
         };
         match &mut self.engine {
-            Engine::Copy => {
-                shard.copy_from_slice(bucket);
-                Ok(())
-            }
+            Engine::Copy => backend.copy(bucket, shard),
             _ if !quantize => world.reduce_scatter_sum(bucket, shard),
             Engine::Exact => world.reduce_scatter_sum(bucket, shard),
             Engine::Grouped(g) => g.run(
+                backend,
                 comms,
                 &self.topology,
                 bucket,
@@ -213,6 +264,7 @@ impl GradReduceScatter {
                 &stream(Stage::GradSecond)?,
             ),
             Engine::Global(b) => b.run(
+                backend,
                 world,
                 bucket,
                 shard,
@@ -243,89 +295,107 @@ pub fn global_k(bits: u8, world: usize) -> i32 {
     (((1usize << (bits - 1)) - 1) / world) as i32
 }
 
-impl Grouped {
+impl<B: Backend> Grouped<B> {
     /// Quantize once, then per pipeline chunk: first exchange, (requantize, second exchange),
     /// dequantize-sum into the shard.
-    fn run<C: Comm>(
+    #[allow(clippy::too_many_arguments)]
+    fn run<C: Comm<B>>(
         &mut self,
+        backend: &B,
         comms: &CommGroups<'_, C>,
         topology: &Topology,
-        bucket: &[f32],
-        shard: &mut [f32],
+        bucket: B::Src<'_, f32>,
+        mut shard: B::Dst<'_, f32>,
         first_rng: &UniformStream,
         second_rng: &UniformStream,
     ) -> Result<()> {
         let layout = &self.layout;
-        let first_comm = comms.level(layout.first.level, topology)?;
+        let first_comm = comms.level::<B>(layout.first.level, topology)?;
         let second_comm = match layout.second {
-            Some(s) => Some(comms.level(s.level, topology)?),
+            Some(s) => Some(comms.level::<B>(s.level, topology)?),
             None => None,
         };
-        gradient::quantize_first(layout, bucket, first_rng, &mut self.send_first);
+        let tables = &self.tables;
+        backend.quantize_first(
+            layout,
+            tables,
+            bucket,
+            first_rng,
+            B::dst(&mut self.send_first),
+        )?;
         let my_x1 = peer_index(topology, layout.first.level, comms.world.rank());
-        let chunk_bytes = self.recv_first.len();
-        for (p, send) in self.send_first.chunks_exact(chunk_bytes).enumerate() {
-            first_comm.all_to_all(send, &mut self.recv_first)?;
+        let chunk_bytes = B::len(B::src(&self.recv_first));
+        for p in 0..layout.bucket.chunks {
+            let send = B::sub(
+                B::src(&self.send_first),
+                p * chunk_bytes..(p + 1) * chunk_bytes,
+            );
+            first_comm.all_to_all(send, B::dst(&mut self.recv_first))?;
+            let shard = B::reborrow(&mut shard);
             match second_comm {
                 Some(second_comm) => {
-                    gradient::requantize_second(
+                    backend.requantize_second(
                         layout,
+                        tables,
                         my_x1,
                         p,
-                        &self.recv_first,
+                        B::src(&self.recv_first),
                         second_rng,
-                        &mut self.send_second,
+                        B::dst(&mut self.send_second),
                     )?;
-                    second_comm.all_to_all(&self.send_second, &mut self.recv_second)?;
-                    gradient::reduce_final(layout, p, &self.recv_second, shard)?;
+                    second_comm
+                        .all_to_all(B::src(&self.send_second), B::dst(&mut self.recv_second))?;
+                    backend.reduce_final(layout, p, B::src(&self.recv_second), shard)?;
                 }
-                None => gradient::reduce_final(layout, p, &self.recv_first, shard)?,
+                None => backend.reduce_final(layout, p, B::src(&self.recv_first), shard)?,
             }
         }
         Ok(())
     }
 }
 
-impl GlobalBuffers {
-    /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize.
-    fn run<C: Comm>(
+impl<B: Backend> GlobalBuffers<B> {
+    /// [`IntBuffers::run`] at this bucket's integer width.
+    fn run<C: Comm<B>>(
         &mut self,
+        backend: &B,
         world: &C,
-        bucket: &[f32],
-        shard: &mut [f32],
+        bucket: B::Src<'_, f32>,
+        shard: B::Dst<'_, f32>,
         rounding: Rounding,
         rng: &UniformStream,
     ) -> Result<()> {
         match self {
-            Self::I8 { send, recv } => run_global(world, bucket, shard, rounding, rng, send, recv),
-            Self::I16 { send, recv } => run_global(world, bucket, shard, rounding, rng, send, recv),
+            Self::I8(b) => b.run(backend, world, bucket, shard, rounding, rng),
+            Self::I16(b) => b.run(backend, world, bucket, shard, rounding, rng),
         }
     }
 }
 
-fn run_global<C: Comm, T: global_qsgd::IntCode>(
-    world: &C,
-    bucket: &[f32],
-    shard: &mut [f32],
-    rounding: Rounding,
-    rng: &UniformStream,
-    send: &mut [T],
-    recv: &mut [T],
-) -> Result<()> {
-    let absmax = world.all_reduce_max(global_qsgd::local_absmax(bucket))?;
-    if !absmax.is_finite() {
-        shard.fill(f32::NAN);
-        return Ok(());
+impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
+    /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize.
+    fn run<C: Comm<B>>(
+        &mut self,
+        backend: &B,
+        world: &C,
+        bucket: B::Src<'_, f32>,
+        shard: B::Dst<'_, f32>,
+        rounding: Rounding,
+        rng: &UniformStream,
+    ) -> Result<()> {
+        let local = backend.global_absmax(bucket, B::dst(&mut self.word))?;
+        let absmax = world.all_reduce_max(local)?;
+        if !absmax.is_finite() {
+            return backend.fill(shard, f32::NAN);
+        }
+        let k = global_k(T::BITS, world.size());
+        let scale = absmax / k as f32;
+        if scale == 0.0 {
+            // All zeros, or an absmax so small that a / K underflows: every code would be 0.
+            return backend.fill(shard, 0.0);
+        }
+        backend.global_quantize(bucket, scale, k, rounding, rng, B::dst(&mut self.send))?;
+        world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))?;
+        backend.global_dequantize(B::src(&self.recv), scale, shard)
     }
-    let k = global_k(T::BITS, world.size());
-    let scale = absmax / k as f32;
-    if scale == 0.0 {
-        // All zeros, or an absmax so small that a / K underflows: every code would be 0.
-        shard.fill(0.0);
-        return Ok(());
-    }
-    global_qsgd::quantize(bucket, scale, k, rounding, rng, send);
-    world.reduce_scatter_sum(send, recv)?;
-    global_qsgd::dequantize(recv, scale, shard);
-    Ok(())
 }

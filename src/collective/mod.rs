@@ -1,4 +1,5 @@
-//! The collective algorithms of SPEC §5, each written once over the [`Comm`] trait.
+//! The collective algorithms of SPEC §5, each written once over the [`Comm`] and
+//! [`Backend`] traits (host memory by default, CUDA device memory in the extension).
 //!
 //! - [`GradReduceScatter`]: the gradient reduce-scatter of one bucket (baseline, the grouped
 //!   codecs' one- and two-level all-to-all paths, Global-QSGD's integer reduce-scatter);
@@ -20,6 +21,8 @@ pub use gradient::{GradReduceScatter, global_k};
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;
 
+use crate::backend::Backend;
+use crate::backend::cpu::Host;
 use crate::error::{Error, Result};
 use crate::plan::{Level, Topology};
 
@@ -99,30 +102,36 @@ pub fn sum_in_rank_order<'a, T: SumElement>(
     Ok(())
 }
 
-/// A communicator of `size()` ranks. All calls are collective: every rank of the group makes
-/// the same sequence of calls with the same buffer sizes. Implementations: [`local::LocalComm`]
-/// here, torch.distributed process groups in the extension.
-pub trait Comm {
+/// A communicator of `size()` ranks exchanging buffers of backend `B` (host memory unless
+/// said otherwise). All calls are collective: every rank of the group makes the same sequence
+/// of calls with the same buffer sizes. Implementations: [`local::LocalComm`] here,
+/// torch.distributed process groups (host and CUDA buffers) in the extension.
+pub trait Comm<B: Backend = Host> {
     /// This rank's index in the communicator.
     fn rank(&self) -> usize;
     /// Ranks in the communicator.
     fn size(&self) -> usize;
     /// Gathers every rank's `send` into `recv` (`size() * send.len()` bytes) in rank order.
-    fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()>;
+    fn all_gather(&self, send: B::Src<'_, u8>, recv: B::Dst<'_, u8>) -> Result<()>;
     /// Equal-split all-to-all: block `j` of `send` goes to rank `j`; block `i` of `recv` comes
     /// from rank `i`.
-    fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()>;
+    fn all_to_all(&self, send: B::Src<'_, u8>, recv: B::Dst<'_, u8>) -> Result<()>;
     /// The maximum of `value` over all ranks (+Inf wins; callers map NaN to +Inf first).
     fn all_reduce_max(&self, value: f32) -> Result<f32>;
-    /// Sums `send` over all ranks in rank order ([`sum_in_rank_order`]) and keeps block
-    /// `rank()` in `recv` (`send.len() == size() * recv.len()`).
-    fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()>;
+    /// Sums `send` over all ranks and keeps block `rank()` in `recv`
+    /// (`send.len() == size() * recv.len()`). Host communicators sum in rank order
+    /// ([`sum_in_rank_order`]); integer sums are exact in any order.
+    fn reduce_scatter_sum<T: SumElement>(
+        &self,
+        send: B::Src<'_, T>,
+        recv: B::Dst<'_, T>,
+    ) -> Result<()>;
 }
 
 /// The communicators one rank uses: the whole DP group and, when nodes hold equal numbers of
 /// ranks, its intra-node and inter-node groups.
 #[derive(Debug)]
-pub struct CommGroups<'a, C: Comm> {
+pub struct CommGroups<'a, C> {
     /// All W ranks; rank = DP rank.
     pub world: &'a C,
     /// This node's ranks; rank = local index.
@@ -131,9 +140,12 @@ pub struct CommGroups<'a, C: Comm> {
     pub inter: Option<&'a C>,
 }
 
-impl<C: Comm> CommGroups<'_, C> {
+impl<C> CommGroups<'_, C> {
     /// The communicator of `level`, checked against the topology.
-    fn level(&self, level: Level, topology: &Topology) -> Result<&C> {
+    fn level<B: Backend>(&self, level: Level, topology: &Topology) -> Result<&C>
+    where
+        C: Comm<B>,
+    {
         let me = self.world.rank();
         let (comm, name, rank, size) = match level {
             Level::World => (Some(self.world), "world", me, topology.world()),

@@ -2,7 +2,9 @@
 
 use half::bf16;
 
-use crate::backend::cpu::weight::{WeightEncoding, apply_shards, encode_shard};
+use crate::backend::Backend;
+use crate::backend::cpu::Host;
+use crate::backend::cpu::weight::WeightEncoding;
 use crate::codec::slab::SlabLayout;
 use crate::collective::{Comm, WireBytes};
 use crate::config::{Config, WeightCodec};
@@ -20,40 +22,65 @@ use crate::rng::{Stage, UniformStream, stream_id};
 /// difference; every other shard's reference is already in `params`. Since each difference
 /// is taken against the reconstructed parameters, one step's quantization error is folded
 /// into the next difference and never accumulates.
+///
+/// `B` is where the bucket lives: host memory ([`new`](WeightAllGather::new),
+/// [`run`](WeightAllGather::run)) or any other [`Backend`]
+/// ([`with_backend`](Self::with_backend), [`run_on`](Self::run_on)).
 #[derive(Debug)]
-pub struct WeightAllGather {
+pub struct WeightAllGather<B: Backend = Host> {
     config: Config,
     topology: Topology,
     rank: usize,
     bucket_id: u32,
     plan: BucketPlan,
-    engine: Engine,
+    engine: Engine<B>,
 }
 
 #[derive(Debug)]
-enum Engine {
+enum Engine<B: Backend> {
     Exact {
-        send: Vec<bf16>,
+        send: B::Buffer<bf16>,
     },
     Quantized {
         layout: SlabLayout,
         encoding: WeightEncoding,
-        reference: Vec<bf16>,
-        send: Vec<u8>,
-        recv: Vec<u8>,
+        /// This rank's previous shard (qWD); empty for direct encodings.
+        reference: B::Buffer<bf16>,
+        send: B::Buffer<u8>,
+        recv: B::Buffer<u8>,
     },
 }
 
-impl WeightAllGather {
-    /// Plans bucket `bucket_id` for DP rank `rank` of `topology`. `params` is the bucket as
-    /// every replica holds it now (before the first optimizer step writes new values); qWD
-    /// copies this rank's shard of it as its first reference.
+impl WeightAllGather<Host> {
+    /// Plans bucket `bucket_id` for DP rank `rank` of `topology` in host memory. `params` is
+    /// the bucket as every replica holds it now (before the first optimizer step writes new
+    /// values); qWD copies this rank's shard of it as its first reference.
     pub fn new(
         config: &Config,
         topology: &Topology,
         rank: usize,
         bucket_id: u32,
         params: &[bf16],
+    ) -> Result<Self> {
+        Self::with_backend(&Host, config, topology, rank, bucket_id, params)
+    }
+
+    /// All-gathers `params` (the whole bucket) over `world` at optimizer step `step`.
+    pub fn run<C: Comm>(&mut self, world: &C, params: &mut [bf16], step: u64) -> Result<()> {
+        self.run_on(&Host, world, params, step)
+    }
+}
+
+impl<B: Backend> WeightAllGather<B> {
+    /// [`WeightAllGather::new`] with the buffers allocated, and the first reference copied,
+    /// by `backend`.
+    pub fn with_backend(
+        backend: &B,
+        config: &Config,
+        topology: &Topology,
+        rank: usize,
+        bucket_id: u32,
+        params: B::Src<'_, bf16>,
     ) -> Result<Self> {
         config.validate()?;
         let w = topology.world();
@@ -63,10 +90,10 @@ impl WeightAllGather {
             )));
         }
         stream_id(bucket_id, rank, Stage::Weight)?;
-        let plan = BucketPlan::new(params.len(), w, config)?;
+        let plan = BucketPlan::new(B::len(params), w, config)?;
         let engine = match config.weight.quant_spec() {
             None => Engine::Exact {
-                send: vec![bf16::ZERO; plan.shard_len],
+                send: backend.alloc(plan.shard_len)?,
             },
             Some(spec) => {
                 let layout = SlabLayout {
@@ -78,16 +105,19 @@ impl WeightAllGather {
                 } else {
                     WeightEncoding::Direct
                 };
-                let reference = match encoding {
-                    WeightEncoding::Difference => own_shard(&plan, rank, params).to_vec(),
-                    WeightEncoding::Direct => Vec::new(),
-                };
+                let mut reference = backend.alloc(match encoding {
+                    WeightEncoding::Difference => plan.shard_len,
+                    WeightEncoding::Direct => 0,
+                })?;
+                if encoding == WeightEncoding::Difference {
+                    backend.copy(own_shard::<B>(&plan, rank, params), B::dst(&mut reference))?;
+                }
                 Engine::Quantized {
                     layout,
                     encoding,
                     reference,
-                    send: vec![0; layout.byte_len()],
-                    recv: vec![0; w * layout.byte_len()],
+                    send: backend.alloc(layout.byte_len())?,
+                    recv: backend.alloc(w * layout.byte_len())?,
                 }
             }
         };
@@ -126,12 +156,19 @@ impl WeightAllGather {
         WireBytes::to_every_peer(&self.topology, self.rank, self.plan.shard_len * 2)
     }
 
-    /// All-gathers `params` (the whole bucket) over `world` at optimizer step `step`.
-    pub fn run<C: Comm>(&mut self, world: &C, params: &mut [bf16], step: u64) -> Result<()> {
-        if params.len() != self.plan.numel {
+    /// All-gathers `params` (the whole bucket) over `world` at optimizer step `step`, running
+    /// the passes with `backend` (the one the buffers were allocated with).
+    pub fn run_on<C: Comm<B>>(
+        &mut self,
+        backend: &B,
+        world: &C,
+        mut params: B::Dst<'_, bf16>,
+        step: u64,
+    ) -> Result<()> {
+        let numel = B::len(B::read(&params));
+        if numel != self.plan.numel {
             return Err(Error::Buffer(format!(
-                "param bucket has {} elements, the plan expects {}",
-                params.len(),
+                "param bucket has {numel} elements, the plan expects {}",
                 self.plan.numel
             )));
         }
@@ -147,8 +184,8 @@ impl WeightAllGather {
         let (plan, rank) = (self.plan, self.rank);
         match &mut self.engine {
             Engine::Exact { send } => {
-                send.copy_from_slice(own_shard(&plan, rank, params));
-                world.all_gather(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(params))
+                backend.copy(own_shard::<B>(&plan, rank, B::read(&params)), B::dst(send))?;
+                world.all_gather(B::as_bytes(B::src(send)), B::as_bytes_mut(params))
             }
             Engine::Quantized {
                 layout,
@@ -160,14 +197,31 @@ impl WeightAllGather {
                 if plan.world > 1 {
                     let stream = stream_id(self.bucket_id, rank, Stage::Weight)?;
                     let rng = UniformStream::new(self.config.seed, step, stream);
-                    let new = own_shard(&plan, rank, params);
+                    let new = own_shard::<B>(&plan, rank, B::read(&params));
                     let first = plan.padded_index(rank, 0);
-                    encode_shard(*layout, *encoding, first, new, reference, &rng, send);
-                    world.all_gather(send, recv)?;
-                    apply_shards(*layout, *encoding, &plan, rank, recv, reference, params)?;
+                    backend.weight_encode(
+                        layout,
+                        *encoding,
+                        first,
+                        new,
+                        B::src(reference),
+                        &rng,
+                        B::dst(send),
+                    )?;
+                    world.all_gather(B::src(send), B::dst(recv))?;
+                    backend.weight_apply(
+                        layout,
+                        *encoding,
+                        &plan,
+                        rank,
+                        B::src(recv),
+                        B::src(reference),
+                        B::reborrow(&mut params),
+                    )?;
                 }
                 if *encoding == WeightEncoding::Difference {
-                    reference.copy_from_slice(own_shard(&plan, rank, params));
+                    let own = own_shard::<B>(&plan, rank, B::read(&params));
+                    backend.copy(own, B::dst(reference))?;
                 }
                 Ok(())
             }
@@ -175,6 +229,10 @@ impl WeightAllGather {
     }
 }
 
-fn own_shard<'a>(plan: &BucketPlan, rank: usize, params: &'a [bf16]) -> &'a [bf16] {
-    &params[rank * plan.shard_len..(rank + 1) * plan.shard_len]
+fn own_shard<'a, B: Backend>(
+    plan: &BucketPlan,
+    rank: usize,
+    params: B::Src<'a, bf16>,
+) -> B::Src<'a, bf16> {
+    B::sub(params, rank * plan.shard_len..(rank + 1) * plan.shard_len)
 }

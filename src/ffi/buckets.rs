@@ -5,6 +5,8 @@ use half::bf16;
 use super::bridge::{TorchComms, WireBytes};
 use super::torch_comm::TorchLevels;
 use super::{FfiResult, guard};
+use crate::backend::cpu::Host;
+use crate::backend::cuda::{Cuda, DeviceSpan, Kernels, Stream};
 use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
@@ -50,8 +52,50 @@ fn topology(node_labels: &[u64]) -> Result<Topology> {
     Topology::from_node_labels(node_labels)
 }
 
-/// [`GradReduceScatter`] for the extension.
-pub(super) struct GradBucket(GradReduceScatter);
+/// The CUDA backend of device `device` on the raw stream `stream` (torch's current stream).
+fn cuda(device: usize, stream: u64) -> Result<Cuda> {
+    let kernels = Kernels::get(device)?;
+    // SAFETY: the extension passes the current stream of `device`, taken from torch, which
+    // stays alive while the collective runs (the caller keeps using it).
+    Ok(Cuda::new(kernels, unsafe {
+        Stream::from_raw(stream as usize)
+    }))
+}
+
+/// `len` elements of `T` at device address `addr`.
+///
+/// # Safety
+/// `addr` must be the data of a contiguous CUDA tensor of `len` elements on the backend's
+/// device that the extension keeps alive until the collective completes.
+unsafe fn span<T>(addr: u64, len: usize) -> DeviceSpan<T> {
+    // SAFETY: forwarded to the caller.
+    unsafe { DeviceSpan::from_raw(addr, len) }
+}
+
+/// Why `device` cannot run the collectives (no driver, no such device, a compile failure),
+/// or an empty string when its kernels are ready.
+pub(super) fn cuda_device_problem(device: usize) -> String {
+    guard("cuda_device_problem", || Kernels::get(device).map(|_| ()))
+        .err()
+        .unwrap_or_default()
+}
+
+/// [`GradReduceScatter`] for the extension, on host or CUDA buffers.
+pub(super) enum GradBucket {
+    Host(GradReduceScatter<Host>),
+    /// Planned on the CUDA device of this ordinal.
+    Cuda(GradReduceScatter<Cuda>, usize),
+}
+
+/// Calls `$body` with `$rs` bound to the collective of either backend.
+macro_rules! either {
+    ($bucket:expr, $rs:ident => $body:expr) => {
+        match $bucket {
+            GradBucket::Host($rs) => $body,
+            GradBucket::Cuda($rs, _) => $body,
+        }
+    };
+}
 
 pub(super) fn new_grad_bucket(
     config: &ParsedConfig,
@@ -63,29 +107,45 @@ pub(super) fn new_grad_bucket(
     guard("new_grad_bucket", || {
         let topology = topology(node_labels)?;
         GradReduceScatter::new(&config.0, &topology, rank, numel, bucket_id)
-            .map(|rs| Box::new(GradBucket(rs)))
+            .map(|rs| Box::new(GradBucket::Host(rs)))
+    })
+}
+
+pub(super) fn new_cuda_grad_bucket(
+    config: &ParsedConfig,
+    node_labels: &[u64],
+    rank: usize,
+    numel: usize,
+    bucket_id: u32,
+    device: usize,
+) -> FfiResult<Box<GradBucket>> {
+    guard("new_cuda_grad_bucket", || {
+        let topology = topology(node_labels)?;
+        let backend = cuda(device, 0)?;
+        GradReduceScatter::with_backend(&backend, &config.0, &topology, rank, numel, bucket_id)
+            .map(|rs| Box::new(GradBucket::Cuda(rs, device)))
     })
 }
 
 impl GradBucket {
     pub(super) fn shard_len(&self) -> usize {
-        self.0.plan().shard_len
+        either!(self, rs => rs.plan().shard_len)
     }
 
     pub(super) fn quantizes_at(&self, step: u64) -> bool {
-        self.0.quantizes_at(step)
+        either!(self, rs => rs.quantizes_at(step))
     }
 
     pub(super) fn wire_bytes(&self, step: u64) -> WireBytes {
-        self.0.wire_bytes(step).into()
+        either!(self, rs => rs.wire_bytes(step).into())
     }
 
     pub(super) fn baseline_wire_bytes(&self) -> WireBytes {
-        self.0.baseline_wire_bytes().into()
+        either!(self, rs => rs.baseline_wire_bytes().into())
     }
 
     pub(super) fn notice(&self) -> String {
-        self.0.notice().unwrap_or_default().to_string()
+        either!(self, rs => rs.notice().unwrap_or_default().to_string())
     }
 
     pub(super) fn run(
@@ -96,14 +156,54 @@ impl GradBucket {
         step: u64,
     ) -> FfiResult<()> {
         guard("GradBucket::run", || {
+            let GradBucket::Host(rs) = self else {
+                return Err(wrong_memory("gradient bucket", "CUDA", "host"));
+            };
             let levels = TorchLevels::new(comms)?;
-            self.0.run(&levels.groups(), bucket, shard, step)
+            rs.run(&levels.groups(), bucket, shard, step)
+        })
+    }
+
+    pub(super) fn run_cuda(
+        &mut self,
+        comms: &TorchComms,
+        bucket: u64,
+        shard: u64,
+        stream: u64,
+        step: u64,
+    ) -> FfiResult<()> {
+        guard("GradBucket::run_cuda", || {
+            let GradBucket::Cuda(rs, device) = self else {
+                return Err(wrong_memory("gradient bucket", "host", "CUDA"));
+            };
+            let plan = *rs.plan();
+            let backend = cuda(*device, stream)?;
+            let levels = TorchLevels::new(comms)?;
+            // SAFETY: the extension checked that both tensors are contiguous fp32 CUDA tensors
+            // of these sizes on this device and keeps them alive until the Work completes.
+            let (bucket, shard) =
+                unsafe { (span(bucket, plan.numel), span(shard, plan.shard_len)) };
+            rs.run_on(&backend, &levels.groups(), bucket, shard, step)
         })
     }
 }
+/// [`WeightAllGather`] for the extension, on host or CUDA buffers; host params cross the
+/// bridge as bf16 bit patterns, CUDA params as a device address.
+pub(super) enum WeightBucket {
+    Host(WeightAllGather<Host>),
+    /// Planned on the CUDA device of this ordinal.
+    Cuda(WeightAllGather<Cuda>, usize),
+}
 
-/// [`WeightAllGather`] for the extension; params cross the bridge as bf16 bit patterns.
-pub(super) struct WeightBucket(WeightAllGather);
+/// Calls `$body` with `$ag` bound to the collective of either backend.
+macro_rules! either_weight {
+    ($bucket:expr, $ag:ident => $body:expr) => {
+        match $bucket {
+            WeightBucket::Host($ag) => $body,
+            WeightBucket::Cuda($ag, _) => $body,
+        }
+    };
+}
 
 pub(super) fn new_weight_bucket(
     config: &ParsedConfig,
@@ -116,21 +216,44 @@ pub(super) fn new_weight_bucket(
         let topology = topology(node_labels)?;
         let params: &[bf16] = bytemuck::cast_slice(params);
         WeightAllGather::new(&config.0, &topology, rank, bucket_id, params)
-            .map(|ag| Box::new(WeightBucket(ag)))
+            .map(|ag| Box::new(WeightBucket::Host(ag)))
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn new_cuda_weight_bucket(
+    config: &ParsedConfig,
+    node_labels: &[u64],
+    rank: usize,
+    bucket_id: u32,
+    device: usize,
+    params: u64,
+    numel: usize,
+    stream: u64,
+) -> FfiResult<Box<WeightBucket>> {
+    guard("new_cuda_weight_bucket", || {
+        let topology = topology(node_labels)?;
+        let backend = cuda(device, stream)?;
+        // SAFETY: the extension checked that `params` is a contiguous bf16 CUDA tensor of
+        // `numel` elements on `device`, alive for this call (the copy of the reference is
+        // ordered on `stream` before any later use of the tensor on it).
+        let params = unsafe { span(params, numel) };
+        WeightAllGather::with_backend(&backend, &config.0, &topology, rank, bucket_id, params)
+            .map(|ag| Box::new(WeightBucket::Cuda(ag, device)))
     })
 }
 
 impl WeightBucket {
     pub(super) fn shard_len(&self) -> usize {
-        self.0.plan().shard_len
+        either_weight!(self, ag => ag.plan().shard_len)
     }
 
     pub(super) fn wire_bytes(&self) -> WireBytes {
-        self.0.wire_bytes().into()
+        either_weight!(self, ag => ag.wire_bytes().into())
     }
 
     pub(super) fn baseline_wire_bytes(&self) -> WireBytes {
-        self.0.baseline_wire_bytes().into()
+        either_weight!(self, ag => ag.baseline_wire_bytes().into())
     }
 
     pub(super) fn run(
@@ -140,11 +263,40 @@ impl WeightBucket {
         step: u64,
     ) -> FfiResult<()> {
         guard("WeightBucket::run", || {
+            let WeightBucket::Host(ag) = self else {
+                return Err(wrong_memory("param bucket", "CUDA", "host"));
+            };
             let levels = TorchLevels::new(comms)?;
-            self.0
-                .run(levels.world(), bytemuck::cast_slice_mut(params), step)
+            ag.run(levels.world(), bytemuck::cast_slice_mut(params), step)
         })
     }
+
+    pub(super) fn run_cuda(
+        &mut self,
+        comms: &TorchComms,
+        params: u64,
+        stream: u64,
+        step: u64,
+    ) -> FfiResult<()> {
+        guard("WeightBucket::run_cuda", || {
+            let WeightBucket::Cuda(ag, device) = self else {
+                return Err(wrong_memory("param bucket", "host", "CUDA"));
+            };
+            let backend = cuda(*device, stream)?;
+            let levels = TorchLevels::new(comms)?;
+            // SAFETY: the extension checked that `params` is a contiguous bf16 CUDA tensor of
+            // the planned size on this device and keeps it alive until the Work completes.
+            let params = unsafe { span(params, ag.plan().numel) };
+            ag.run_on(&backend, levels.world(), params, step)
+        })
+    }
+}
+
+/// The error for a bucket planned in `planned` memory but run with `given` buffers.
+fn wrong_memory(what: &str, planned: &str, given: &str) -> Error {
+    Error::Buffer(format!(
+        "this {what} was planned for {planned} memory but was run with {given} tensors"
+    ))
 }
 
 pub(super) fn agree_on_setup(
@@ -166,8 +318,8 @@ pub(super) fn agree_on_setup(
         collective::check_setup_agrees(world, setup, bucket_id, numel).map_err(|e| match e {
             Error::Comm(message) => Error::Comm(format!(
                 "{message} [DP rank {} of {}]",
-                world.rank(),
-                world.size()
+                Comm::<Host>::rank(world),
+                Comm::<Host>::size(world)
             )),
             other => other,
         })?;

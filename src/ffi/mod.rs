@@ -3,7 +3,8 @@
 //! Rust keeps every algorithm; C++ supplies the exchanges. The extension hands Rust a
 //! [`bridge::TorchComms`] (the private torch.distributed process groups of one DP group) and
 //! Rust calls back into it for each all-gather and all-to-all, so the collectives of
-//! [`crate::collective`] run unchanged over gloo or NCCL. Every entry point catches panics and
+//! [`crate::collective`] run unchanged over gloo or NCCL, on host buffers (the CPU backend)
+//! or on CUDA buffers (the CUDA backend, kernels on torch's current stream). Every entry point catches panics and
 //! returns errors as values, which cxx turns into C++ exceptions and the extension into Python
 //! exceptions.
 //!
@@ -14,8 +15,8 @@ mod simulate;
 mod torch_comm;
 
 use buckets::{
-    GradBucket, ParsedConfig, WeightBucket, agree_on_setup, new_grad_bucket, new_weight_bucket,
-    parse_config,
+    GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_device_problem,
+    new_cuda_grad_bucket, new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, parse_config,
 };
 use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
 
@@ -81,12 +82,31 @@ mod bridge {
         fn baseline_wire_bytes(self: &GradBucket) -> WireBytes;
         /// Why the route was degraded (unequal nodes), or empty.
         fn notice(self: &GradBucket) -> String;
-        /// Reduce-scatters `bucket` into `shard` at optimizer step `step`.
+        /// Reduce-scatters `bucket` into `shard` at optimizer step `step` (a host bucket).
         fn run(
             self: &mut GradBucket,
             comms: &TorchComms,
             bucket: &[f32],
             shard: &mut [f32],
+            step: u64,
+        ) -> Result<()>;
+        /// Plans a bucket like `new_grad_bucket` with its buffers on CUDA device `device`.
+        fn new_cuda_grad_bucket(
+            config: &ParsedConfig,
+            node_labels: &[u64],
+            rank: usize,
+            numel: usize,
+            bucket_id: u32,
+            device: usize,
+        ) -> Result<Box<GradBucket>>;
+        /// Reduce-scatters the fp32 CUDA tensor at device address `bucket` into the one at
+        /// `shard`, enqueuing every pass on the raw CUDA stream `stream` (a CUDA bucket).
+        fn run_cuda(
+            self: &mut GradBucket,
+            comms: &TorchComms,
+            bucket: u64,
+            shard: u64,
+            stream: u64,
             step: u64,
         ) -> Result<()>;
 
@@ -107,13 +127,39 @@ mod bridge {
         fn wire_bytes(self: &WeightBucket) -> WireBytes;
         /// Bytes the uncompressed bf16 all-gather sends.
         fn baseline_wire_bytes(self: &WeightBucket) -> WireBytes;
-        /// All-gathers `params` (bf16 bit patterns) at optimizer step `step`.
+        /// All-gathers `params` (bf16 bit patterns) at optimizer step `step` (a host bucket).
         fn run(
             self: &mut WeightBucket,
             comms: &TorchComms,
             params: &mut [u16],
             step: u64,
         ) -> Result<()>;
+        /// Plans a bucket like `new_weight_bucket` on CUDA device `device`, from the bf16 CUDA
+        /// tensor of `numel` elements at device address `params`; the first qWD reference is
+        /// copied on the raw CUDA stream `stream`.
+        #[allow(clippy::too_many_arguments)]
+        fn new_cuda_weight_bucket(
+            config: &ParsedConfig,
+            node_labels: &[u64],
+            rank: usize,
+            bucket_id: u32,
+            device: usize,
+            params: u64,
+            numel: usize,
+            stream: u64,
+        ) -> Result<Box<WeightBucket>>;
+        /// All-gathers the bf16 CUDA tensor at device address `params` on the raw CUDA stream
+        /// `stream` (a CUDA bucket).
+        fn run_cuda(
+            self: &mut WeightBucket,
+            comms: &TorchComms,
+            params: u64,
+            stream: u64,
+            step: u64,
+        ) -> Result<()>;
+        /// Why CUDA device `device` cannot run the collectives (no driver, no such device,
+        /// a kernel that fails to compile), or an empty string when its kernels are ready.
+        fn cuda_device_problem(device: usize) -> String;
 
         /// The set-up check, run by every rank of the world communicator before it plans a
         /// bucket: parses `spec` and fails on every rank unless all parsed the same config and
@@ -180,6 +226,35 @@ mod bridge {
         ) -> Result<()>;
         /// MAX all-reduce of one float, blocking.
         fn all_reduce_max(self: &TorchComms, level: CommLevel, value: f32) -> Result<f32>;
+        /// All-gather of equal byte blocks of CUDA memory (device addresses) on the current
+        /// stream of the current CUDA device.
+        fn all_gather_device(
+            self: &TorchComms,
+            level: CommLevel,
+            send: u64,
+            send_bytes: usize,
+            recv: u64,
+            recv_bytes: usize,
+        ) -> Result<()>;
+        /// Equal-split all-to-all of CUDA memory, as `all_gather_device`.
+        fn all_to_all_device(
+            self: &TorchComms,
+            level: CommLevel,
+            send: u64,
+            send_bytes: usize,
+            recv: u64,
+            recv_bytes: usize,
+        ) -> Result<()>;
+        /// Sum reduce-scatter of `dtype` elements of CUDA memory, as `all_gather_device`.
+        fn reduce_scatter_device(
+            self: &TorchComms,
+            level: CommLevel,
+            dtype: SumDtype,
+            send: u64,
+            send_numel: usize,
+            recv: u64,
+            recv_numel: usize,
+        ) -> Result<()>;
     }
 }
 

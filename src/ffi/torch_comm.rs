@@ -1,8 +1,11 @@
-//! The core's [`Comm`] over the process groups the torch extension provides.
+//! The core's [`Comm`] over the process groups the torch extension provides, for host and
+//! CUDA buffers.
 
 use std::cell::RefCell;
 
-use super::bridge::{CommLevel, TorchComms};
+use super::bridge::{CommLevel, SumDtype, TorchComms};
+use crate::backend::cpu::Host;
+use crate::backend::cuda::{Cuda, DeviceSpan};
 use crate::collective::{Comm, CommGroups, SumElement, sum_in_rank_order};
 use crate::error::{Error, Result};
 
@@ -77,6 +80,49 @@ fn comm_error(what: &str, level: CommLevel, error: cxx::Exception) -> Error {
     Error::Comm(format!("{what} over the {level} group: {}", error.what()))
 }
 
+/// An error unless an all-gather of `send` bytes into `recv` bytes fits `size` ranks.
+fn check_gather(size: usize, send: usize, recv: usize) -> Result<()> {
+    if recv == size * send {
+        return Ok(());
+    }
+    Err(Error::Comm(format!(
+        "all_gather: {recv} bytes out must be {size} x the {send} bytes in"
+    )))
+}
+
+/// An error unless an all-to-all of `send` into `recv` bytes fits `size` ranks.
+fn check_all_to_all(size: usize, send: usize, recv: usize) -> Result<()> {
+    if send == recv && send.is_multiple_of(size) {
+        return Ok(());
+    }
+    Err(Error::Comm(format!(
+        "all_to_all: {send} bytes in and {recv} bytes out must be equal multiples of {size} ranks"
+    )))
+}
+
+/// An error unless a reduce-scatter of `send` into `recv` elements fits `size` ranks.
+fn check_reduce_scatter<T: SumElement>(size: usize, send: usize, recv: usize) -> Result<()> {
+    if send == size * recv {
+        return Ok(());
+    }
+    Err(Error::Comm(format!(
+        "reduce_scatter ({}): {send} elements in must be {size} x the {recv} elements out",
+        T::DTYPE
+    )))
+}
+
+/// The bridge's name of the element type `T`.
+fn sum_dtype<T: SumElement>() -> Result<SumDtype> {
+    match T::DTYPE {
+        "float32" => Ok(SumDtype::Float32),
+        "int8" => Ok(SumDtype::Int8),
+        "int16" => Ok(SumDtype::Int16),
+        other => Err(Error::Comm(format!(
+            "reduce_scatter: no process-group sum for {other}"
+        ))),
+    }
+}
+
 impl Comm for TorchLevel<'_> {
     fn rank(&self) -> usize {
         self.rank
@@ -87,28 +133,14 @@ impl Comm for TorchLevel<'_> {
     }
 
     fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        if recv.len() != self.size * send.len() {
-            return Err(Error::Comm(format!(
-                "all_gather: {} bytes out must be {} x the {} bytes in",
-                recv.len(),
-                self.size,
-                send.len()
-            )));
-        }
+        check_gather(self.size, send.len(), recv.len())?;
         self.comms
             .all_gather(self.level, send, recv)
             .map_err(|e| comm_error("all_gather", self.level, e))
     }
 
     fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        if send.len() != recv.len() || !send.len().is_multiple_of(self.size) {
-            return Err(Error::Comm(format!(
-                "all_to_all: {} bytes in and {} bytes out must be equal multiples of {} ranks",
-                send.len(),
-                recv.len(),
-                self.size
-            )));
-        }
+        check_all_to_all(self.size, send.len(), recv.len())?;
         self.comms
             .all_to_all(self.level, send, recv)
             .map_err(|e| comm_error("all_to_all", self.level, e))
@@ -121,21 +153,63 @@ impl Comm for TorchLevel<'_> {
     }
 
     fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        if send.len() != self.size * recv.len() {
-            return Err(Error::Comm(format!(
-                "reduce_scatter ({}): {} elements in must be {} x the {} elements out",
-                T::DTYPE,
-                send.len(),
-                self.size,
-                recv.len()
-            )));
-        }
+        check_reduce_scatter::<T>(self.size, send.len(), recv.len())?;
         let mut scratch = self.scratch.borrow_mut();
         let send: &[u8] = bytemuck::cast_slice(send);
         scratch.resize(send.len(), 0);
-        self.all_to_all(send, &mut scratch)?;
+        Comm::<Host>::all_to_all(self, send, &mut scratch)?;
         let block = std::mem::size_of_val(recv);
         let first = self.rank * recv.len();
         sum_in_rank_order(scratch.chunks_exact(block), recv, first)
+    }
+}
+
+/// The same process groups exchanging CUDA buffers: the extension issues the c10d collective
+/// on the current stream of the buffers' device (NCCL directly; gloo through host copies).
+/// Reduce-scatters are an all-to-all and a sum in rank order on the device, so they give the
+/// host path's bits.
+impl Comm<Cuda> for TorchLevel<'_> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather(&self, send: DeviceSpan<u8>, recv: DeviceSpan<u8>) -> Result<()> {
+        check_gather(self.size, send.len(), recv.len())?;
+        self.comms
+            .all_gather_device(self.level, send.addr(), send.len(), recv.addr(), recv.len())
+            .map_err(|e| comm_error("all_gather", self.level, e))
+    }
+
+    fn all_to_all(&self, send: DeviceSpan<u8>, recv: DeviceSpan<u8>) -> Result<()> {
+        check_all_to_all(self.size, send.len(), recv.len())?;
+        self.comms
+            .all_to_all_device(self.level, send.addr(), send.len(), recv.addr(), recv.len())
+            .map_err(|e| comm_error("all_to_all", self.level, e))
+    }
+
+    fn all_reduce_max(&self, value: f32) -> Result<f32> {
+        Comm::<Host>::all_reduce_max(self, value)
+    }
+
+    fn reduce_scatter_sum<T: SumElement>(
+        &self,
+        send: DeviceSpan<T>,
+        recv: DeviceSpan<T>,
+    ) -> Result<()> {
+        check_reduce_scatter::<T>(self.size, send.len(), recv.len())?;
+        self.comms
+            .reduce_scatter_device(
+                self.level,
+                sum_dtype::<T>()?,
+                send.addr(),
+                send.len(),
+                recv.addr(),
+                recv.len(),
+            )
+            .map_err(|e| comm_error("reduce_scatter", self.level, e))
     }
 }

@@ -19,12 +19,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, env, scenario, args, results):
+def _entry(rank, world, port, env, backend, scenario, args, results):
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -40,15 +40,16 @@ def _entry(rank, world, port, env, scenario, args, results):
 
 
 def run_ranks(world: int, scenario, *args, env: dict[str, str] | None = None,
-              timeout: float = 180.0) -> list:
-    """Runs ``scenario(rank, world, *args)`` on `world` processes joined in a gloo group;
-    returns the per-rank return values, or fails with every failed rank's traceback."""
+              timeout: float = 180.0, backend: str = "gloo") -> list:
+    """Runs ``scenario(rank, world, *args)`` on `world` processes joined in a process group
+    of `backend` (gloo unless said); returns the per-rank return values, or fails with every
+    failed rank's traceback."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     env = {"LOCAL_WORLD_SIZE": str(world), **(env or {})}
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, env, scenario, args, results))
+        ctx.Process(target=_entry, args=(r, world, port, env, backend, scenario, args, results))
         for r in range(world)
     ]
     for p in procs:

@@ -42,16 +42,19 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def replicas_identical(params: torch.Tensor) -> bool:
-    """Whether every rank holds the same bits in `params`."""
-    bits = params.view(torch.int16).to(torch.int32)  # gloo has no int16
+    """Whether every rank holds the same bits in `params` (on the device the default group's
+    backend exchanges: CUDA for NCCL, the CPU for gloo)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    bits = params.view(torch.int16).to(device=device, dtype=torch.int32)  # gloo has no int16
     gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, bits)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology):
+def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology, device="cpu"):
     """Every preset's reduce-scatter (2 steps, shard as a separate tensor and as a view into
-    the bucket) and all-gather (3 steps) equal the in-process collective byte for byte."""
+    the bucket) and all-gather (3 steps) of buckets on `device` equal the in-process CPU
+    collective byte for byte."""
     if use_env_topology:
         groups = Sdp4bitGroups.create()  # LOCAL_WORLD_SIZE from the launcher
     else:
@@ -63,27 +66,27 @@ def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology):
         config = Sdp4bitConfig(preset, {"seed": 77})
         spec = config.spec()
         inputs = gradients(world, numel, seed=bucket_id)
-        rs = GradReduceScatter(groups, config, numel, bucket_id)
+        rs = GradReduceScatter(groups, config, numel, bucket_id, device=device)
         s = rs.shard_len
         for step, as_view in ((0, False), (1, True)):
-            bucket = inputs[rank].clone()
-            shard = bucket.narrow(0, rank * s, s) if as_view else torch.empty(s)
+            bucket = inputs[rank].to(device, copy=True)
+            shard = bucket.narrow(0, rank * s, s) if as_view else torch.empty(s, device=device)
             rs.start(bucket, shard, step).wait()
             expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
                 spec, labels, bucket_id, step, inputs)[rank]
-            assert same_bits(shard, expected), f"{preset}: reduce-scatter step {step} differs"
+            assert same_bits(shard.cpu(), expected), f"{preset}: reduce-scatter step {step} differs"
             assert torch.isfinite(shard).all(), preset
 
         initial, targets = weight_targets(numel, steps=3, seed=100 + bucket_id)
-        params = initial.clone()
+        params = initial.to(device, copy=True)
         ag = WeightAllGather(groups, config, params, bucket_id)
         expected = torch.ops.sdp4bit.simulate_weight_all_gather(
             spec, labels, bucket_id, 0, initial, targets)
         mine = slice(rank * ag.shard_len, (rank + 1) * ag.shard_len)
         for step in range(targets.shape[0]):
-            params[mine] = targets[step][mine]
+            params[mine] = targets[step][mine].to(device)
             ag.start(params, step).wait()
-            assert same_bits(params, expected[step, rank]), f"{preset}: all-gather step {step}"
+            assert same_bits(params.cpu(), expected[step, rank]), f"{preset}: all-gather step {step}"
             assert replicas_identical(params), f"{preset}: replicas differ at step {step}"
         report[preset] = (rs.wire_bytes(1).total, rs.baseline_wire_bytes().total,
                           ag.wire_bytes().total, ag.baseline_wire_bytes().total)
@@ -112,9 +115,10 @@ def repeated_qwd(rank, world, labels, steps):
     return worst
 
 
-def nan_reaches_the_owner(rank, world, labels, presets):
+def nan_reaches_the_owner(rank, world, labels, presets, device="cpu"):
     """A NaN in rank 1's bucket at offset 17 of every shard makes element 17 of every rank's
-    reduced shard NaN, for every preset, and the result still equals the in-process one."""
+    reduced shard NaN, for every preset, and the result still equals the in-process one
+    (buckets on `device`)."""
     groups = Sdp4bitGroups.create(node_labels=labels)
     numel = world * 2048
     for bucket_id, preset in enumerate(presets):
@@ -122,9 +126,10 @@ def nan_reaches_the_owner(rank, world, labels, presets):
         inputs = gradients(world, numel, seed=3)
         s = numel // world
         inputs[1, torch.arange(world) * s + 17] = float("nan")
-        rs = GradReduceScatter(groups, config, numel, bucket_id)
-        shard = torch.empty(s)
-        rs.start(inputs[rank].clone(), shard, step=4).wait()
+        rs = GradReduceScatter(groups, config, numel, bucket_id, device=device)
+        shard = torch.empty(s, device=device)
+        rs.start(inputs[rank].to(device, copy=True), shard, step=4).wait()
+        shard = shard.cpu()
         assert torch.isnan(shard[17]), f"{preset}: the NaN did not reach rank {rank}'s shard"
         expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
             config.spec(), labels, bucket_id, 4, inputs)[rank]
@@ -169,6 +174,14 @@ def mismatched_setups(rank, world):
     seen.append(_expect_error(Sdp4bitError, fragment,
                               lambda: WeightAllGather(groups, Sdp4bitConfig(),
                                                       torch.zeros(world * 1024, dtype=dtype), 0)))
+    # A device one rank cannot use (a bad name; CUDA where the host has no GPU): that rank
+    # names it, the others name that rank.
+    device, problem = (("cuda:0", "cannot run") if not torch.cuda.is_available()
+                       else ("xla:0", "buckets live on CPU or CUDA"))
+    fragment = problem if rank == 3 else "rank 3 failed to set up"
+    seen.append(_expect_error(Sdp4bitError, fragment,
+                              lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 0,
+                                                        device=device if rank == 3 else "cpu")))
     # An invalid knob on one rank only.
     knobs = {"weight_bits": 5} if rank == 1 else {}
     fragment = "weight_bits=5" if rank == 1 else "rank 1 failed to set up"

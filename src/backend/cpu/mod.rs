@@ -9,7 +9,10 @@
 
 pub mod global_qsgd;
 pub mod gradient;
+mod host;
 pub mod weight;
+
+pub use host::Host;
 
 use std::cell::RefCell;
 

@@ -56,7 +56,7 @@ impl Stream {
     }
 
     /// The driver handle.
-    fn raw(self) -> sys::CUstream {
+    pub(super) fn raw(self) -> sys::CUstream {
         self.0 as sys::CUstream
     }
 }

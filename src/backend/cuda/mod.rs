@@ -11,18 +11,22 @@
 //! - [`compile`]: NVRTC compilation of one source to PTX (bit-exact options);
 //! - [`abi`]: `#[repr(C)]` mirrors of the launch ABI (`kernels/sdp4bit_abi.h`);
 //! - [`Kernels`]: the per-device cache of loaded kernels, with one launch method per kernel;
-//! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch.
+//! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch;
+//! - [`Cuda`], [`DeviceBuffer`]: the collectives' [`Backend`](crate::backend::Backend) on
+//!   one device (persistent device buffers, every pass enqueued on one stream).
 //!
 //! Use: `Kernels::get(device)?` once, upload [`dest_table`] once per bucket, then call the
 //! launch methods every step; results are ready when the stream reaches them.
 
 pub mod abi;
+mod backend;
 pub mod compile;
 mod launch;
 mod module;
 pub mod probe;
 pub mod source;
 
+pub use backend::{Cuda, DeviceBuffer};
 pub use compile::{Arch, Compiled};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
 pub use module::{Kernels, device_count};

@@ -38,6 +38,13 @@ const DRIVER: Library = Library {
         "cuModuleGetFunction",
         "cuLaunchKernel",
         "cuMemsetD8Async",
+        "cuMemsetD32Async",
+        "cuMemAlloc_v2",
+        "cuMemFree_v2",
+        "cuMemcpyHtoD_v2",
+        "cuMemcpyDtoDAsync_v2",
+        "cuMemcpyDtoHAsync_v2",
+        "cuStreamSynchronize",
         "cuGetErrorString",
     ],
 };

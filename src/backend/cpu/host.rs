@@ -1,0 +1,177 @@
+//! [`Host`]: the [`Backend`] of host memory, running the passes of this module with rayon.
+
+use std::ops::Range;
+
+use half::bf16;
+
+use super::global_qsgd::{self, IntCode};
+use super::gradient;
+use super::weight::{self, WeightEncoding};
+use crate::backend::device::{Backend, Element};
+use crate::codec::slab::SlabLayout;
+use crate::collective::check_len;
+use crate::config::Rounding;
+use crate::error::Result;
+use crate::plan::{BucketPlan, GradLayout};
+use crate::rng::UniformStream;
+
+/// Host memory: buffers are `Vec`s, views are slices, passes run synchronously with rayon.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Host;
+
+impl Backend for Host {
+    type Src<'a, T: Element> = &'a [T];
+    type Dst<'a, T: Element> = &'a mut [T];
+    type Buffer<T: Element> = Vec<T>;
+    /// The host passes compute destinations from the layout itself.
+    type GradTables = ();
+
+    fn alloc<T: Element>(&self, len: usize) -> Result<Vec<T>> {
+        Ok(vec![T::zeroed(); len])
+    }
+
+    fn src<T: Element>(buffer: &Vec<T>) -> &[T] {
+        buffer
+    }
+
+    fn dst<T: Element>(buffer: &mut Vec<T>) -> &mut [T] {
+        buffer
+    }
+
+    fn sub<'a, T>(src: &'a [T], range: Range<usize>) -> &'a [T]
+    where
+        T: Element + 'a,
+    {
+        &src[range]
+    }
+
+    fn read<'b, T: Element>(dst: &'b &mut [T]) -> &'b [T] {
+        dst
+    }
+
+    fn reborrow<'b, T: Element>(dst: &'b mut &mut [T]) -> &'b mut [T] {
+        dst
+    }
+
+    fn len<T: Element>(src: &[T]) -> usize {
+        src.len()
+    }
+
+    fn as_bytes<'a, T>(src: &'a [T]) -> &'a [u8]
+    where
+        T: Element + 'a,
+    {
+        bytemuck::cast_slice(src)
+    }
+
+    fn as_bytes_mut<'a, T>(dst: &'a mut [T]) -> &'a mut [u8]
+    where
+        T: Element + 'a,
+    {
+        bytemuck::cast_slice_mut(dst)
+    }
+
+    fn copy<T: Element>(&self, src: &[T], dst: &mut [T]) -> Result<()> {
+        check_len("copy destination", dst.len(), src.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn fill(&self, dst: &mut [f32], value: f32) -> Result<()> {
+        dst.fill(value);
+        Ok(())
+    }
+
+    fn grad_tables(&self, _layout: &GradLayout) -> Result<()> {
+        Ok(())
+    }
+
+    fn quantize_first(
+        &self,
+        layout: &GradLayout,
+        _tables: &(),
+        bucket: &[f32],
+        rng: &UniformStream,
+        out: &mut [u8],
+    ) -> Result<()> {
+        gradient::quantize_first(layout, bucket, rng, out);
+        Ok(())
+    }
+
+    fn requantize_second(
+        &self,
+        layout: &GradLayout,
+        _tables: &(),
+        my_x1: usize,
+        chunk: usize,
+        recv: &[u8],
+        rng: &UniformStream,
+        out: &mut [u8],
+    ) -> Result<()> {
+        gradient::requantize_second(layout, my_x1, chunk, recv, rng, out)
+    }
+
+    fn reduce_final(
+        &self,
+        layout: &GradLayout,
+        chunk: usize,
+        recv: &[u8],
+        shard: &mut [f32],
+    ) -> Result<()> {
+        gradient::reduce_final(layout, chunk, recv, shard)
+    }
+
+    fn weight_encode(
+        &self,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        first_index: u64,
+        new: &[bf16],
+        reference: &[bf16],
+        rng: &UniformStream,
+        out: &mut [u8],
+    ) -> Result<()> {
+        weight::encode_shard(*layout, encoding, first_index, new, reference, rng, out);
+        Ok(())
+    }
+
+    fn weight_apply(
+        &self,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        plan: &BucketPlan,
+        me: usize,
+        recv: &[u8],
+        own_reference: &[bf16],
+        params: &mut [bf16],
+    ) -> Result<()> {
+        weight::apply_shards(*layout, encoding, plan, me, recv, own_reference, params)
+    }
+
+    fn global_absmax(&self, bucket: &[f32], _word: &mut [u32]) -> Result<f32> {
+        Ok(global_qsgd::local_absmax(bucket))
+    }
+
+    fn global_quantize<T: IntCode + Element>(
+        &self,
+        bucket: &[f32],
+        scale: f32,
+        k: i32,
+        rounding: Rounding,
+        rng: &UniformStream,
+        out: &mut [T],
+    ) -> Result<()> {
+        global_qsgd::quantize(bucket, scale, k, rounding, rng, out);
+        Ok(())
+    }
+
+    fn global_dequantize<T: IntCode + Element>(
+        &self,
+        sum: &[T],
+        scale: f32,
+        shard: &mut [f32],
+    ) -> Result<()> {
+        global_qsgd::dequantize(sum, scale, shard);
+        Ok(())
+    }
+}

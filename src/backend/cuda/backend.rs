@@ -1,0 +1,360 @@
+//! [`Cuda`]: the [`Backend`] of one CUDA device. Buffers are device allocations
+//! ([`DeviceBuffer`]), views are [`DeviceSpan`]s, and every pass is a kernel launch (or an
+//! async copy / memset) on the caller's stream, so the collectives of
+//! [`crate::collective`] run on device memory unchanged.
+//!
+//! Only Global-QSGD's absmax waits for the device: its scale is a kernel argument, so the
+//! reduced maximum comes back to the host (one 4-byte copy and a stream synchronisation).
+
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use cudarc::driver::result as driver;
+use cudarc::driver::sys;
+use half::bf16;
+
+use super::launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
+use super::module::{Kernels, driver_error};
+use crate::backend::cpu::global_qsgd::IntCode;
+use crate::backend::cpu::weight::WeightEncoding;
+use crate::backend::{Backend, Element};
+use crate::codec::slab::SlabLayout;
+use crate::collective::check_len;
+use crate::config::Rounding;
+use crate::error::{Error, Result};
+use crate::plan::{BucketPlan, GradLayout};
+use crate::rng::UniformStream;
+
+/// The kernels of one device and the stream the passes are enqueued on.
+#[derive(Debug, Clone, Copy)]
+pub struct Cuda {
+    kernels: &'static Kernels,
+    stream: Stream,
+}
+
+impl Cuda {
+    /// Passes on `kernels`' device, enqueued on `stream` (a stream of that device's primary
+    /// context, see [`Stream::from_raw`]).
+    pub fn new(kernels: &'static Kernels, stream: Stream) -> Self {
+        Self { kernels, stream }
+    }
+
+    /// The device's kernels.
+    pub fn kernels(&self) -> &'static Kernels {
+        self.kernels
+    }
+}
+
+/// `len` elements of `T` allocated on a device with `cuMemAlloc` and freed when dropped.
+/// A zero-length buffer allocates nothing (its address is 0).
+#[derive(Debug)]
+pub struct DeviceBuffer<T> {
+    kernels: &'static Kernels,
+    addr: u64,
+    len: usize,
+    _element: PhantomData<fn() -> T>,
+}
+
+// SAFETY: the buffer is an address of device memory owned by this value; the driver may be
+// called with it from any thread.
+unsafe impl<T> Send for DeviceBuffer<T> {}
+
+impl<T: Element> DeviceBuffer<T> {
+    fn new(kernels: &'static Kernels, len: usize) -> Result<Self> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .ok_or_else(|| Error::Buffer(format!("a device buffer of {len} elements overflows")))?;
+        let addr = if bytes == 0 {
+            0
+        } else {
+            kernels.with_context(|| {
+                // SAFETY: the device's primary context is current.
+                unsafe { driver::malloc_sync(bytes) }.map_err(|e| {
+                    Error::Cuda(format!(
+                        "cuMemAlloc of {bytes} bytes on device {} failed: {e}",
+                        kernels.ordinal()
+                    ))
+                })
+            })?
+        };
+        Ok(Self {
+            kernels,
+            addr,
+            len,
+            _element: PhantomData,
+        })
+    }
+
+    fn span(&self) -> DeviceSpan<T> {
+        // SAFETY: `addr` holds `len` elements of device memory owned by this buffer, which
+        // outlives the borrow the span is handed out under.
+        unsafe { DeviceSpan::from_raw(self.addr, self.len) }
+    }
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if self.addr == 0 {
+            return;
+        }
+        let addr = self.addr;
+        // A failure to free cannot be reported from drop; the driver only fails here when the
+        // context is already gone, and then the memory went with it.
+        let _ = self.kernels.with_context(|| {
+            // SAFETY: `addr` came from cuMemAlloc in this context and is freed once.
+            unsafe { driver::free_sync(addr) }.map_err(driver_error("cuMemFree"))
+        });
+    }
+}
+
+/// The span of elements `range` of `span` (panics when out of range, as slicing does).
+fn sub_span<T>(span: DeviceSpan<T>, range: Range<usize>) -> DeviceSpan<T> {
+    assert!(
+        range.start <= range.end && range.end <= span.len(),
+        "range {range:?} out of a device span of {} elements",
+        span.len()
+    );
+    // SAFETY: a sub-range of a valid span is valid under the same contract.
+    unsafe {
+        DeviceSpan::from_raw(
+            span.addr() + (range.start * size_of::<T>()) as u64,
+            range.len(),
+        )
+    }
+}
+
+/// The bytes of `span`.
+fn byte_span<T>(span: DeviceSpan<T>) -> DeviceSpan<u8> {
+    // SAFETY: the same memory, seen as bytes.
+    unsafe { DeviceSpan::from_raw(span.addr(), span.len() * size_of::<T>()) }
+}
+
+impl Backend for Cuda {
+    type Src<'a, T: Element> = DeviceSpan<T>;
+    type Dst<'a, T: Element> = DeviceSpan<T>;
+    type Buffer<T: Element> = DeviceBuffer<T>;
+    /// The destination table of the layout in device memory.
+    type GradTables = DeviceBuffer<u32>;
+
+    fn alloc<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::new(self.kernels, len)
+    }
+
+    fn src<T: Element>(buffer: &DeviceBuffer<T>) -> DeviceSpan<T> {
+        buffer.span()
+    }
+
+    fn dst<T: Element>(buffer: &mut DeviceBuffer<T>) -> DeviceSpan<T> {
+        buffer.span()
+    }
+
+    fn sub<'a, T>(src: DeviceSpan<T>, range: Range<usize>) -> DeviceSpan<T>
+    where
+        T: Element + 'a,
+    {
+        sub_span(src, range)
+    }
+
+    fn read<T: Element>(dst: &DeviceSpan<T>) -> DeviceSpan<T> {
+        *dst
+    }
+
+    fn reborrow<T: Element>(dst: &mut DeviceSpan<T>) -> DeviceSpan<T> {
+        *dst
+    }
+
+    fn len<T: Element>(src: DeviceSpan<T>) -> usize {
+        src.len()
+    }
+
+    fn as_bytes<'a, T>(src: DeviceSpan<T>) -> DeviceSpan<u8>
+    where
+        T: Element + 'a,
+    {
+        byte_span(src)
+    }
+
+    fn as_bytes_mut<'a, T>(dst: DeviceSpan<T>) -> DeviceSpan<u8>
+    where
+        T: Element + 'a,
+    {
+        byte_span(dst)
+    }
+
+    fn copy<T: Element>(&self, src: DeviceSpan<T>, dst: DeviceSpan<T>) -> Result<()> {
+        check_len("copy destination", dst.len(), src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream.raw();
+        self.kernels.with_context(|| {
+            // SAFETY: both spans are device memory of this context (the DeviceSpan contract)
+            // of `src.len()` elements; `stream` belongs to the context.
+            unsafe {
+                driver::memcpy_dtod_async(
+                    dst.addr(),
+                    src.addr(),
+                    src.len() * size_of::<T>(),
+                    stream,
+                )
+            }
+            .map_err(driver_error("cuMemcpyDtoDAsync"))
+        })
+    }
+
+    fn fill(&self, dst: DeviceSpan<f32>, value: f32) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream.raw();
+        self.kernels.with_context(|| {
+            // SAFETY: `dst` is `len` f32s of device memory of this context; `stream` belongs
+            // to it.
+            unsafe { sys::cuMemsetD32Async(dst.addr(), value.to_bits(), dst.len(), stream) }
+                .result()
+                .map_err(driver_error("cuMemsetD32Async"))
+        })
+    }
+
+    fn grad_tables(&self, layout: &GradLayout) -> Result<DeviceBuffer<u32>> {
+        let table = dest_table(layout)?;
+        let buffer = DeviceBuffer::<u32>::new(self.kernels, table.len())?;
+        if !table.is_empty() {
+            self.kernels.with_context(|| {
+                // SAFETY: the buffer holds `table.len()` u32s in this context; the copy is
+                // synchronous, so `table` outlives it.
+                unsafe { driver::memcpy_htod_sync(buffer.addr, &table) }
+                    .map_err(driver_error("cuMemcpyHtoD"))
+            })?;
+        }
+        Ok(buffer)
+    }
+
+    fn quantize_first(
+        &self,
+        layout: &GradLayout,
+        tables: &DeviceBuffer<u32>,
+        bucket: DeviceSpan<f32>,
+        rng: &UniformStream,
+        out: DeviceSpan<u8>,
+    ) -> Result<()> {
+        self.kernels
+            .grad_quantize_first(self.stream, layout, bucket, tables.span(), rng, out)
+    }
+
+    fn requantize_second(
+        &self,
+        layout: &GradLayout,
+        tables: &DeviceBuffer<u32>,
+        my_x1: usize,
+        chunk: usize,
+        recv: DeviceSpan<u8>,
+        rng: &UniformStream,
+        out: DeviceSpan<u8>,
+    ) -> Result<()> {
+        self.kernels.grad_requantize_second(
+            self.stream,
+            layout,
+            my_x1,
+            chunk,
+            recv,
+            tables.span(),
+            rng,
+            out,
+        )
+    }
+
+    fn reduce_final(
+        &self,
+        layout: &GradLayout,
+        chunk: usize,
+        recv: DeviceSpan<u8>,
+        shard: DeviceSpan<f32>,
+    ) -> Result<()> {
+        self.kernels
+            .grad_reduce_final(self.stream, layout, chunk, recv, shard)
+    }
+
+    fn weight_encode(
+        &self,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        first_index: u64,
+        new: DeviceSpan<bf16>,
+        reference: DeviceSpan<bf16>,
+        rng: &UniformStream,
+        out: DeviceSpan<u8>,
+    ) -> Result<()> {
+        self.kernels.weight_encode(
+            self.stream,
+            layout,
+            encoding,
+            first_index,
+            new,
+            reference,
+            rng,
+            out,
+        )
+    }
+
+    fn weight_apply(
+        &self,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        plan: &BucketPlan,
+        me: usize,
+        recv: DeviceSpan<u8>,
+        own_reference: DeviceSpan<bf16>,
+        params: DeviceSpan<bf16>,
+    ) -> Result<()> {
+        self.kernels.weight_apply(
+            self.stream,
+            layout,
+            encoding,
+            plan,
+            me,
+            recv,
+            own_reference,
+            params,
+        )
+    }
+
+    fn global_absmax(&self, bucket: DeviceSpan<f32>, word: DeviceSpan<u32>) -> Result<f32> {
+        self.kernels.global_absmax(self.stream, bucket, word)?;
+        let mut bits = [0u32];
+        let stream = self.stream.raw();
+        self.kernels.with_context(|| {
+            // SAFETY: `word` is one u32 of device memory of this context; the stream is
+            // synchronised before `bits` is read or dropped.
+            unsafe {
+                driver::memcpy_dtoh_async(&mut bits, word.addr(), stream)
+                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+                driver::stream::synchronize(stream).map_err(driver_error("cuStreamSynchronize"))
+            }
+        })?;
+        Ok(absmax_from_bits(bits[0]))
+    }
+
+    fn global_quantize<T: IntCode + Element>(
+        &self,
+        bucket: DeviceSpan<f32>,
+        scale: f32,
+        k: i32,
+        rounding: Rounding,
+        rng: &UniformStream,
+        out: DeviceSpan<T>,
+    ) -> Result<()> {
+        self.kernels
+            .global_quantize(self.stream, bucket, scale, k, rounding, rng, out)
+    }
+
+    fn global_dequantize<T: IntCode + Element>(
+        &self,
+        sum: DeviceSpan<T>,
+        scale: f32,
+        shard: DeviceSpan<f32>,
+    ) -> Result<()> {
+        self.kernels
+            .global_dequantize(self.stream, sum, scale, shard)
+    }
+}

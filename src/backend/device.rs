@@ -1,0 +1,148 @@
+//! The [`Backend`] trait: where a collective's buffers live and how the fused passes run on
+//! them. The collectives of [`crate::collective`] are written once over it; [`Host`]
+//! (`cpu`, host memory, slices) and `cuda::Cuda` (device memory, kernels on a stream)
+//! implement it.
+
+use std::fmt::Debug;
+use std::ops::Range;
+
+use half::bf16;
+
+use super::cpu::global_qsgd::IntCode;
+use super::cpu::weight::WeightEncoding;
+use crate::codec::slab::SlabLayout;
+use crate::config::Rounding;
+use crate::error::Result;
+use crate::plan::{BucketPlan, GradLayout};
+use crate::rng::UniformStream;
+
+/// Element types a backend buffer holds.
+pub trait Element: bytemuck::Pod + Send + Sync + Debug + 'static {}
+
+impl<T: bytemuck::Pod + Send + Sync + Debug + 'static> Element for T {}
+
+/// Memory of one kind (host or one CUDA device) and the fused passes of SPEC §4 on it.
+///
+/// Each pass mirrors the function of `backend::cpu` of the same name argument for argument;
+/// a backend other than the CPU must reproduce the CPU's bytes. Passes may run asynchronously
+/// (the CUDA backend enqueues on a stream); a [`crate::collective::Comm`] over the same backend
+/// orders its exchanges after them.
+pub trait Backend: Debug {
+    /// A read-only view of `T`s (host: `&[T]`).
+    type Src<'a, T: Element>: Copy;
+    /// A writable view of `T`s (host: `&mut [T]`).
+    type Dst<'a, T: Element>;
+    /// A buffer the collective owns and reuses every step.
+    type Buffer<T: Element>: Debug + Send;
+    /// Per-bucket constant data of the gradient passes (the CUDA destination table).
+    type GradTables: Debug + Send;
+
+    /// A buffer of `len` elements (contents unspecified).
+    fn alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>>;
+    /// The whole of `buffer`, to read.
+    fn src<T: Element>(buffer: &Self::Buffer<T>) -> Self::Src<'_, T>;
+    /// The whole of `buffer`, to write.
+    fn dst<T: Element>(buffer: &mut Self::Buffer<T>) -> Self::Dst<'_, T>;
+    /// Elements `range` of `src` (panics when out of range, as slicing does).
+    fn sub<'a, T>(src: Self::Src<'a, T>, range: Range<usize>) -> Self::Src<'a, T>
+    where
+        T: Element + 'a;
+    /// `dst`, to read for as long as it is borrowed.
+    fn read<'b, T: Element>(dst: &'b Self::Dst<'_, T>) -> Self::Src<'b, T>;
+    /// `dst`, lent out for a shorter time.
+    fn reborrow<'b, T: Element>(dst: &'b mut Self::Dst<'_, T>) -> Self::Dst<'b, T>;
+    /// Elements in `src`.
+    fn len<T: Element>(src: Self::Src<'_, T>) -> usize;
+    /// The bytes of `src`.
+    fn as_bytes<'a, T>(src: Self::Src<'a, T>) -> Self::Src<'a, u8>
+    where
+        T: Element + 'a;
+    /// The bytes of `dst`.
+    fn as_bytes_mut<'a, T>(dst: Self::Dst<'a, T>) -> Self::Dst<'a, u8>
+    where
+        T: Element + 'a;
+
+    /// Copies `src` into `dst` (equal lengths).
+    fn copy<T: Element>(&self, src: Self::Src<'_, T>, dst: Self::Dst<'_, T>) -> Result<()>;
+    /// Sets every element of `dst` to `value`.
+    fn fill(&self, dst: Self::Dst<'_, f32>, value: f32) -> Result<()>;
+
+    /// The per-bucket tables of `layout`'s gradient passes.
+    fn grad_tables(&self, layout: &GradLayout) -> Result<Self::GradTables>;
+    /// `cpu::gradient::quantize_first`.
+    fn quantize_first(
+        &self,
+        layout: &GradLayout,
+        tables: &Self::GradTables,
+        bucket: Self::Src<'_, f32>,
+        rng: &UniformStream,
+        out: Self::Dst<'_, u8>,
+    ) -> Result<()>;
+    /// `cpu::gradient::requantize_second` for pipeline chunk `chunk`.
+    #[allow(clippy::too_many_arguments)]
+    fn requantize_second(
+        &self,
+        layout: &GradLayout,
+        tables: &Self::GradTables,
+        my_x1: usize,
+        chunk: usize,
+        recv: Self::Src<'_, u8>,
+        rng: &UniformStream,
+        out: Self::Dst<'_, u8>,
+    ) -> Result<()>;
+    /// `cpu::gradient::reduce_final` for pipeline chunk `chunk`.
+    fn reduce_final(
+        &self,
+        layout: &GradLayout,
+        chunk: usize,
+        recv: Self::Src<'_, u8>,
+        shard: Self::Dst<'_, f32>,
+    ) -> Result<()>;
+
+    /// `cpu::weight::encode_shard` (`reference` is ignored by direct encodings).
+    #[allow(clippy::too_many_arguments)]
+    fn weight_encode(
+        &self,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        first_index: u64,
+        new: Self::Src<'_, bf16>,
+        reference: Self::Src<'_, bf16>,
+        rng: &UniformStream,
+        out: Self::Dst<'_, u8>,
+    ) -> Result<()>;
+    /// `cpu::weight::apply_shards` (`own_reference` is ignored by direct encodings).
+    #[allow(clippy::too_many_arguments)]
+    fn weight_apply(
+        &self,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        plan: &BucketPlan,
+        me: usize,
+        recv: Self::Src<'_, u8>,
+        own_reference: Self::Src<'_, bf16>,
+        params: Self::Dst<'_, bf16>,
+    ) -> Result<()>;
+
+    /// `cpu::global_qsgd::local_absmax`, returned to the host. `word` is one `u32` of scratch
+    /// the CUDA backend reduces into (the host backend does not use it).
+    fn global_absmax(&self, bucket: Self::Src<'_, f32>, word: Self::Dst<'_, u32>) -> Result<f32>;
+    /// `cpu::global_qsgd::quantize`.
+    #[allow(clippy::too_many_arguments)]
+    fn global_quantize<T: IntCode + Element>(
+        &self,
+        bucket: Self::Src<'_, f32>,
+        scale: f32,
+        k: i32,
+        rounding: Rounding,
+        rng: &UniformStream,
+        out: Self::Dst<'_, T>,
+    ) -> Result<()>;
+    /// `cpu::global_qsgd::dequantize`.
+    fn global_dequantize<T: IntCode + Element>(
+        &self,
+        sum: Self::Src<'_, T>,
+        scale: f32,
+        shard: Self::Dst<'_, f32>,
+    ) -> Result<()>;
+}
