@@ -1,7 +1,7 @@
 //! The [`Backend`] trait: where a collective's buffers live and how the fused passes run on
-//! them. The collectives of [`crate::collective`] are written once over it; [`Host`]
-//! (`cpu`, host memory, slices) and `cuda::Cuda` (device memory, kernels on a stream)
-//! implement it.
+//! them. The collectives of [`crate::collective`] are written once over it;
+//! [`Host`](super::cpu::Host) (host memory, slices) and [`Cuda`](super::cuda::Cuda) (device
+//! memory, kernels on a stream) implement it.
 
 use std::fmt::Debug;
 use std::ops::Range;

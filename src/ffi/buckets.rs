@@ -121,6 +121,7 @@ pub(super) fn new_cuda_grad_bucket(
 ) -> FfiResult<Box<GradBucket>> {
     guard("new_cuda_grad_bucket", || {
         let topology = topology(node_labels)?;
+        // Planning only allocates and uploads synchronously: no stream is used.
         let backend = cuda(device, 0)?;
         GradReduceScatter::with_backend(&backend, &config.0, &topology, rank, numel, bucket_id)
             .map(|rs| Box::new(GradBucket::Cuda(rs, device)))

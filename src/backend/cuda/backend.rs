@@ -38,11 +38,6 @@ impl Cuda {
     pub fn new(kernels: &'static Kernels, stream: Stream) -> Self {
         Self { kernels, stream }
     }
-
-    /// The device's kernels.
-    pub fn kernels(&self) -> &'static Kernels {
-        self.kernels
-    }
 }
 
 /// `len` elements of `T` allocated on a device with `cuMemAlloc` and freed when dropped.
