@@ -192,8 +192,9 @@ void TorchComms::all_to_all_device(CommLevel level, std::uint64_t send, std::siz
                      wrap(recv, recv_bytes, at::kByte, device), device_staging(group));
 }
 
-// An all-to-all, then the sum of the W received blocks left to right in rank order on the
-// device ((b0 + b1) + b2 ...), as the host path sums: the same bits as the in-process
+// An all-to-all, then the sum of the W received blocks on the device: floats left to right in
+// rank order ((b0 + b1) + b2 ...), as the host path sums, integers (exact in any order, never
+// overflowing by Global-QSGD's bound) in one reduction kernel. The same bits as the in-process
 // collective whatever the backend's own reduction order, for the bytes of a direct-send
 // reduce-scatter (and for any element type, NCCL having no 16-bit integer sum).
 void TorchComms::reduce_scatter_device(CommLevel level, SumDtype dtype, std::uint64_t send,
@@ -208,6 +209,10 @@ void TorchComms::reduce_scatter_device(CommLevel level, SumDtype dtype, std::uin
   all_to_all_tensors(group, in, blocks, device_staging(group));
   auto size = static_cast<int64_t>(send_numel / recv_numel);
   at::Tensor per_rank = blocks.view({size, static_cast<int64_t>(recv_numel)});
+  if (dtype != SumDtype::Float32) {
+    at::sum_out(out, per_rank, {0}, /*keepdim=*/false, type);
+    return;
+  }
   out.copy_(per_rank[0]);
   for (int64_t r = 1; r < size; ++r) out.add_(per_rank[r]);
 }
