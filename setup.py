@@ -54,14 +54,21 @@ cpp_extension = import_cpp_extension()
 
 
 class BuildWithRustCore(cpp_extension.BuildExtension):
-    """Builds (or finds) the Rust core first, then compiles the extension against it."""
+    """Builds (or finds) the Rust core first, then compiles the extension against it, and
+    records beside it the torch version it was compiled against (torch's C++ ABI changes
+    between releases; the package refuses to load the extension under another torch)."""
 
     def build_extensions(self):
+        import torch
+
         bundle = native_bundle()
         for ext in self.extensions:
             ext.include_dirs.append(str(bundle / "include"))
             ext.extra_objects.append(str(bundle / "lib" / "libsdp4bit.a"))
         super().build_extensions()
+        for ext in self.extensions:
+            built = Path(self.get_ext_fullpath(ext.name))
+            built.with_name(built.stem + ".torch-version").write_text(torch.__version__ + "\n")
 
 
 setup(
@@ -70,7 +77,9 @@ setup(
             name="megatron_patch._sdp4bit",
             sources=["cpp/sdp4bit_ops.cpp", "cpp/torch_comms.cpp"],
             include_dirs=[str(REPO / "cpp")],
-            extra_compile_args=["-O2", "-std=c++17"],
+            # No -std flag: torch's BuildExtension adds the C++ standard the installed torch's
+            # headers need (C++17 up to torch 2.14, C++20 from 2.15).
+            extra_compile_args=["-O2"],
             libraries=["dl", "pthread", "m"],
         )
     ],

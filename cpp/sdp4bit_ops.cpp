@@ -3,9 +3,10 @@
 //   torch.classes.sdp4bit.ProcessGroups(world, intra, inter)   names of c10d groups
 //   torch.classes.sdp4bit.GradReduceScatter(groups, config, node_labels, numel, bucket_id,
 //                                           device)
-//       .start(bucket, shard, step) -> Work
-//   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id)
-//       .start(params, step) -> Work
+//       .start(bucket, shard, step, raw_stream) -> Work
+//   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id,
+//                                         raw_stream)
+//       .start(params, step, raw_stream) -> Work
 //   torch.classes.sdp4bit.Work.wait() / .is_completed()
 //   torch.ops.sdp4bit.describe_config / config_fingerprint / plan_wire_bytes /
 //       simulate_* (in-process reference)
@@ -16,8 +17,9 @@
 //
 // A bucket lives on the CPU (the Rust core's CPU backend, host exchanges) or on one CUDA
 // device (the CUDA backend: kernels, copies and the process groups' exchanges all enqueued on
-// torch's current stream of that device as it was when start() was called; wait() returns
-// once everything is enqueued, so later work on that stream sees the results).
+// torch's current stream of that device as it was when start() was called, whose cudaStream_t
+// Python passes as raw_stream; wait() returns once everything is enqueued, so later work on
+// that stream sees the results).
 #include <Python.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -111,8 +113,13 @@ c10::Stream current_stream(c10::Device device) {
   return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device);
 }
 
-uint64_t raw_stream(const c10::Stream& stream) {
-  return reinterpret_cast<uint64_t>(stream.native_handle());
+// The cudaStream_t of torch's current stream, as Python read it (torch.cuda.current_stream()
+// .cuda_stream): c10::Stream has no native handle before torch 2.10, and the extension is
+// built without CUDA headers.
+uint64_t checked_raw_stream(c10::Device device, int64_t raw) {
+  TORCH_CHECK(!device.is_cuda() || raw >= 0, "sdp4bit: CUDA stream handle ", raw,
+              " is negative");
+  return static_cast<uint64_t>(raw);
 }
 
 uint64_t device_address(const void* data) { return reinterpret_cast<uint64_t>(data); }
@@ -348,7 +355,10 @@ class GradReduceScatter : public torch::CustomClassHolder {
     return std::string((*bucket_)->notice());
   }
 
-  c10::intrusive_ptr<Work> start(at::Tensor bucket, at::Tensor shard, int64_t step) {
+  // `raw_stream`: for a CUDA bucket, the cudaStream_t of torch's current stream (ignored on
+  // the CPU).
+  c10::intrusive_ptr<Work> start(at::Tensor bucket, at::Tensor shard, int64_t step,
+                                 int64_t raw_stream) {
     check_tensor("gradient bucket", bucket, at::kFloat, numel_, device_);
     check_tensor("gradient shard", shard, at::kFloat, shard_len_, device_);
     uint64_t at_step = checked_step(step);
@@ -356,7 +366,9 @@ class GradReduceScatter : public torch::CustomClassHolder {
     std::shared_future<void> done;
     if (device_.is_cuda()) {
       c10::Stream stream = current_stream(device_);
-      done = groups_->submit([this, in, out, stream, at_step] { run_cuda(in, out, stream, at_step); });
+      uint64_t raw = checked_raw_stream(device_, raw_stream);
+      done = groups_->submit(
+          [this, in, out, stream, raw, at_step] { run_cuda(in, out, stream, raw, at_step); });
     } else {
       done = groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
     }
@@ -384,13 +396,14 @@ class GradReduceScatter : public torch::CustomClassHolder {
     std::memcpy(shard.data, scratch_.data(), shard.len * sizeof(float));
   }
 
-  void run_cuda(Span<float> bucket, Span<float> shard, c10::Stream stream, uint64_t step) {
+  void run_cuda(Span<float> bucket, Span<float> shard, c10::Stream stream, uint64_t raw,
+                uint64_t step) {
     std::lock_guard<std::mutex> lock(mutex_);
     c10::StreamGuard on_stream(stream);
     bool alias = aliased(bucket, shard);
     float* out = alias ? scratch_device_.data_ptr<float>() : shard.data;
-    (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data), device_address(out),
-                         raw_stream(stream), step);
+    (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data), device_address(out), raw,
+                         step);
     if (alias) {
       at::from_blob(shard.data, {static_cast<int64_t>(shard.len)}, scratch_device_.options())
           .copy_(scratch_device_);
@@ -411,8 +424,11 @@ class GradReduceScatter : public torch::CustomClassHolder {
 // The parameter all-gather of one bf16 bucket, on the CPU or on the params' CUDA device.
 class WeightAllGather : public torch::CustomClassHolder {
  public:
+  // `raw_stream`: for CUDA params, the cudaStream_t of torch's current stream (the first qWD
+  // reference is copied on it); ignored on the CPU.
   WeightAllGather(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
-                  const std::vector<int64_t>& node_labels, at::Tensor params, int64_t bucket_id)
+                  const std::vector<int64_t>& node_labels, at::Tensor params, int64_t bucket_id,
+                  int64_t raw_stream)
       : groups_(std::move(groups)),
         bucket_id_(checked_bucket_id(bucket_id)),
         device_(params.defined() ? params.device() : c10::Device(at::kCPU)) {
@@ -440,7 +456,7 @@ class WeightAllGather : public torch::CustomClassHolder {
                                            static_cast<size_t>(device_.index()),
                                            device_address(params.data_ptr()),
                                            static_cast<size_t>(numel_),
-                                           raw_stream(current_stream(device_)));
+                                           checked_raw_stream(device_, raw_stream));
       }
       return ffi::new_weight_bucket(*parsed, nodes, rank, bucket_id_,
                                     const_slice<uint16_t>(params));
@@ -460,18 +476,19 @@ class WeightAllGather : public torch::CustomClassHolder {
     return wire_pair((*bucket_)->baseline_wire_bytes());
   }
 
-  c10::intrusive_ptr<Work> start(at::Tensor params, int64_t step) {
+  // `raw_stream` as for GradReduceScatter::start.
+  c10::intrusive_ptr<Work> start(at::Tensor params, int64_t step, int64_t raw_stream) {
     check_tensor("param bucket", params, at::kBFloat16, numel_, device_);
     uint64_t at_step = checked_step(step);
     Span<uint16_t> bits(params);
     std::shared_future<void> done;
     if (device_.is_cuda()) {
       c10::Stream stream = current_stream(device_);
-      done = groups_->submit([this, bits, stream, at_step] {
+      uint64_t raw = checked_raw_stream(device_, raw_stream);
+      done = groups_->submit([this, bits, stream, raw, at_step] {
         std::lock_guard<std::mutex> lock(mutex_);
         c10::StreamGuard on_stream(stream);
-        (*bucket_)->run_cuda(groups_->comms(), device_address(bits.data), raw_stream(stream),
-                             at_step);
+        (*bucket_)->run_cuda(groups_->comms(), device_address(bits.data), raw, at_step);
       });
     } else {
       done = groups_->submit([this, bits, at_step] {
@@ -599,7 +616,7 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def("notice", &GradReduceScatter::notice);
   m.class_<WeightAllGather>("WeightAllGather")
       .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,
-                       at::Tensor, int64_t>())
+                       at::Tensor, int64_t, int64_t>())
       .def("start", &WeightAllGather::start)
       .def("shard_len", &WeightAllGather::shard_len)
       .def("wire_bytes", &WeightAllGather::wire_bytes)

@@ -10,7 +10,9 @@ import torch
 
 @functools.cache
 def load() -> None:
-    """Loads `_sdp4bit*.so` from this package once; raises ImportError if it was not built."""
+    """Loads `_sdp4bit*.so` from this package once; raises ImportError if it was not built, or
+    was built against another torch than this interpreter's (torch's C++ ABI differs between
+    releases, so loading it could crash later instead of failing now)."""
     here = Path(__file__).resolve().parent
     candidates = sorted(here.glob("_sdp4bit*.so"))
     if not candidates:
@@ -19,6 +21,15 @@ def load() -> None:
             "with `pip install .` from the repository (it builds the Rust core and the "
             "extension against the installed torch)"
         )
+    built_with = candidates[0].with_name(candidates[0].stem + ".torch-version")
+    if built_with.is_file():
+        version = built_with.read_text().strip()
+        if version != torch.__version__:
+            raise ImportError(
+                f"sdp4bit: the extension in {here} was built against torch {version}, but this "
+                f"interpreter has torch {torch.__version__}; reinstall sdp4bit after changing "
+                "torch (pip install --no-deps --force-reinstall <the sdp4bit source>)"
+            )
     torch.ops.load_library(str(candidates[0]))
 
 

@@ -58,6 +58,12 @@ def _check_tensor(what: str, tensor: torch.Tensor, dtype: torch.dtype, numel: in
         )
 
 
+def _raw_stream(device: torch.device) -> int:
+    """The cudaStream_t of torch's current stream on `device` (0 on the CPU), which the
+    extension enqueues a CUDA bucket's work on."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def _check_step(step: int) -> int:
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"sdp4bit: step must be a non-negative int, got {step!r}")
@@ -98,7 +104,8 @@ class GradReduceScatter:
         _check_tensor("gradient bucket", bucket, torch.float32, self.numel, self.device)
         _check_tensor("gradient shard", shard, torch.float32, self.shard_len, self.device)
         with translated_errors():
-            return Handle(self._native.start(bucket, shard, _check_step(step)))
+            return Handle(self._native.start(bucket, shard, _check_step(step),
+                                             _raw_stream(self.device)))
 
     def quantizes_at(self, step: int) -> bool:
         """Whether step `step` sends quantized gradients (false for the uncompressed codec
@@ -135,7 +142,8 @@ class WeightAllGather:
             # Problems with `params` are reported by every rank at once (the set-up check
             # runs even when this rank's input is bad), so they are left to the extension.
             self._native = _native.classes().WeightAllGather(
-                groups.native, config.spec(), groups.node_labels, params, bucket_id
+                groups.native, config.spec(), groups.node_labels, params, bucket_id,
+                _raw_stream(params.device) if isinstance(params, torch.Tensor) else 0,
             )
         self.numel = params.numel()
         self.device = params.device
@@ -145,7 +153,7 @@ class WeightAllGather:
         """Starts all-gathering `params` for optimizer step `step`."""
         _check_tensor("param bucket", params, torch.bfloat16, self.numel, self.device)
         with translated_errors():
-            return Handle(self._native.start(params, _check_step(step)))
+            return Handle(self._native.start(params, _check_step(step), _raw_stream(self.device)))
 
     def wire_bytes(self) -> WireBytes:
         """Bytes this rank sends per call."""

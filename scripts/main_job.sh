@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# The main job: installs everything on a fresh machine (the pinned Python packages into
-# .cache/venv, sdp4bit itself with `pip install .`, which builds the Rust core with cargo), then
-# trains a small byte-level GPT on CPU with 4 gloo ranks as 2 emulated nodes x 2 ranks, using
-# megatron-core's DDP and the sdp4bit preset, and prints the loss and the bytes saved.
+# The main job. On a fresh machine it sets everything up (the pinned Python packages into the
+# virtual environment .cache/venv, see scripts/env.sh; sdp4bit itself with `pip install .`,
+# which builds the Rust core with cargo and the extension against the installed torch, skipped
+# when the installed package was built from the tree as it is now), then trains a small
+# byte-level GPT on CPU with 4 gloo ranks as 2 emulated nodes x 2 ranks, using megatron-core's
+# DDP and the sdp4bit preset, and prints the loss and the bytes saved.
 # Extra arguments go to examples/gpt_cpu/train.py (e.g. --steps 200, --preset qsdp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/python_env.sh
-echo "== pip install . (cargo builds the Rust core, then the torch extension)"
-"${PIP[@]}" install --no-deps .
+source scripts/env.sh
+echo "== the Python environment (.cache/venv)"
+sdp4bit_main_venv
+if sdp4bit_installed_is_current "$SDP4BIT_MAIN_VENV"; then
+  echo "== sdp4bit is installed from the sources as they are"
+else
+  echo "== pip install . (cargo builds the Rust core, then the torch extension)"
+  rm -rf build
+  pip install --quiet --no-deps --force-reinstall .
+  sdp4bit_record_install "$SDP4BIT_MAIN_VENV"
+fi
 echo "== training: torchrun, 4 ranks on CPU (2 nodes x 2 ranks), sdp4bit preset"
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-"$VENV/bin/torchrun" --standalone --nproc-per-node 4 examples/gpt_cpu/train.py \
+cd /tmp  # the installed package, not the repository's source tree, is the one to import
+exec torchrun --standalone --nproc-per-node 4 "$SDP4BIT_ROOT/examples/gpt_cpu/train.py" \
   --ranks-per-node 2 "$@"

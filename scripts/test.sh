@@ -1,81 +1,156 @@
 #!/usr/bin/env bash
-# The project's test command: formatting, lints, every Rust test, the torch extension built
-# three ways (pip install ., from an sdist, from a prebuilt native bundle) and its multi-process
-# tests, and smoke runs of the benchmarks. Needs a Rust toolchain, Python 3.11 and pip: cargo
-# fetches the pinned crates (Cargo.lock); pip fetches NVRTC (the CUDA runtime compiler, no GPU
-# needed) into .cache/ so the CUDA kernels are compile-checked, and the pinned Python packages
-# (requirements-test.txt) into the virtual environment .cache/venv.
+# The project's test command. On a fresh machine with the README's prerequisites (Rust,
+# Python 3.11 with pip and venv, g++) it sets everything up itself: cargo fetches the pinned
+# crates (Cargo.lock); pip fetches NVRTC (the CUDA runtime compiler, no GPU needed) into .cache/
+# so the CUDA kernels are compile-checked, and the pinned Python packages into the virtual
+# environments under .cache/ (scripts/env.sh), which it makes while the Rust steps run.
+#
+# Steps: rustfmt; clippy; every Rust test; the benchmarks' smoke runs; the torch extension
+# built once per torch version (the pinned one from an sdist with cargo, the floor and the
+# newest from the tree with a prebuilt native bundle and no cargo); the multi-process tests
+# (pytest) against megatron-core 0.16.1 and 0.19.2; the convergence study's smoke run. Each
+# step prints its elapsed time; a summary closes the log. Any failure stops it with an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
+ROOT=$SDP4BIT_ROOT
 
 NVRTC_VERSION=13.0.88
-# The newest megatron-core the integration tests also run against (see the pytest step).
+# The newest megatron-core the integration tests also run against (see the pytest steps).
 MCORE_NEXT=0.19.2
+# The torch versions besides the pinned one (requirements-test.txt) that the extension is built
+# against and checked with: the supported floor and the newest on PyPI.
+COMPAT_TORCH=(floor newest)
+
+STEP= STEP_START=$SECONDS
+TIMES=()
+step() {
+  local now=$SECONDS
+  if [ -n "$STEP" ]; then
+    echo "   [$STEP: $((now - STEP_START)) s]"
+    TIMES+=("$(printf '%5d s  %s' $((now - STEP_START)) "$STEP")")
+  fi
+  STEP=$1 STEP_START=$now
+  if [ -n "$STEP" ]; then echo "== $STEP"; fi
+}
+summary() {
+  echo "== elapsed time per step"
+  printf '%s\n' "${TIMES[@]}"
+  printf '%5d s  total\n' "$SECONDS"
+}
+trap 'status=$?; if [ $status -ne 0 ]; then echo "FAILED (exit $status) in step: $STEP"; step ""; summary; fi' EXIT
+
+step "NVRTC $NVRTC_VERSION into .cache/"
 NVRTC_PREFIX=.cache/nvrtc-$NVRTC_VERSION
 if [ ! -f "$NVRTC_PREFIX/nvidia/cu13/lib/libnvrtc.so.13" ]; then
-  echo "== installing NVRTC $NVRTC_VERSION into $NVRTC_PREFIX"
-  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
-    --target "$NVRTC_PREFIX" "nvidia-cuda-nvrtc==$NVRTC_VERSION"
+  python3 -m pip install --quiet --no-deps --target "$NVRTC_PREFIX" "nvidia-cuda-nvrtc==$NVRTC_VERSION"
 fi
-export LD_LIBRARY_PATH="$PWD/$NVRTC_PREFIX/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$ROOT/$NVRTC_PREFIX/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The kernel compile test must fail, not skip, when NVRTC cannot be loaded.
 export SDP4BIT_REQUIRE_NVRTC=1
-# The emulated-GPU kernel test runs its full sweep (about 25 s on 2 cores).
+# The emulated-GPU kernel test runs its full sweep.
 export SDP4BIT_EMULATOR_FULL=1
 
-echo "== cargo fmt --check"
+step "Python environments, made in the background while the Rust steps run"
+mkdir -p .cache/logs
+sdp4bit_venv "$SDP4BIT_MAIN_VENV" requirements-test.txt requirements-deepspeed.txt \
+  > .cache/logs/venv-main.log 2>&1 &
+MAIN_ENV_PID=$!
+(
+  set -e
+  for name in "${COMPAT_TORCH[@]}"; do
+    sdp4bit_venv ".cache/venv-torch-$name" "requirements-torch-$name.txt"
+  done
+) > .cache/logs/venv-compat.log 2>&1 &
+COMPAT_ENVS_PID=$!
+# wait_for PID LOG: the background job's log, and a failure if it failed.
+wait_for() {
+  local status=0
+  wait "$1" || status=$?
+  cat "$2"
+  if [ "$status" -ne 0 ]; then
+    echo "making a Python environment failed (log above)" >&2
+    exit 1
+  fi
+}
+
+step "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy -D warnings (with and without the ffi feature)"
-cargo clippy --locked --release --all-targets -- -D warnings
+step "cargo clippy -D warnings (all targets, ffi feature: every line of Rust)"
 cargo clippy --locked --release --all-targets --features ffi -- -D warnings
-echo "== cargo test"
+step "cargo test"
 cargo test --locked --release
-echo "== GPU tests again, uncaptured, to show whether they ran or why they skipped"
+step "GPU tests again, uncaptured, to show whether they ran or why they skipped"
 cargo test --locked --release --test cuda_gpu -- --nocapture --test-threads=1 2>&1 \
   | sed -nE 's/.*(skipped: [^[(]*).*/\1/p; /^test result/p' | sort | uniq -c
-echo "== benchmark smoke run (SDP4BIT_BENCH_QUICK=1)"
+step "benchmark smoke runs (SDP4BIT_BENCH_QUICK=1; the GPU one skips without a GPU)"
 SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench cpu
-echo "== GPU benchmark smoke run (skips without a GPU)"
 SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench gpu
 
-source scripts/python_env.sh
+step "waiting for the main Python environment"
+wait_for "$MAIN_ENV_PID" .cache/logs/venv-main.log
+sdp4bit_use "$SDP4BIT_MAIN_VENV"
+
+# Imports the installed package in a fresh interpreter outside the repository and runs one
+# in-process collective through the extension.
 smoke() {
-  (cd /tmp && "$ROOT/$VENV/bin/python" -W ignore -c "
+  (cd /tmp && "$1/bin/python" -W ignore -c "
 import torch, megatron_patch as m
 c = m.Sdp4bitConfig('sdp4bit')
 x = torch.randn(4, 4096)
 y = torch.ops.sdp4bit.simulate_grad_reduce_scatter(c.spec(), [0, 0, 1, 1], 0, 0, x)
-print('   extension loads from', m.__file__, '| fingerprint', hex(c.fingerprint()),
+print('   torch', torch.__version__, '| extension from', m.__file__,
       '| max err', float((y.reshape(-1) - x.sum(0)).abs().max()))")
 }
-ROOT=$PWD
-echo "== pip install from an sdist"
-rm -rf .cache/dist && "$VENV/bin/python" -m build --sdist --no-isolation --outdir .cache/dist . >/dev/null
-# The sdist builds in a temporary directory; sharing the target directory reuses compiled crates.
-CARGO_TARGET_DIR=$PWD/target "${PIP[@]}" install --no-deps --force-reinstall .cache/dist/sdp4bit-*.tar.gz
-smoke
-echo "== pip install with a prebuilt native bundle and no cargo"
-"$VENV/bin/python" scripts/build_native.py --out .cache/native-bundle >/dev/null
-SDP4BIT_NATIVE_DIR=$PWD/.cache/native-bundle CARGO=/nonexistent/cargo \
-  "${PIP[@]}" install --no-deps --force-reinstall .
-smoke
-echo "== pip install ."
-"${PIP[@]}" install --no-deps --force-reinstall .
-smoke
-echo "== pytest tests/python (multi-process gloo)"
-"$VENV/bin/pytest" -q -rs tests/python
-echo "== pytest tests/python/test_megatron.py against megatron-core $MCORE_NEXT (pure Python, under 3.11)"
+
+step "pip install from an sdist, the Rust core built by cargo (torch pinned)"
+rm -rf .cache/dist && python -m build --sdist --no-isolation --outdir .cache/dist . >/dev/null
+# The sdist builds in a temporary directory; sharing the target directory reuses the crates
+# compiled above.
+CARGO_TARGET_DIR=$ROOT/target pip install --quiet --no-deps --force-reinstall \
+  .cache/dist/sdp4bit-*.tar.gz
+sdp4bit_record_install "$SDP4BIT_MAIN_VENV"
+smoke "$SDP4BIT_MAIN_VENV"
+
+step "pytest tests/python (multi-process gloo; megatron-core 0.16.1)"
+pytest -q -rs tests/python
+
+step "pytest tests/python/test_megatron.py against megatron-core $MCORE_NEXT (pure Python, under 3.11)"
 # megatron-core 0.17+ declares Python 3.12; its megatron.core is pure Python, so its wheel is
 # unpacked beside the pinned 0.16.1 and put first on the path for the integration tests.
 NEXT_DIR=".cache/megatron-core-$MCORE_NEXT"
 if [ ! -d "$NEXT_DIR/megatron/core" ]; then
   rm -rf "$NEXT_DIR" .cache/mcore-wheel
-  "${PIP[@]}" download --no-deps --only-binary=:all: --python-version 3.12 \
+  pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
     --dest .cache/mcore-wheel "megatron-core==$MCORE_NEXT"
-  "$VENV/bin/python" -m zipfile -e .cache/mcore-wheel/megatron_core-"$MCORE_NEXT"-*.whl "$NEXT_DIR"
+  python -m zipfile -e .cache/mcore-wheel/megatron_core-"$MCORE_NEXT"-*.whl "$NEXT_DIR"
 fi
-PYTHONPATH="$ROOT/$NEXT_DIR" "$VENV/bin/pytest" -q tests/python/test_megatron.py
-echo "== convergence study smoke run (3 steps, 3 rows; the study itself is bench/convergence.py)"
-(cd /tmp && OMP_NUM_THREADS=1 "$ROOT/$VENV/bin/python" "$ROOT/bench/convergence.py" --steps 3 \
+PYTHONPATH="$ROOT/$NEXT_DIR" pytest -q tests/python/test_megatron.py
+
+step "convergence study smoke run (3 steps, 3 rows; the study itself is bench/convergence.py)"
+(cd /tmp && OMP_NUM_THREADS=1 python "$ROOT/bench/convergence.py" --steps 3 \
   --rows baseline,qWD,SDP4Bit --out "$ROOT/.cache/convergence-smoke")
 test -s .cache/convergence-smoke/convergence.png
+
+step "native bundle from the tree (python scripts/build_native.py)"
+python scripts/build_native.py --out .cache/native-bundle >/dev/null
+step "waiting for the other torch versions' environments"
+wait_for "$COMPAT_ENVS_PID" .cache/logs/venv-compat.log
+for name in "${COMPAT_TORCH[@]}"; do
+  venv=$ROOT/.cache/venv-torch-$name
+  version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+  step "torch $version ($name): pip install . with the prebuilt bundle and no cargo, one collective"
+  (
+    sdp4bit_use "$venv"
+    rm -rf build
+    SDP4BIT_NATIVE_DIR=$ROOT/.cache/native-bundle CARGO=/nonexistent/cargo \
+      pip install --quiet --no-deps --no-build-isolation --force-reinstall .
+    smoke "$venv"
+    pytest -q -p no:cacheprovider tests/python/test_native.py \
+      "tests/python/test_collectives.py::test_every_preset_equals_the_in_process_collective[W4-2x2]"
+  )
+done
+
+step ""
+summary
+echo "test command: all steps passed"

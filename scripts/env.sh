@@ -1,0 +1,79 @@
+# Sourced by every script of the project that runs Python (the test command, the main job,
+# the benchmark harnesses): the project's virtual environments live under .cache/, are made on
+# first use from pinned requirement files, and the one in use goes first on PATH, so python,
+# pip, pytest, torchrun and ninja all come from it and nothing else on the machine is needed
+# beyond the README's prerequisites (Rust, Python 3.11 with pip and venv, g++).
+#
+#   sdp4bit_venv DIR REQS [REQS_NB]    makes the virtual environment DIR (if missing) and
+#                                      installs the pinned requirement file REQS into it, then
+#                                      REQS_NB without build isolation (DeepSpeed's setup.py
+#                                      imports torch); skipped when DIR already holds exactly
+#                                      these files' contents
+#   sdp4bit_use DIR                    puts DIR/bin first on PATH and sets VIRTUAL_ENV
+#   sdp4bit_main_venv                  the environment of the full test suite and the main
+#                                      job (.cache/venv: requirements-test.txt, DeepSpeed),
+#                                      made and put first on PATH
+
+SDP4BIT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SDP4BIT_MAIN_VENV="$SDP4BIT_ROOT/.cache/venv"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
+# DeepSpeed JIT-builds its CPU communication op (with ninja, from the environment) on first use;
+# the build is kept with the project rather than in the home directory.
+export TORCH_EXTENSIONS_DIR="$SDP4BIT_ROOT/.cache/torch_extensions"
+
+sdp4bit_venv() {
+  local dir=$1
+  shift
+  local stamp="$dir/.sdp4bit-requirements"
+  local want
+  want=$(cd "$SDP4BIT_ROOT" && sha256sum "$@")
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$dir/bin/python" ]; then
+    return 0
+  fi
+  if [ ! -x "$dir/bin/python" ]; then
+    echo "   creating the virtual environment $dir"
+    python3 -m venv "$dir"
+  fi
+  echo "   installing $1 into $dir"
+  "$dir/bin/python" -m pip install --quiet -r "$SDP4BIT_ROOT/$1"
+  if [ $# -gt 1 ]; then
+    echo "   installing $2 into $dir (no build isolation, no ops compiled)"
+    DS_BUILD_OPS=0 "$dir/bin/python" -m pip install --quiet --no-build-isolation \
+      -r "$SDP4BIT_ROOT/$2"
+  fi
+  echo "$want" > "$stamp"
+}
+
+sdp4bit_use() {
+  export VIRTUAL_ENV=$1
+  export PATH="$1/bin:$PATH"
+  hash -r
+}
+
+sdp4bit_main_venv() {
+  sdp4bit_venv "$SDP4BIT_MAIN_VENV" requirements-test.txt requirements-deepspeed.txt
+  sdp4bit_use "$SDP4BIT_MAIN_VENV"
+}
+
+# The sources a package install is built from, as one hash of the files as they are now
+# (tracked or new); empty outside a git checkout. An install into a virtual environment records
+# it (sdp4bit_record_install DIR), and the main job reinstalls only when the tree has changed.
+SDP4BIT_PACKAGE_SOURCES=(Cargo.toml Cargo.lock build.rs .cargo setup.py pyproject.toml
+  MANIFEST.in src cpp kernels megatron_patch scripts/build_native.py)
+
+sdp4bit_source_hash() {
+  (cd "$SDP4BIT_ROOT" && git rev-parse --git-dir >/dev/null 2>&1 \
+    && git ls-files -z --cached --others --exclude-standard -- "${SDP4BIT_PACKAGE_SOURCES[@]}" \
+    | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+}
+
+sdp4bit_record_install() {
+  sdp4bit_source_hash > "$1/.sdp4bit-installed-source"
+}
+
+sdp4bit_installed_is_current() {
+  local now
+  now=$(sdp4bit_source_hash)
+  [ -n "$now" ] && [ -f "$1/.sdp4bit-installed-source" ] \
+    && [ "$(cat "$1/.sdp4bit-installed-source")" = "$now" ]
+}
