@@ -1,4 +1,4 @@
-"""Builds the torch extension `megatron_patch._sdp4bit` against the installed torch.
+"""Builds the torch extension `sdp4bit._sdp4bit` against the installed torch.
 
 The Rust core is built with cargo when the extension is built (scripts/build_native.py), or
 taken prebuilt from SDP4BIT_NATIVE_DIR on hosts without a Rust toolchain. See the README.
@@ -74,7 +74,7 @@ class BuildWithRustCore(cpp_extension.BuildExtension):
 setup(
     ext_modules=[
         cpp_extension.CppExtension(
-            name="megatron_patch._sdp4bit",
+            name="sdp4bit._sdp4bit",
             sources=["cpp/sdp4bit_ops.cpp", "cpp/torch_comms.cpp"],
             include_dirs=[str(REPO / "cpp")],
             # No -std flag: torch's BuildExtension adds the C++ standard the installed torch's

@@ -4,7 +4,8 @@ topology and link rate it measures, side by side in one run, one bucket's reduce
 all-gather per preset (bench/cluster_collectives.py) and the training step of the small GPT
 (examples/gpt_cpu/train.py), and writes a table, JSON and a PNG plot.
 
-    sudo python bench/cluster.py --topologies 2x2,4x1 --rates-mbit 1000,10000 --out bench/results
+    sudo bash scripts/bench.sh cluster --topologies 2x2,4x1 --rates-mbit 1000,10000 \
+        --out bench/results
 
 Needs root and iproute2 (it says so and stops otherwise); removes everything it made.
 """
@@ -89,11 +90,11 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
 
 
 def add_predictions(rows: list[dict]) -> None:
-    """The cost model (megatron_patch.plan) checked against the measurements: each preset's
+    """The cost model (sdp4bit.plan) checked against the measurements: each preset's
     time at the fastest link calibrates its fixed part (codec passes, intra-node traffic,
     latency); the time at every other rate is then predicted from the inter-node bytes the
     core plans, sharing each node's link, and compared with what was measured."""
-    from megatron_patch import plan
+    from sdp4bit import plan
 
     for topology in {r["topology"] for r in rows}:
         nodes, per_node = (int(x) for x in topology.split("x"))
@@ -129,7 +130,7 @@ def write_results(rows: list[dict], args, out_dir: Path) -> None:
         f"links shaped with tc (tbf rate; {args.delay_ms} ms added one-way delay); training: "
         f"`examples/gpt_cpu/train.py {args.model}`, median step after {args.warmup_steps} "
         "warm-up steps. Times are the slowest rank's; comm = reduce-scatter + all-gather. "
-        "Model: megatron_patch.plan's inter-node bytes over each node's link, its fixed part "
+        "Model: sdp4bit.plan's inter-node bytes over each node's link, its fixed part "
         "calibrated per preset at the fastest link (marked), predicted at the others.", "",
         "| topology | link | preset | RS ms | AG ms | bytes sent/rank | comm speedup | ideal "
         "(byte ratio) | measured/ideal | model ms | model error | step ms | step speedup |",

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_patch import GradReduceScatter, Sdp4bitConfig, Sdp4bitGroups, WeightAllGather
+from sdp4bit import Config, GradReduceScatter, ProcessGroups, WeightAllGather
 
 
 def slowest(seconds: float) -> float:
@@ -46,7 +46,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     numel = args.numel - args.numel % world
-    groups = Sdp4bitGroups.create(local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+    groups = ProcessGroups.create(local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
     g = torch.Generator().manual_seed(rank)
     grads = torch.randn(numel, generator=g) * 1e-3
     params = torch.randn(numel, generator=torch.Generator().manual_seed(7)).bfloat16()
@@ -60,7 +60,7 @@ def main() -> None:
     rs_s = timed(lambda: dist.reduce_scatter_tensor(shard, grads.clone()), args.reps)
     ag_s = timed(lambda: dist.all_gather_into_tensor(words, mine), args.reps)
     # The uncompressed bytes as the core counts them (fp32 reduce-scatter, bf16 all-gather).
-    uncompressed = Sdp4bitConfig("baseline")
+    uncompressed = Config("baseline")
     rows.append({"preset": "baseline", "rs_s": rs_s, "ag_s": ag_s,
                  "rs_bytes": GradReduceScatter(groups, uncompressed, numel, 4000)
                  .baseline_wire_bytes().total,
@@ -68,7 +68,7 @@ def main() -> None:
                  .baseline_wire_bytes().total})
 
     for bucket_id, preset in enumerate(args.presets.split(",")):
-        config = Sdp4bitConfig(preset)
+        config = Config(preset)
         rs = GradReduceScatter(groups, config, numel, bucket_id)
         ag = WeightAllGather(groups, config, params.clone(), bucket_id)
         local_params = params.clone()

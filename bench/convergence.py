@@ -1,4 +1,4 @@
-"""Convergence study: the paper's ablation at small scale (SPEC section 7).
+"""Convergence study: the paper's ablation at small scale (docs/numerics.md, reference results).
 
 Trains the byte-level GPT of examples/gpt_cpu with W = 4 ranks as 2 nodes x 2 ranks on CPU,
 once per row, with the same seed and data order: baseline, qW, qWD, TLq, TLq-HS, SDP4Bit,
@@ -6,8 +6,8 @@ QSDP, Global-QSGD, ZeRO++-style, plus the baseline with another data seed as a m
 run-to-run noise. Writes a table of final validation loss (held-out 10% of the standard
 library's sources) and a PNG of the training-loss curves.
 
-    python bench/convergence.py --steps 1200 --out bench/results     # the study
-    python bench/convergence.py --steps 4 --rows baseline,sdp4bit --out /tmp/smoke  # smoke
+    bash scripts/bench.sh convergence --steps 1200 --out bench/results     # the study
+    bash scripts/bench.sh convergence --steps 3 --rows baseline,qWD,SDP4Bit --out /tmp/smoke
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
 //                                         raw_stream)
 //       .start(params, step, raw_stream) -> Work
 //   torch.classes.sdp4bit.Work.wait() / .is_completed()
-//   torch.ops.sdp4bit.describe_config / config_fingerprint / plan_wire_bytes /
+//   torch.ops.sdp4bit.schema (presets, knobs, limits as JSON) / describe_config /
+//       config_knobs (JSON) / config_fingerprint / plan_wire_bytes /
 //       simulate_* (in-process reference)
 //
 // Collectives run on the ProcessGroups' executor thread in submission order; a Work keeps its
@@ -520,6 +521,12 @@ std::string describe_config(const std::string& config) {
   return std::string(parse(config)->describe());
 }
 
+std::string config_knobs(const std::string& config) {
+  return std::string(parse(config)->knob_values_json());
+}
+
+std::string schema() { return std::string(ffi::schema_json()); }
+
 int64_t config_fingerprint(const std::string& config) {
   uint64_t fingerprint = parse(config)->fingerprint();
   int64_t out;
@@ -622,6 +629,8 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def("wire_bytes", &WeightAllGather::wire_bytes)
       .def("baseline_wire_bytes", &WeightAllGather::baseline_wire_bytes);
   m.def("describe_config(str config) -> str", &describe_config);
+  m.def("config_knobs(str config) -> str", &config_knobs);
+  m.def("schema() -> str", &schema);
   m.def("config_fingerprint(str config) -> int", &config_fingerprint);
   m.def("plan_wire_bytes(str config, int[] node_labels, int numel, int step) -> int[]",
         &plan_wire_bytes);

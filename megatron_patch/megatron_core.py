@@ -29,25 +29,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
-from .config import Sdp4bitConfig
-from .errors import Sdp4bitError
-from .groups import Sdp4bitGroups
-from .replicas import check_replicas_identical
-from .telemetry import ErrorStats, Telemetry
+from sdp4bit import Config, GradReduceScatter, Handle, ProcessGroups, Sdp4bitError, WeightAllGather
+from sdp4bit._patching import Patches
+from sdp4bit.integration import WireCounter, local_shard, log_route_notice, require_bf16
+from sdp4bit.replicas import check_replicas_identical
+from sdp4bit.telemetry import ErrorStats, Telemetry
 
 logger = logging.getLogger("sdp4bit")
 
-_ORIGINAL: dict[str, object] = {}
+_PATCHES = Patches()
 
 
 @dataclass
 class _Settings:
-    config: Sdp4bitConfig
+    config: Config
     local_world_size: int | None
-    weights: bool  # whether the config compresses weights
-    grads: bool  # whether the config compresses gradients
-    groups: dict[str, Sdp4bitGroups] = field(default_factory=dict)
+    groups: dict[str, ProcessGroups] = field(default_factory=dict)
     next_bucket_id: int = 0
     # Gradient steps to resume bucket groups at, by their first bucket's id (load_state_dict).
     resume_steps: dict[int, int] = field(default_factory=dict)
@@ -77,7 +74,7 @@ def _ddp_init(self, *args, **kwargs):
     """DistributedDataParallel.__init__, then numbers its buckets: in buffer order, counting
     on from earlier models (model chunks), so the numbering (which seeds each bucket's random
     streams) does not depend on how buckets are grouped or when they first communicate."""
-    _ORIGINAL["ddp_init"](self, *args, **kwargs)
+    _PATCHES.original("__init__")(self, *args, **kwargs)
     if _SETTINGS is not None:
         for buffer in self.buffers + self.expert_parallel_buffers:
             for bucket in buffer.buckets:
@@ -85,7 +82,7 @@ def _ddp_init(self, *args, **kwargs):
                 _SETTINGS.next_bucket_id += 1
 
 
-def enable(config: Sdp4bitConfig, local_world_size: int | None = None,
+def enable(config: Config, local_world_size: int | None = None,
            iteration=None, telemetry_interval: int = 0, tensorboard_writer=None) -> None:
     """Routes the distributed optimizer's collectives through sdp4bit with `config`.
 
@@ -96,24 +93,18 @@ def enable(config: Sdp4bitConfig, local_world_size: int | None = None,
     there, so no sdp4bit state needs checkpointing; without it, save :func:`state_dict` and
     restore it with :func:`load_state_dict`. Every `telemetry_interval` steps (0: never) each
     bucket group reports bytes sent and the quantization error of its gradients and
-    parameters against Megatron's exact collectives (:mod:`megatron_patch.telemetry`) to the
+    parameters against Megatron's exact collectives (:mod:`sdp4bit.telemetry`) to the
     ``sdp4bit`` logger and `tensorboard_writer` (a writer, or a callable returning one).
     """
     global _SETTINGS
     description = config.describe()  # raises Sdp4bitError for a bad preset or knob
-    cls, ddp = _bucket_group_class(), _ddp_class()
-    if not _ORIGINAL:
-        _ORIGINAL["start_grad_sync"] = cls.start_grad_sync
-        _ORIGINAL["start_param_sync"] = cls.start_param_sync
-        _ORIGINAL["ddp_init"] = ddp.__init__
-        cls.start_grad_sync = _start_grad_sync
-        cls.start_param_sync = _start_param_sync
-        ddp.__init__ = _ddp_init
+    cls = _bucket_group_class()
+    _PATCHES.install(cls, "start_grad_sync", _start_grad_sync)
+    _PATCHES.install(cls, "start_param_sync", _start_param_sync)
+    _PATCHES.install(_ddp_class(), "__init__", _ddp_init)
     _SETTINGS = _Settings(
         config,
         local_world_size,
-        weights=config.codecs()[0] != "none",
-        grads=config.codecs()[1] != "none",
         iteration=iteration,
         telemetry=Telemetry(telemetry_interval, tensorboard_writer),
     )
@@ -130,11 +121,7 @@ def disable() -> None:
             del bucket_group._sdp4bit
         for groups in _SETTINGS.groups.values():
             groups.close()
-    if _ORIGINAL:
-        cls = _bucket_group_class()
-        cls.start_grad_sync = _ORIGINAL.pop("start_grad_sync")
-        cls.start_param_sync = _ORIGINAL.pop("start_param_sync")
-        _ddp_class().__init__ = _ORIGINAL.pop("ddp_init")
+    _PATCHES.restore()
     _SETTINGS = None
 
 
@@ -162,7 +149,7 @@ class BucketGroupHandle:
 class _BucketGroupState:
     """sdp4bit's per-bucket-group state, kept on the bucket group."""
 
-    groups: Sdp4bitGroups
+    groups: ProcessGroups
     grad: list[GradReduceScatter]
     weight: list[WeightAllGather]
     staging: list[torch.Tensor | None]  # fp32 copies of bf16 gradient buckets
@@ -170,22 +157,20 @@ class _BucketGroupState:
     # No gradient sync since set-up (or resume): the replicas hold identical parameters.
     fresh: bool = True
 
-    def wire_bytes(self, step: int) -> tuple[WireBytes, WireBytes]:
-        """(sent, uncompressed baseline) bytes of this group's gradient and parameter sync."""
-        sent = baseline = 0
+    def wire_bytes(self, step: int) -> WireCounter:
+        """Bytes of this group's gradient and parameter sync at `step`, and uncompressed."""
+        wire = WireCounter()
         for rs in self.grad:
-            sent += rs.wire_bytes(step).total
-            baseline += rs.baseline_wire_bytes().total
+            wire.add_grad(rs, step)
         for ag in self.weight:
-            sent += ag.wire_bytes().total
-            baseline += ag.baseline_wire_bytes().total
-        return sent, baseline
+            wire.add_weight(ag)
+        return wire
 
 
-def _groups_for(settings: _Settings, group: dist.ProcessGroup) -> Sdp4bitGroups:
+def _groups_for(settings: _Settings, group: dist.ProcessGroup) -> ProcessGroups:
     key = group.group_name
     if key not in settings.groups:
-        settings.groups[key] = Sdp4bitGroups.create(group, settings.local_world_size)
+        settings.groups[key] = ProcessGroups.create(group, settings.local_world_size)
     return settings.groups[key]
 
 
@@ -235,14 +220,11 @@ def _state(bucket_group) -> _BucketGroupState | None:
             )
         grads.append(GradReduceScatter(groups, settings.config, bucket.grad_data.numel(),
                                        bucket_id, device=bucket.grad_data.device))
-        if settings.weights and bucket.param_data.dtype != torch.bfloat16:
-            raise Sdp4bitError(
-                "the weight codecs all-gather bf16 parameters; this model's parameter "
-                f"buffer is {bucket.param_data.dtype} (train in bf16, or choose "
-                "weight_codec=none)"
-            )
+    log_route_notice(f"bucket group of buckets {[rs.bucket_id for rs in grads]}", grads)
     weights = []
-    if settings.weights:
+    if settings.config.compresses_weights:
+        require_bf16((b.param_data.dtype for b in bucket_group.buckets),
+                     "this model's parameter buffers are", "train in bf16")
         check_replicas_identical([b.param_data for b in bucket_group.buckets],
                                  _dp_group(groups))
         weights = [
@@ -257,30 +239,23 @@ def _state(bucket_group) -> _BucketGroupState | None:
     return state
 
 
-def _dp_group(groups: Sdp4bitGroups):
+def _dp_group(groups: ProcessGroups):
     return groups.dp_group if groups.dp_group is not None else dist.group.WORLD
 
 
-def _exact_reduce_scatter(data: torch.Tensor, groups: Sdp4bitGroups) -> torch.Tensor:
+def _exact_reduce_scatter(data: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
     """Megatron's uncompressed reduce-scatter of `data` (for telemetry), into a new tensor."""
     out = torch.empty(data.numel() // groups.size, dtype=data.dtype, device=data.device)
     dist.reduce_scatter_tensor(out, data, group=_dp_group(groups))
     return out
 
 
-def _exact_all_gather(params: torch.Tensor, groups: Sdp4bitGroups) -> torch.Tensor:
+def _exact_all_gather(params: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
     """Every owner's current shard of `params`, all-gathered uncompressed (for telemetry)."""
     out = torch.empty_like(params)
     mine = local_shard(params, groups.rank, groups.size).clone()
     dist.all_gather_into_tensor(out, mine, group=_dp_group(groups))
     return out
-
-
-def local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """DP rank `rank`'s shard of a bucket buffer split into `size` equal parts (Megatron's
-    layout)."""
-    shard = tensor.numel() // size
-    return tensor[rank * shard:(rank + 1) * shard]
 
 
 def _prepare_grads(self, force_all_reduce) -> None:
@@ -326,10 +301,11 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
     state = None if force_all_reduce else _state(self)
     if state is not None:
         state.fresh = False
-    if state is None or not _SETTINGS.grads or not state.grad[0].quantizes_at(state.grad_step):
+    if (state is None or not _SETTINGS.config.compresses_grads
+            or not state.grad[0].quantizes_at(state.grad_step)):
         if state is not None:
             state.grad_step += 1
-        return _ORIGINAL["start_grad_sync"](self, force_all_reduce)
+        return _PATCHES.original("start_grad_sync")(self, force_all_reduce)
     _prepare_grads(self, force_all_reduce)
     cfg = self.ddp_config
     rank, size = state.groups.rank, state.groups.size
@@ -359,9 +335,10 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
             out.copy_(shard)
         if exact is not None:
             got = [local_shard(b.grad_data, rank, size) for b in self.buckets]
-            sent = sum(rs.wire_bytes(step).total for rs in state.grad)
-            baseline = sum(rs.baseline_wire_bytes().total for rs in state.grad)
-            telemetry.report("grad", step, set_up, sent, baseline,
+            wire = WireCounter()
+            for rs in state.grad:
+                wire.add_grad(rs, step)
+            telemetry.report("grad", step, set_up, wire.sent, wire.uncompressed,
                              ErrorStats.of(got, exact))
         if cfg.average_in_collective:
             for bucket in self.buckets:
@@ -377,8 +354,8 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
 
 def _start_param_sync(self, force_sync: bool = False):
     state = _state(self)
-    if state is None or not _SETTINGS.weights:
-        return _ORIGINAL["start_param_sync"](self, force_sync)
+    if state is None or not _SETTINGS.config.compresses_weights:
+        return _PATCHES.original("start_param_sync")(self, force_sync)
     if force_sync:
         if self.param_gather_handle is not None:
             self.param_gather_handle.wait()
@@ -405,10 +382,11 @@ def _start_param_sync(self, force_sync: bool = False):
     finish = None
     if exact is not None:
         def finish():
-            sent = sum(ag.wire_bytes().total for ag in state.weight)
-            baseline = sum(ag.baseline_wire_bytes().total for ag in state.weight)
+            wire = WireCounter()
+            for ag in state.weight:
+                wire.add_weight(ag)
             got = [bucket.param_data for bucket in self.buckets]
-            telemetry.report("param", step, set_up, sent, baseline,
+            telemetry.report("param", step, set_up, wire.sent, wire.uncompressed,
                              ErrorStats.of(got, exact))
     handle = BucketGroupHandle(handles, finish)
     if self.ddp_config.overlap_param_gather and not force_sync:
@@ -462,8 +440,8 @@ def wire_bytes(ddp_model, step: int) -> tuple[int, int]:
     for bucket_group in _bucket_groups(ddp_model):
         state = getattr(bucket_group, "_sdp4bit", None)
         if state is not None:
-            s, b = state.wire_bytes(step)
-            sent, baseline = sent + s, baseline + b
+            wire = state.wire_bytes(step)
+            sent, baseline = sent + wire.sent, baseline + wire.uncompressed
     return sent, baseline
 
 

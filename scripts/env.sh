@@ -10,9 +10,14 @@
 #                                      imports torch); skipped when DIR already holds exactly
 #                                      these files' contents
 #   sdp4bit_use DIR                    puts DIR/bin first on PATH and sets VIRTUAL_ENV
-#   sdp4bit_main_venv                  the environment of the full test suite and the main
-#                                      job (.cache/venv: requirements-test.txt, DeepSpeed),
-#                                      made and put first on PATH
+#   sdp4bit_main_venv                  the environment of the full test suite, the main job
+#                                      and the benchmark harnesses (.cache/venv:
+#                                      requirements-test.txt, DeepSpeed), made and put first
+#                                      on PATH
+#   sdp4bit_install_current            pip install . into the environment in use unless the
+#                                      installed package was built from the tree as it is
+#   sdp4bit_nvrtc                      NVRTC (the CUDA runtime compiler, no GPU needed) in
+#                                      .cache/, put on LD_LIBRARY_PATH for the CUDA backend
 
 SDP4BIT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SDP4BIT_MAIN_VENV="$SDP4BIT_ROOT/.cache/venv"
@@ -59,12 +64,33 @@ sdp4bit_main_venv() {
 # (tracked or new); empty outside a git checkout. An install into a virtual environment records
 # it (sdp4bit_record_install DIR), and the main job reinstalls only when the tree has changed.
 SDP4BIT_PACKAGE_SOURCES=(Cargo.toml Cargo.lock build.rs .cargo setup.py pyproject.toml
-  MANIFEST.in src cpp kernels megatron_patch scripts/build_native.py)
+  MANIFEST.in src cpp kernels sdp4bit megatron_patch scripts/build_native.py)
 
 sdp4bit_source_hash() {
   (cd "$SDP4BIT_ROOT" && git rev-parse --git-dir >/dev/null 2>&1 \
     && git ls-files -z --cached --others --exclude-standard -- "${SDP4BIT_PACKAGE_SOURCES[@]}" \
     | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+}
+
+sdp4bit_install_current() {
+  if sdp4bit_installed_is_current "$VIRTUAL_ENV"; then
+    echo "   sdp4bit is installed from the sources as they are"
+    return 0
+  fi
+  echo "   pip install . (cargo builds the Rust core, then the torch extension)"
+  (cd "$SDP4BIT_ROOT" && rm -rf build && pip install --quiet --no-deps --force-reinstall .)
+  sdp4bit_record_install "$VIRTUAL_ENV"
+}
+
+SDP4BIT_NVRTC_VERSION=13.0.88
+
+sdp4bit_nvrtc() {
+  local prefix="$SDP4BIT_ROOT/.cache/nvrtc-$SDP4BIT_NVRTC_VERSION"
+  if [ ! -f "$prefix/nvidia/cu13/lib/libnvrtc.so.13" ]; then
+    python3 -m pip install --quiet --no-deps --target "$prefix" \
+      "nvidia-cuda-nvrtc==$SDP4BIT_NVRTC_VERSION"
+  fi
+  export LD_LIBRARY_PATH="$prefix/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
 sdp4bit_record_install() {

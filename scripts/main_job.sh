@@ -9,16 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-echo "== the Python environment (.cache/venv)"
+echo "== the Python environment (.cache/venv) and sdp4bit in it"
 sdp4bit_main_venv
-if sdp4bit_installed_is_current "$SDP4BIT_MAIN_VENV"; then
-  echo "== sdp4bit is installed from the sources as they are"
-else
-  echo "== pip install . (cargo builds the Rust core, then the torch extension)"
-  rm -rf build
-  pip install --quiet --no-deps --force-reinstall .
-  sdp4bit_record_install "$SDP4BIT_MAIN_VENV"
-fi
+sdp4bit_install_current
 echo "== training: torchrun, 4 ranks on CPU (2 nodes x 2 ranks), sdp4bit preset"
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 cd /tmp  # the installed package, not the repository's source tree, is the one to import

@@ -15,7 +15,6 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 ROOT=$SDP4BIT_ROOT
 
-NVRTC_VERSION=13.0.88
 # The newest megatron-core the integration tests also run against (see the pytest steps).
 MCORE_NEXT=0.19.2
 # The torch versions besides the pinned one (requirements-test.txt) that the extension is built
@@ -40,12 +39,8 @@ summary() {
 }
 trap 'status=$?; if [ $status -ne 0 ]; then echo "FAILED (exit $status) in step: $STEP"; step ""; summary; fi' EXIT
 
-step "NVRTC $NVRTC_VERSION into .cache/"
-NVRTC_PREFIX=.cache/nvrtc-$NVRTC_VERSION
-if [ ! -f "$NVRTC_PREFIX/nvidia/cu13/lib/libnvrtc.so.13" ]; then
-  python3 -m pip install --quiet --no-deps --target "$NVRTC_PREFIX" "nvidia-cuda-nvrtc==$NVRTC_VERSION"
-fi
-export LD_LIBRARY_PATH="$ROOT/$NVRTC_PREFIX/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+step "NVRTC $SDP4BIT_NVRTC_VERSION into .cache/"
+sdp4bit_nvrtc
 # The kernel compile test must fail, not skip, when NVRTC cannot be loaded.
 export SDP4BIT_REQUIRE_NVRTC=1
 # The emulated-GPU kernel test runs its full sweep.
@@ -84,8 +79,8 @@ step "GPU tests again, uncaptured, to show whether they ran or why they skipped"
 cargo test --locked --release --test cuda_gpu -- --nocapture --test-threads=1 2>&1 \
   | sed -nE 's/.*(skipped: [^[(]*).*/\1/p; /^test result/p' | sort | uniq -c
 step "benchmark smoke runs (SDP4BIT_BENCH_QUICK=1; the GPU one skips without a GPU)"
-SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench cpu
-SDP4BIT_BENCH_QUICK=1 cargo bench --locked --bench gpu
+SDP4BIT_BENCH_QUICK=1 bash scripts/bench.sh cpu
+SDP4BIT_BENCH_QUICK=1 bash scripts/bench.sh gpu
 
 step "waiting for the main Python environment"
 wait_for "$MAIN_ENV_PID" .cache/logs/venv-main.log
@@ -95,8 +90,8 @@ sdp4bit_use "$SDP4BIT_MAIN_VENV"
 # in-process collective through the extension.
 smoke() {
   (cd /tmp && "$1/bin/python" -W ignore -c "
-import torch, megatron_patch as m
-c = m.Sdp4bitConfig('sdp4bit')
+import torch, sdp4bit as m
+c = m.Config('sdp4bit')
 x = torch.randn(4, 4096)
 y = torch.ops.sdp4bit.simulate_grad_reduce_scatter(c.spec(), [0, 0, 1, 1], 0, 0, x)
 print('   torch', torch.__version__, '| extension from', m.__file__,
@@ -128,8 +123,8 @@ fi
 PYTHONPATH="$ROOT/$NEXT_DIR" pytest -q tests/python/test_megatron.py
 
 step "convergence study smoke run (3 steps, 3 rows; the study itself is bench/convergence.py)"
-(cd /tmp && OMP_NUM_THREADS=1 python "$ROOT/bench/convergence.py" --steps 3 \
-  --rows baseline,qWD,SDP4Bit --out "$ROOT/.cache/convergence-smoke")
+OMP_NUM_THREADS=1 bash scripts/bench.sh convergence --steps 3 --rows baseline,qWD,SDP4Bit \
+  --out .cache/convergence-smoke
 test -s .cache/convergence-smoke/convergence.png
 
 step "native bundle from the tree (python scripts/build_native.py)"

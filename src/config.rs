@@ -320,7 +320,7 @@ impl Config {
             _ => {
                 return Err(Error::Config(format!(
                     "unknown knob '{key}' (value '{value}'); known knobs: {}",
-                    KNOBS.join(", ")
+                    KNOBS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
                 )));
             }
         }
@@ -378,23 +378,166 @@ impl Config {
     }
 }
 
-/// All knob names accepted by [`Config::set`].
-pub const KNOBS: [&str; 14] = [
-    "weight_codec",
-    "weight_bits",
-    "weight_group_size",
-    "weight_rounding",
-    "grad_codec",
-    "grad_intra_bits",
-    "grad_inter_bits",
-    "grad_group_size",
-    "hadamard_block",
-    "grad_rounding",
-    "global_qsgd_bits",
-    "pipeline_chunks",
-    "grad_quant_start_step",
-    "seed",
+/// The values a knob accepts, for front ends that present knobs as typed, documented fields
+/// (the Python config, the Megatron flags, the DeepSpeed section); [`Config::set`] checks
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KnobValues {
+    /// One of these names.
+    Names(&'static [&'static str]),
+    /// One of these integers.
+    Integers(&'static [u64]),
+    /// An integer from `min` to `max` that is a multiple of `multiple_of`.
+    Range {
+        /// Smallest value.
+        min: u64,
+        /// Largest value.
+        max: u64,
+        /// Step between accepted values.
+        multiple_of: u64,
+    },
+}
+
+/// One knob of [`Config::set`]: its name, the values it accepts and what it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Knob {
+    /// The name used in `key=value` overrides, Megatron flags (`--sdp4bit-<name>` with
+    /// dashes) and the DeepSpeed config section.
+    pub name: &'static str,
+    /// What values it accepts.
+    pub values: KnobValues,
+    /// One sentence on what it does.
+    pub doc: &'static str,
+}
+
+const GROUP_SIZES: KnobValues = KnobValues::Range {
+    min: GROUP_QUANTUM as u64,
+    max: MAX_GROUP_SIZE as u64,
+    multiple_of: GROUP_QUANTUM as u64,
+};
+const BITS: KnobValues = KnobValues::Integers(&[4, 8]);
+const ROUNDINGS: KnobValues = KnobValues::Names(&["stochastic", "nearest"]);
+const ANY_U64: KnobValues = KnobValues::Range {
+    min: 0,
+    max: u64::MAX,
+    multiple_of: 1,
+};
+
+/// Every knob [`Config::set`] accepts, codecs first (setting a codec resets that side's knobs
+/// to the codec's defaults, so codecs are applied before the knobs they reset).
+pub const KNOBS: &[Knob] = &[
+    Knob {
+        name: "weight_codec",
+        values: KnobValues::Names(&["none", "qwd", "qw", "qsdp", "zeropp"]),
+        doc: "codec of the parameter all-gather; resets the other weight knobs to its defaults",
+    },
+    Knob {
+        name: "grad_codec",
+        values: KnobValues::Names(&["none", "tlq-hs", "tlq", "qsdp", "global-qsgd", "zeropp"]),
+        doc: "codec of the gradient reduce-scatter; resets the other gradient knobs to its defaults",
+    },
+    Knob {
+        name: "weight_bits",
+        values: BITS,
+        doc: "bits per weight code",
+    },
+    Knob {
+        name: "weight_group_size",
+        values: GROUP_SIZES,
+        doc: "weights sharing one quantization scale",
+    },
+    Knob {
+        name: "weight_rounding",
+        values: ROUNDINGS,
+        doc: "rounding of the weight codes",
+    },
+    Knob {
+        name: "grad_intra_bits",
+        values: BITS,
+        doc: "bits per gradient code inside a node (first level of two-level codecs)",
+    },
+    Knob {
+        name: "grad_inter_bits",
+        values: BITS,
+        doc: "bits per gradient code between nodes (and of one-level routes)",
+    },
+    Knob {
+        name: "grad_group_size",
+        values: GROUP_SIZES,
+        doc: "gradients sharing one quantization scale",
+    },
+    Knob {
+        name: "hadamard_block",
+        values: KnobValues::Integers(&[0, 16, 32, 64, 128, 256]),
+        doc: "Walsh-Hadamard block applied before the first gradient quantization (0: off)",
+    },
+    Knob {
+        name: "grad_rounding",
+        values: ROUNDINGS,
+        doc: "rounding of the gradient codes",
+    },
+    Knob {
+        name: "global_qsgd_bits",
+        values: KnobValues::Names(&["auto", "8", "16"]),
+        doc: "Global-QSGD integer width (auto: 8 up to 127 ranks, else 16)",
+    },
+    Knob {
+        name: "pipeline_chunks",
+        values: KnobValues::Range {
+            min: 1,
+            max: MAX_PIPELINE_CHUNKS as u64,
+            multiple_of: 1,
+        },
+        doc: "chunks each gradient bucket is exchanged in",
+    },
+    Knob {
+        name: "grad_quant_start_step",
+        values: ANY_U64,
+        doc: "optimizer step from which gradients are compressed (uncompressed before)",
+    },
+    Knob {
+        name: "seed",
+        values: ANY_U64,
+        doc: "seed of the stochastic-rounding random streams",
+    },
 ];
+
+impl Config {
+    /// The value of every knob of [`KNOBS`] in this config, in its textual form, or `None`
+    /// where the configured codec does not use the knob.
+    pub fn knob_values(&self) -> Vec<(&'static str, Option<String>)> {
+        let (w, g) = (&self.weight, &self.grad);
+        let weighted = w.codec != WeightCodec::None;
+        let grouped = g.is_grouped();
+        let two_level = g.is_two_level();
+        KNOBS
+            .iter()
+            .map(|knob| {
+                let value = match knob.name {
+                    "weight_codec" => Some(w.codec.to_string()),
+                    "grad_codec" => Some(g.codec.to_string()),
+                    "weight_bits" => weighted.then(|| w.bits.to_string()),
+                    "weight_group_size" => weighted.then(|| w.group_size.to_string()),
+                    "weight_rounding" => weighted.then(|| w.rounding.to_string()),
+                    "grad_intra_bits" => two_level.then(|| g.intra_bits.to_string()),
+                    "grad_inter_bits" => grouped.then(|| g.inter_bits.to_string()),
+                    "grad_group_size" => grouped.then(|| g.group_size.to_string()),
+                    "hadamard_block" => {
+                        two_level.then(|| g.hadamard_block.unwrap_or(0).to_string())
+                    }
+                    "grad_rounding" => (g.codec != GradCodec::None).then(|| g.rounding.to_string()),
+                    "global_qsgd_bits" => (g.codec == GradCodec::GlobalQsgd)
+                        .then(|| g.global_bits.map_or("auto".to_string(), |b| b.to_string())),
+                    "pipeline_chunks" => Some(self.pipeline_chunks.to_string()),
+                    "grad_quant_start_step" => Some(self.grad_quant_start_step.to_string()),
+                    "seed" => Some(self.seed.to_string()),
+                    other => unreachable!("knob {other} has no value"),
+                };
+                (knob.name, value)
+            })
+            .collect()
+    }
+}
 
 fn require(applies: bool, key: &str, what: &str, codec: impl fmt::Display) -> Result<()> {
     if applies {

@@ -604,8 +604,9 @@ fn fingerprint_changes_with_every_knob() {
     // Every knob of KNOBS is exercised above.
     for k in KNOBS {
         assert!(
-            CHANGES.iter().any(|(_, key, _)| *key == k),
-            "knob {k} not covered"
+            CHANGES.iter().any(|(_, key, _)| *key == k.name),
+            "knob {} not covered",
+            k.name
         );
     }
     // Setting a knob to its current value keeps the fingerprint.
@@ -665,5 +666,98 @@ fn fingerprint_equal_iff_configs_equal() {
         }
         // The fingerprint is exactly FNV-1a of the canonical form.
         assert_eq!(a.fingerprint(), fnv1a64(a.to_string().as_bytes()));
+    }
+}
+
+/// Configs where each knob applies: every preset, plus the two-level codec without Hadamard,
+/// TLq-HS with groups of 256 (every Hadamard block divides them) and Global-QSGD with a fixed
+/// width.
+fn knob_table_configs() -> Vec<Config> {
+    let mut configs: Vec<Config> = Preset::ALL.iter().map(|&p| Config::preset(p)).collect();
+    configs.push(Config::from_overrides(Preset::Sdp4bit, [("grad_codec", "tlq")]).unwrap());
+    configs.push(Config::from_overrides(Preset::Sdp4bit, [("grad_group_size", "256")]).unwrap());
+    configs.push(
+        Config::from_overrides(Preset::GlobalQsgd, [("global_qsgd_bits", "16")]).unwrap(),
+    );
+    configs
+}
+
+#[test]
+fn knob_values_report_every_knob_and_set_them_back() {
+    for config in knob_table_configs() {
+        let values = config.knob_values();
+        let names: Vec<_> = values.iter().map(|(name, _)| *name).collect();
+        let table: Vec<_> = KNOBS.iter().map(|k| k.name).collect();
+        assert_eq!(names, table, "{config}");
+        let mut rebuilt = Config::preset(Preset::Baseline);
+        for (name, value) in &values {
+            match value {
+                Some(value) => rebuilt
+                    .set(name, value)
+                    .unwrap_or_else(|e| panic!("{config}: {name}={value}: {e}")),
+                // A knob reported as not applying is refused by set() as such.
+                None => {
+                    let mut c = config;
+                    let error = config_err(c.set(name, "4"));
+                    mentions(&error, &[name, "does not apply"]);
+                }
+            }
+        }
+        assert_eq!(rebuilt, config, "knob_values of {config} do not set it back");
+    }
+}
+
+#[test]
+fn knob_table_values_are_the_ones_set_accepts() {
+    use sdp4bit::config::KnobValues;
+    for knob in KNOBS {
+        let using: Vec<Config> = knob_table_configs()
+            .into_iter()
+            .filter(|c| c.knob_values().iter().any(|(n, v)| *n == knob.name && v.is_some()))
+            .collect();
+        assert!(!using.is_empty(), "no config uses {}", knob.name);
+        // Accepted by at least one config the knob applies to.
+        let accepts = |value: &str| {
+            using.iter().any(|&config| {
+                let mut c = config;
+                c.set(knob.name, value).is_ok() && c.validate().is_ok()
+            })
+        };
+        match knob.values {
+            KnobValues::Names(names) => {
+                for name in names {
+                    assert!(accepts(name), "{}={name}", knob.name);
+                }
+                assert!(!accepts("no-such-value"), "{}", knob.name);
+            }
+            KnobValues::Integers(values) => {
+                for v in values {
+                    assert!(accepts(&v.to_string()), "{}={v}", knob.name);
+                }
+                let outside = (0..=values.iter().max().unwrap() + 1)
+                    .find(|v| !values.contains(v))
+                    .unwrap();
+                assert!(!accepts(&outside.to_string()), "{}={outside}", knob.name);
+            }
+            KnobValues::Range {
+                min,
+                max,
+                multiple_of,
+            } => {
+                assert!(accepts(&min.to_string()), "{}={min}", knob.name);
+                if max < u64::MAX {
+                    assert!(accepts(&max.to_string()), "{}={max}", knob.name);
+                    assert!(!accepts(&(max + multiple_of).to_string()), "{}", knob.name);
+                }
+                if min > 0 {
+                    assert!(!accepts(&(min - 1).to_string()), "{}", knob.name);
+                }
+                if multiple_of > 1 {
+                    assert!(!accepts(&(min + 1).to_string()), "{}", knob.name);
+                }
+                assert!(!accepts("-1"), "{}", knob.name);
+            }
+        }
+        assert!(!knob.doc.is_empty());
     }
 }

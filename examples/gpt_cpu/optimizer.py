@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_patch.megatron_core import local_shard
+from sdp4bit.integration import local_shard
 
 
 class ShardedAdamW:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patch.megatron_core as sdp4bit_megatron
-from megatron_patch import PRESETS, Sdp4bitConfig
+from sdp4bit import Config, presets
 
 from data import batch, split, stdlib_corpus
 from model import ByteGPT
@@ -26,7 +26,7 @@ from optimizer import ShardedAdamW
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="sdp4bit", choices=[*PRESETS, "megatron"],
+    p.add_argument("--preset", default="sdp4bit", choices=[*presets(), "megatron"],
                    help="sdp4bit preset, or 'megatron' for Megatron's own collectives")
     p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
                    help="override one config knob (repeatable), e.g. --knob grad_codec=tlq")
@@ -99,7 +99,7 @@ def main() -> None:
     config = None
     if args.preset != "megatron":
         knobs = dict(k.split("=", 1) for k in args.knob)
-        config = Sdp4bitConfig(args.preset, knobs)
+        config = Config.from_knobs(args.preset, knobs)
         sdp4bit_megatron.enable(config, local_world_size=args.ranks_per_node,
                                 telemetry_interval=args.telemetry_interval)
     train_text, val_text = split(stdlib_corpus(args.corpus_bytes), held_out=0.1)

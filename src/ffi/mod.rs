@@ -11,6 +11,7 @@
 //! Built only with the `ffi` feature (`pip install .` turns it on).
 
 mod buckets;
+mod schema;
 mod simulate;
 mod torch_comm;
 
@@ -18,6 +19,7 @@ use buckets::{
     GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_device_problem,
     new_cuda_grad_bucket, new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, parse_config,
 };
+use schema::schema_json;
 use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
 
 #[cxx::bridge(namespace = "sdp4bit::ffi")]
@@ -59,6 +61,10 @@ mod bridge {
         fn describe(self: &ParsedConfig) -> String;
         /// The cross-rank fingerprint.
         fn fingerprint(self: &ParsedConfig) -> u64;
+        /// Every knob's value as JSON text (`null` where the codecs do not use the knob).
+        fn knob_values_json(self: &ParsedConfig) -> String;
+        /// The presets, knobs (name, accepted values, doc) and limits, as JSON text.
+        fn schema_json() -> String;
 
         /// The gradient reduce-scatter of one bucket.
         type GradBucket;

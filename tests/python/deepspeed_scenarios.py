@@ -87,7 +87,7 @@ def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
     plain deepspeed.initialize."""
     import deepspeed
 
-    from megatron_patch import deepspeed_zero
+    import sdp4bit.deepspeed as deepspeed_zero
 
     # What a launcher would set (the harness has already joined the gloo group).
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -129,7 +129,7 @@ def nan_skips_the_step(rank, world, stage):
     step. Returns (skipped steps, whether the parameters changed during the NaN step)."""
     import deepspeed
 
-    from megatron_patch import deepspeed_zero
+    import sdp4bit.deepspeed as deepspeed_zero
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     deepspeed.init_distributed(dist_backend="gloo")
@@ -161,7 +161,7 @@ def train_stage3(rank, world, section, steps):
     Returns (losses, (sent, uncompressed) bytes, gathers checked, reductions checked)."""
     import deepspeed
 
-    from megatron_patch import deepspeed_zero
+    import sdp4bit.deepspeed as deepspeed_zero
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     deepspeed.init_distributed(dist_backend="gloo")
@@ -171,11 +171,13 @@ def train_stage3(rank, world, section, steps):
     state = optimizer._sdp4bit
     labels = state.groups.node_labels
     counts = {"gathers": 0, "reductions": 0}
-    gather, reduce = deepspeed_zero._dist_allgather_fn, deepspeed_zero._reduce_scatter_coalesced
+    from sdp4bit.deepspeed import zero3
+
+    gather, reduce = zero3._dist_allgather_fn, zero3._reduce_scatter_coalesced
 
     def checked_gather(input_tensor, output_tensor, group=None):
         handle = gather(input_tensor, output_tensor, group)
-        if deepspeed_zero._FETCHING.get():
+        if zero3._FETCHING.get():
             handle.wait()
             assert _replicas_identical(output_tensor.view(torch.int16).to(torch.int32))
             counts["gathers"] += 1
@@ -187,7 +189,8 @@ def train_stage3(rank, world, section, steps):
             dist.all_gather(gathered, t.contiguous())
         outputs = reduce(tensors, group)
         key = tuple(t.numel() for t in tensors)
-        rs, calls = state.grad_buckets[key]
+        entry = state.grad_buckets[key]
+        rs, calls = entry.collective, entry.calls
         inputs = torch.zeros(world, rs.numel)
         for r in range(world):  # the interleaved, pre-divided layout of DeepSpeed
             chunks = [-(-t.numel() // world) for t in tensors]
@@ -227,3 +230,27 @@ def train_stage3(rank, world, section, steps):
     sent = deepspeed_zero.wire_bytes(optimizer)
     deepspeed_zero.detach(optimizer)
     return losses, sent, counts["gathers"], counts["reductions"]
+
+
+def route_notice(rank, world):
+    """ZeRO 2 on nodes of unequal size (W = 3 as 2 + 1): the degraded route is logged once,
+    at set-up. Returns the messages logged to the ``sdp4bit`` logger."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+    from megatron_scenarios import LogRecords
+
+    records = LogRecords()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 2})
+    engine, optimizer, _, _ = deepspeed_zero.initialize(
+        model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(700 + rank)
+    for _ in range(2):
+        loss = engine(torch.randn(8, HIDDEN, generator=g).bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    deepspeed_zero.detach(optimizer)
+    return records.messages

@@ -3,12 +3,14 @@ with a small sharded SGD standing in for the CUDA-only DistributedOptimizer."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 import megatron_patch.megatron_core as integration
-from megatron_patch.megatron_core import local_shard
-from megatron_patch import Sdp4bitConfig
+from sdp4bit import Config
+from sdp4bit.integration import local_shard
 
 HIDDEN = 64
 
@@ -107,7 +109,7 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
     if preset is None:
         integration.disable()
     else:
-        integration.enable(Sdp4bitConfig(preset, {"seed": 5}), local_world_size=2)
+        integration.enable(Config.from_knobs(preset, {"seed": 5}), local_world_size=2)
     ddp = build(overlap_grad, overlap_param, bucket_size)
     opt = ShardedSGD(ddp, lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)
@@ -166,7 +168,7 @@ def train_segment(rank, world, first, last, checkpoint_dir, overlap_param):
     and saves there at the end. Returns (losses, final params as bytes)."""
     import os
 
-    integration.enable(Sdp4bitConfig("sdp4bit", {"seed": 9}), local_world_size=2)
+    integration.enable(Config.from_knobs("sdp4bit", {"seed": 9}), local_world_size=2)
     ddp = build(True, overlap_param)
     opt = ShardedSGD(ddp, lr=0.05)
     g = torch.Generator().manual_seed(300 + rank)
@@ -216,7 +218,7 @@ class RecordingWriter:
 def telemetry(rank, world, steps, interval):
     """Trains with telemetry every `interval` steps; returns the recorded scalars."""
     writer = RecordingWriter()
-    integration.enable(Sdp4bitConfig("sdp4bit"), local_world_size=2,
+    integration.enable(Config("sdp4bit"), local_world_size=2,
                        telemetry_interval=interval, tensorboard_writer=writer)
     ddp = build(True, False)
     opt = ShardedSGD(ddp, lr=0.05)
@@ -234,7 +236,7 @@ def tensor_parallel_and_chunks(rank, world, tp, chunks, steps):
     """DP groups per tensor-parallel rank (W / tp ranks each) and several model chunks (DDP
     instances) sharing them: every chunk's shards equal the core's, replicas within each DP
     group stay identical. Returns each chunk's losses."""
-    integration.enable(Sdp4bitConfig("sdp4bit"), local_world_size=2)
+    integration.enable(Config("sdp4bit"), local_world_size=2)
     models = [build(False, False, tp=tp, seed=1234 + c) for c in range(chunks)]
     optimizers = [ShardedSGD(ddp, lr=0.05) for ddp in models]
     g = torch.Generator().manual_seed(700 + rank)
@@ -269,7 +271,7 @@ def pipeline_parallel(rank, world, steps):
 
     parallel_state.initialize_model_parallel(1, 2)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    integration.enable(Sdp4bitConfig("sdp4bit"), local_world_size=1)
+    integration.enable(Config("sdp4bit"), local_world_size=1)
     # Synchronous grad sync: the check below snapshots the buckets before the sync starts.
     ddp = build(False, False, seed=1234 + stage, out_features=HIDDEN if stage == 0 else 8)
     opt = ShardedSGD(ddp, lr=0.05)
@@ -301,3 +303,33 @@ def pipeline_parallel(rank, world, steps):
             assert _replicas_identical(bucket.param_data), "param buffers differ"
     integration.disable()
     return stage, losses
+
+
+class LogRecords(logging.Handler):
+    """The messages logged to the ``sdp4bit`` logger while installed."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+        logging.getLogger("sdp4bit").addHandler(self)
+        logging.getLogger("sdp4bit").setLevel(logging.INFO)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def route_notice(rank, world, steps):
+    """Nodes of unequal size (W = 3 as 2 + 1): each bucket group logs the degraded route once,
+    at set-up. Returns (bucket groups, the messages logged)."""
+    records = LogRecords()
+    integration.enable(Config("sdp4bit"), local_world_size=2)
+    ddp = build(True, False)
+    opt = ShardedSGD(ddp, lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(16, HIDDEN, generator=g).bfloat16()).float().pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    integration.disable()
+    return len(ddp.bucket_groups), records.messages

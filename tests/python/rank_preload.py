@@ -27,4 +27,4 @@ try:
 except ImportError:
     pass
 
-import megatron_patch  # noqa: E402,F401  (loads the extension)
+import sdp4bit  # noqa: E402,F401  (loads the extension)

@@ -7,15 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_patch import (
-    GradReduceScatter,
-    Sdp4bitConfig,
-    Sdp4bitError,
-    Sdp4bitGroups,
-    WeightAllGather,
-)
+import sdp4bit
+from sdp4bit import Config, GradReduceScatter, ProcessGroups, Sdp4bitError, WeightAllGather
 
-PRESETS = ("sdp4bit", "qsdp", "global-qsgd", "zeropp", "baseline")
+PRESETS = sdp4bit.presets()
 
 
 def gradients(world: int, numel: int, seed: int) -> torch.Tensor:
@@ -56,14 +51,14 @@ def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology, dev
     the bucket) and all-gather (3 steps) of buckets on `device` equal the in-process CPU
     collective byte for byte."""
     if use_env_topology:
-        groups = Sdp4bitGroups.create()  # LOCAL_WORLD_SIZE from the launcher
+        groups = ProcessGroups.create()  # LOCAL_WORLD_SIZE from the launcher
     else:
-        groups = Sdp4bitGroups.create(node_labels=labels)
+        groups = ProcessGroups.create(node_labels=labels)
     assert groups.node_labels == labels, (groups.node_labels, labels)
     numel = world * 3000  # not a multiple of any group size: exercises the padding
     report = {}
     for bucket_id, preset in enumerate(presets):
-        config = Sdp4bitConfig(preset, {"seed": 77})
+        config = Config.from_knobs(preset, {"seed": 77})
         spec = config.spec()
         inputs = gradients(world, numel, seed=bucket_id)
         rs = GradReduceScatter(groups, config, numel, bucket_id, device=device)
@@ -97,11 +92,11 @@ def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology, dev
 def repeated_qwd(rank, world, labels, steps):
     """Replicas stay bit-identical over many qWD all-gathers, and the reconstruction error
     stays within one step's quantization error instead of growing."""
-    groups = Sdp4bitGroups.create(node_labels=labels)
+    groups = ProcessGroups.create(node_labels=labels)
     numel = world * 4096
     initial, targets = weight_targets(numel, steps, seed=5)
     params = initial.clone()
-    ag = WeightAllGather(groups, Sdp4bitConfig("sdp4bit"), params, bucket_id=9)
+    ag = WeightAllGather(groups, Config("sdp4bit"), params, bucket_id=9)
     mine = slice(rank * ag.shard_len, (rank + 1) * ag.shard_len)
     worst = []
     for step in range(steps):
@@ -119,10 +114,10 @@ def nan_reaches_the_owner(rank, world, labels, presets, device="cpu"):
     """A NaN in rank 1's bucket at offset 17 of every shard makes element 17 of every rank's
     reduced shard NaN, for every preset, and the result still equals the in-process one
     (buckets on `device`)."""
-    groups = Sdp4bitGroups.create(node_labels=labels)
+    groups = ProcessGroups.create(node_labels=labels)
     numel = world * 2048
     for bucket_id, preset in enumerate(presets):
-        config = Sdp4bitConfig(preset)
+        config = Config(preset)
         inputs = gradients(world, numel, seed=3)
         s = numel // world
         inputs[1, torch.arange(world) * s + 17] = float("nan")
@@ -153,18 +148,18 @@ def _expect_error(kind, fragment, make):
 def mismatched_setups(rank, world):
     """Set-up differences between ranks fail on every rank, quickly, naming the problem; the
     groups still work afterwards."""
-    groups = Sdp4bitGroups.create(node_labels=[z // 2 for z in range(world)])
+    groups = ProcessGroups.create(node_labels=[z // 2 for z in range(world)])
     seen = []
-    config = Sdp4bitConfig("qsdp" if rank == 0 else "sdp4bit")
+    config = Config("qsdp" if rank == 0 else "sdp4bit")
     seen.append(_expect_error(Sdp4bitError, "config fingerprint",
                               lambda: GradReduceScatter(groups, config, world * 1024, 0)))
     numel = world * (1024 if rank != world - 1 else 2048)
     seen.append(_expect_error(Sdp4bitError, "bucket size",
-                              lambda: GradReduceScatter(groups, Sdp4bitConfig(), numel, 0)))
+                              lambda: GradReduceScatter(groups, Config(), numel, 0)))
     seen.append(_expect_error(Sdp4bitError, "bucket id",
-                              lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024,
+                              lambda: GradReduceScatter(groups, Config(), world * 1024,
                                                         rank % 2)))
-    seed = Sdp4bitConfig("sdp4bit", {"seed": 1 if rank == 1 else 2})
+    seed = Config.from_knobs("sdp4bit", {"seed": 1 if rank == 1 else 2})
     seen.append(_expect_error(Sdp4bitError, "config fingerprint",
                               lambda: WeightAllGather(groups, seed, torch.zeros(world * 1024,
                                                       dtype=torch.bfloat16), 0)))
@@ -172,7 +167,7 @@ def mismatched_setups(rank, world):
     dtype = torch.float32 if rank == 2 else torch.bfloat16
     fragment = "must be BFloat16" if rank == 2 else "rank 2 failed to set up"
     seen.append(_expect_error(Sdp4bitError, fragment,
-                              lambda: WeightAllGather(groups, Sdp4bitConfig(),
+                              lambda: WeightAllGather(groups, Config(),
                                                       torch.zeros(world * 1024, dtype=dtype), 0)))
     # A device one rank cannot use (a bad name; CUDA where the host has no GPU): that rank
     # names it, the others name that rank.
@@ -180,16 +175,16 @@ def mismatched_setups(rank, world):
                        else ("xla:0", "buckets live on CPU or CUDA"))
     fragment = problem if rank == 3 else "rank 3 failed to set up"
     seen.append(_expect_error(Sdp4bitError, fragment,
-                              lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 0,
+                              lambda: GradReduceScatter(groups, Config(), world * 1024, 0,
                                                         device=device if rank == 3 else "cpu")))
     # An invalid knob on one rank only.
     knobs = {"weight_bits": 5} if rank == 1 else {}
     fragment = "weight_bits=5" if rank == 1 else "rank 1 failed to set up"
     seen.append(_expect_error(Sdp4bitError, fragment,
-                              lambda: GradReduceScatter(groups, Sdp4bitConfig("sdp4bit", knobs),
+                              lambda: GradReduceScatter(groups, Config.from_knobs("sdp4bit", knobs),
                                                         world * 1024, 0)))
     # Still usable.
-    rs = GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 0)
+    rs = GradReduceScatter(groups, Config(), world * 1024, 0)
     shard = torch.empty(rs.shard_len)
     rs.start(torch.ones(world * 1024), shard, 0).wait()
     assert torch.allclose(shard, torch.full_like(shard, float(world)), rtol=0.1)
@@ -200,8 +195,8 @@ def mismatched_setups(rank, world):
 def bad_inputs(rank, world):
     """Bad inputs (the same on every rank) raise exceptions that name the problem; the groups
     and buckets still work afterwards. Needs W = 4."""
-    groups = Sdp4bitGroups.create(node_labels=[z // 2 for z in range(world)])
-    rs = GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 0)
+    groups = ProcessGroups.create(node_labels=[z // 2 for z in range(world)])
+    rs = GradReduceScatter(groups, Config(), world * 1024, 0)
     s = rs.shard_len
     good = torch.zeros(world * 1024)
     cases = [
@@ -216,23 +211,23 @@ def bad_inputs(rank, world):
         (ValueError, "step must be a non-negative int", lambda: rs.start(good, torch.empty(s), -1)),
         (TypeError, "must be a torch.Tensor", lambda: rs.start([0.0], torch.empty(s), 0)),
         (Sdp4bitError, "unknown preset 'sdp5bit'",
-         lambda: GradReduceScatter(groups, Sdp4bitConfig("sdp5bit"), world * 1024, 1)),
+         lambda: GradReduceScatter(groups, Config("sdp5bit"), world * 1024, 1)),
         (Sdp4bitError, "weight_bits=3",
-         lambda: GradReduceScatter(groups, Sdp4bitConfig("sdp4bit", {"weight_bits": 3}),
+         lambda: GradReduceScatter(groups, Config.from_knobs("sdp4bit", {"weight_bits": 3}),
                                    world * 1024, 1)),
         (Sdp4bitError, "hadamard_block",
-         lambda: GradReduceScatter(groups, Sdp4bitConfig("qsdp", {"hadamard_block": 32}),
+         lambda: GradReduceScatter(groups, Config.from_knobs("qsdp", {"hadamard_block": 32}),
                                    world * 1024, 1)),
         (Sdp4bitError, "does not split into",
-         lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024 + 1, 1)),
+         lambda: GradReduceScatter(groups, Config(), world * 1024 + 1, 1)),
         (Sdp4bitError, "bucket_id 5000",
-         lambda: GradReduceScatter(groups, Sdp4bitConfig(), world * 1024, 5000)),
+         lambda: GradReduceScatter(groups, Config(), world * 1024, 5000)),
         (ValueError, "node labels for a DP group",
-         lambda: Sdp4bitGroups.create(node_labels=[0] * (world + 1))),
+         lambda: ProcessGroups.create(node_labels=[0] * (world + 1))),
         (ValueError, "order the nodes differently from the global ranks",
-         lambda: Sdp4bitGroups.create(node_labels=[1, 0, 0, 1])),
+         lambda: ProcessGroups.create(node_labels=[1, 0, 0, 1])),
         (TypeError, "must be torch.bfloat16",
-         lambda: WeightAllGather(groups, Sdp4bitConfig(), torch.zeros(world * 1024,
+         lambda: WeightAllGather(groups, Config(), torch.zeros(world * 1024,
                                  dtype=torch.bfloat16), 2).start(torch.zeros(world * 1024), 0)),
     ]
     seen = [_expect_error(kind, fragment, make) for kind, fragment, make in cases]
@@ -246,9 +241,9 @@ def bad_inputs(rank, world):
 def many_buckets_in_flight(rank, world, labels):
     """Several buckets started back to back and waited in reverse order (what overlapped
     training does), and a handle dropped without wait(), give the in-process results."""
-    groups = Sdp4bitGroups.create(node_labels=labels)
+    groups = ProcessGroups.create(node_labels=labels)
     numel = world * 2048
-    config = Sdp4bitConfig("sdp4bit", {"pipeline_chunks": 2})
+    config = Config.from_knobs("sdp4bit", {"pipeline_chunks": 2})
     buckets = [GradReduceScatter(groups, config, numel, bucket_id) for bucket_id in range(3)]
     inputs = [gradients(world, numel, seed=20 + b) for b in range(3)]
     shards = [torch.empty(rs.shard_len) for rs in buckets]

@@ -4,8 +4,9 @@ import argparse
 
 import pytest
 
-from megatron_patch import Sdp4bitError
+import sdp4bit
 from megatron_patch.arguments import add_arguments, config_from_args
+from sdp4bit import Sdp4bitError
 
 
 def parse(*flags):
@@ -31,6 +32,7 @@ def test_off_unless_asked():
     (["--sdp4bit", "--sdp4bit-seed", "7", "--sdp4bit-grad-quant-start-iter", "100",
       "--sdp4bit-hadamard-block", "64", "--sdp4bit-pipeline-chunks", "2"],
      ["seed=7", "grad_start=100", "hadamard=64", "chunks=2"]),
+    (["--sdp4bit", "--sdp4bit-grad-quant-start-step", "100"], ["grad_start=100"]),
 ])
 def test_flags_make_the_config(flags, fragments):
     text = parse(*flags).describe()
@@ -58,3 +60,12 @@ def test_unknown_preset_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         parse("--sdp4bit-preset", "sdp5bit")
     assert "invalid choice: 'sdp5bit'" in capsys.readouterr().err
+
+
+def test_every_knob_of_the_core_has_its_flag():
+    parser = add_arguments(argparse.ArgumentParser())
+    flags = {flag: action for action in parser._actions for flag in action.option_strings}
+    for knob in sdp4bit.knobs():
+        action = flags[f"--sdp4bit-{knob.name.replace('_', '-')}"]
+        assert action.dest == f"sdp4bit_{knob.name}"
+        assert knob.doc in action.help

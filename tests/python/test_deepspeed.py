@@ -8,7 +8,8 @@ import torch
 
 import deepspeed_scenarios as ds
 from harness import run_ranks
-from megatron_patch import Sdp4bitError, deepspeed_zero
+import sdp4bit.deepspeed as deepspeed_zero
+from sdp4bit import Sdp4bitError
 
 CPU = {"DS_ACCELERATOR": "cpu"}
 
@@ -106,3 +107,9 @@ def test_zero_3_gathers_with_direct_weight_codecs_and_reduces_with_gradient_code
         assert gathers > 0 and reductions > 0
         assert 0 < sent < uncompressed / 2  # 4- or 8-bit codes with group scales
         assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
+
+
+def test_degraded_route_is_logged_once_at_set_up():
+    for messages in run_ranks(3, ds.route_notice, env=CPU):
+        notices = [m for m in messages if "unequal" in m]
+        assert len(notices) == 1, messages

@@ -79,12 +79,13 @@ def launch(standin, *flags):
 
 def test_flags_reach_the_script_and_enable_sdp4bit(standin):
     done = launch(standin, "--sdp4bit", "--sdp4bit-grad-inter-bits", "8", "--own-flag", "3",
-                  "--micro-batch-size", "2", "--sdp4bit-ranks-per-node", "8")
+                  "--micro-batch-size", "2", "--sdp4bit-ranks-per-node", "8",
+                  "--sdp4bit-grad-quant-start-step", "100", "--sdp4bit-telemetry-interval", "100")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "own flag 3 micro batch 2" in out
     assert "enabled True" in out
-    assert "inter_bits=8" in out and "weight=qwd" in out
+    assert "inter_bits=8" in out and "weight=qwd" in out and "grad_start=100" in out
     assert "ranks per node 8 iteration 7" in out
 
 

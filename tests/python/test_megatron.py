@@ -102,3 +102,10 @@ def test_pipeline_parallel_dp_groups_per_stage():
     last = [losses for stage, losses in per_rank if stage == 1]
     assert all(len(losses) == 4 for losses in last)
     assert all(losses[-1] < losses[0] for losses in last), last
+
+
+def test_degraded_route_is_logged_once_per_bucket_group():
+    per_rank = run_ranks(3, ms.route_notice, 2, env={"LOCAL_WORLD_SIZE": "2"})
+    for bucket_groups, messages in per_rank:
+        notices = [m for m in messages if "unequal" in m]
+        assert bucket_groups > 1 and len(notices) == bucket_groups, messages

@@ -5,18 +5,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import megatron_patch
+import sdp4bit
 import torch
 
 
 def test_extension_records_the_torch_it_was_built_against():
-    package = Path(megatron_patch.__file__).resolve().parent
+    package = Path(sdp4bit.__file__).resolve().parent
     recorded = [p.read_text().strip() for p in package.glob("_sdp4bit*.torch-version")]
     assert recorded == [torch.__version__]
 
 
 def test_extension_built_against_another_torch_is_refused(tmp_path):
-    package = Path(megatron_patch.__file__).resolve().parent
+    package = Path(sdp4bit.__file__).resolve().parent
     copy = tmp_path / package.name
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
     next(copy.glob("_sdp4bit*.torch-version")).write_text("1.0.0\n")

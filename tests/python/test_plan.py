@@ -1,4 +1,4 @@
-"""The cost model (python -m megatron_patch.plan) and the emulated-cluster harness's smoke run."""
+"""The cost model (python -m sdp4bit.plan) and the emulated-cluster harness's smoke run."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron_patch  # noqa: F401  (loads the extension)
-from megatron_patch import plan
+from sdp4bit import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,10 +47,10 @@ def test_bad_shapes_are_rejected():
 
 
 def test_command_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "megatron_patch.plan", "--paper"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--paper"], cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
     assert "2.39x-3.44x" in out and "1.53x-4.08x" in out and "sdp4bit" in out
-    bad = subprocess.run([sys.executable, "-m", "megatron_patch.plan", "--nodes", "2"],
+    bad = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--nodes", "2"],
                          cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode != 0 and "--params, --gpus-per-node required" in bad.stderr
 
@@ -77,7 +76,7 @@ def test_emulated_cluster_smoke(tmp_path):
     if reason:
         pytest.skip(reason)
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench/cluster.py"), "--topologies", "2x1",
+        ["bash", str(ROOT / "scripts/bench.sh"), "cluster", "--topologies", "2x1",
          "--rates-mbit", "1000", "--numel", "65536", "--reps", "1", "--steps", "2",
          "--warmup-steps", "1", "--presets", "sdp4bit", "--model",
          "--width 32 --layers 1 --batch 1 --context 8 --corpus-bytes 100000",

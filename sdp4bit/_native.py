@@ -1,8 +1,10 @@
-"""Loads the compiled extension, which registers torch.ops.sdp4bit and torch.classes.sdp4bit."""
+"""Loads the compiled extension, which registers torch.ops.sdp4bit and torch.classes.sdp4bit,
+and reads what the Rust core knows about itself (presets, knobs, limits)."""
 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import torch
@@ -43,3 +45,10 @@ def classes():
     """torch.classes.sdp4bit, loaded."""
     load()
     return torch.classes.sdp4bit
+
+
+@functools.cache
+def schema() -> dict:
+    """The core's presets, knobs (name, accepted values, doc) and limits
+    (``torch.ops.sdp4bit.schema()``), parsed."""
+    return json.loads(ops().schema())

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from . import _native
-from .config import Sdp4bitConfig
+from .config import Config
 from .errors import translated_errors
-from .groups import Sdp4bitGroups
+from .groups import ProcessGroups
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class GradReduceScatter:
     stream sees the shard.
     """
 
-    def __init__(self, groups: Sdp4bitGroups, config: Sdp4bitConfig, numel: int, bucket_id: int,
+    def __init__(self, groups: ProcessGroups, config: Config, numel: int, bucket_id: int,
                  device: torch.device | str = "cpu"):
         if numel <= 0:
             raise ValueError(f"sdp4bit: bucket size must be positive, got {numel}")
@@ -135,7 +135,7 @@ class WeightAllGather:
     bit for bit (qWD sends 4-bit differences from the previous values, kept on each rank).
     """
 
-    def __init__(self, groups: Sdp4bitGroups, config: Sdp4bitConfig, params: torch.Tensor,
+    def __init__(self, groups: ProcessGroups, config: Config, params: torch.Tensor,
                  bucket_id: int):
         self.groups, self.config, self.bucket_id = groups, config, bucket_id
         with translated_errors():

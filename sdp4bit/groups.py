@@ -35,7 +35,7 @@ def _layout(labels: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
 
 
 @dataclass
-class Sdp4bitGroups:
+class ProcessGroups:
     """A DP group and, when every node holds the same number of its ranks, its intra-node and
     inter-node subgroups, as private process groups (so that the background thread that runs
     the compressed collectives never interleaves with the training loop's own collectives).
@@ -59,7 +59,7 @@ class Sdp4bitGroups:
         local_world_size: int | None = None,
         node_labels: list[int] | None = None,
         timeout: datetime.timedelta | None = None,
-    ) -> Sdp4bitGroups:
+    ) -> ProcessGroups:
         """Builds the groups of `dp_group` (default: the whole job).
 
         Nodes come from `node_labels` (one per DP rank) if given, else from

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs one of the benchmark programs of bench/ (bench/README.md) with what it needs set up:
+#
+#   bash scripts/bench.sh cpu [ARGS]           cargo bench --bench cpu (fused passes, collectives)
+#   bash scripts/bench.sh gpu [ARGS]           cargo bench --bench gpu (kernels; needs a GPU)
+#   bash scripts/bench.sh cluster [ARGS]       python bench/cluster.py (emulated cluster; root)
+#   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
+#
+# The Rust benchmarks get NVRTC on LD_LIBRARY_PATH; the Python harnesses run from the project's
+# virtual environment (its bin first on PATH, scripts/env.sh) with sdp4bit installed from the
+# tree as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|cluster|convergence [ARGS]}
+shift
+case "$name" in
+  cpu | gpu)
+    sdp4bit_nvrtc
+    exec cargo bench --locked --bench "$name" -- "$@"
+    ;;
+  cluster | convergence)
+    sdp4bit_main_venv
+    sdp4bit_install_current
+    exec python "bench/$name.py" "$@"
+    ;;
+  *)
+    echo "unknown benchmark '$name': cpu, gpu, cluster or convergence" >&2
+    exit 2
+    ;;
+esac

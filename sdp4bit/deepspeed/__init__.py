@@ -1,0 +1,79 @@
+"""DeepSpeed ZeRO integration: a top-level ``"sdp4bit"`` section of the DeepSpeed config
+compresses ZeRO's gradient reduction and its parameter all-gathers.
+
+    import sdp4bit.deepspeed
+    engine, optimizer, _, _ = sdp4bit.deepspeed.initialize(model=model, config=ds_config, ...)
+
+with, in the config (a dict or a JSON file, as for ``deepspeed.initialize``)::
+
+    "sdp4bit": {"preset": "sdp4bit", "ranks_per_node": 8, "grad_inter_bits": 4, ...}
+
+The section takes ``preset``, ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``), ``enabled``
+and the core's knobs (:func:`sdp4bit.knobs`). Stages 1 and 2: :mod:`.zero12`; stage 3:
+:mod:`.zero3`. Features the integration does not handle (offload, MoE, ZeRO++'s own
+quantization, hierarchical partitioning) are refused with an error: nothing falls back to
+uncompressed traffic silently.
+"""
+
+from __future__ import annotations
+
+from ..errors import Sdp4bitError
+from . import zero3, zero12
+from .section import SECTION, Settings, check_stage, load_config, settings_from_config
+
+__all__ = ["SECTION", "Settings", "attach", "detach", "initialize", "settings_from_config",
+           "wire_bytes"]
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with the config's ``"sdp4bit"`` section applied to the ZeRO
+    optimizer it builds; same arguments and return value. Every rank must call it."""
+    import deepspeed
+
+    config = kwargs.get("config", kwargs.get("config_params"))
+    if config is None and kwargs.get("args") is not None:
+        config = getattr(kwargs["args"], "deepspeed_config", None)
+    settings = settings_from_config(load_config(config)) if config is not None else None
+    if settings is not None:
+        check_stage(settings, load_config(config))
+    result = deepspeed.initialize(*args, **kwargs)
+    if settings is not None:
+        attach(result[0].optimizer, settings)
+    return result
+
+
+def attach(optimizer, settings: Settings) -> None:
+    """Routes `optimizer`'s gradient reduction and parameter all-gathers through sdp4bit: a
+    ZeRO stage 1/2 ``DeepSpeedZeroOptimizer`` or a stage 3 ``DeepSpeedZeroOptimizer_Stage3``.
+    Collective: every DP rank calls it."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    config = settings.config
+    if not (config.compresses_weights or config.compresses_grads):
+        return  # the baseline preset: DeepSpeed's own collectives, untouched
+    if type(optimizer) is DeepSpeedZeroOptimizer_Stage3:
+        return zero3.attach(optimizer, settings)
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return zero12.attach(optimizer, settings)
+    raise Sdp4bitError(f"sdp4bit compresses ZeRO stages 1-3 (DeepSpeedZeroOptimizer, "
+                       f"DeepSpeedZeroOptimizer_Stage3); this engine's optimizer is "
+                       f"{type(optimizer).__name__}")
+
+
+def detach(optimizer) -> None:
+    """Gives `optimizer` back to DeepSpeed's own collectives and closes sdp4bit's groups. Call
+    it on every rank before ``torch.distributed.destroy_process_group()``."""
+    state = getattr(optimizer, "_sdp4bit", None)
+    if state is None:
+        return
+    del optimizer._sdp4bit
+    (zero3 if isinstance(state, zero3.State) else zero12).detach(optimizer)
+    state.groups.close()
+
+
+def wire_bytes(optimizer) -> tuple[int, int]:
+    """(bytes sent, bytes the uncompressed collectives would have sent) by this rank through
+    sdp4bit's collectives since attach()."""
+    state = getattr(optimizer, "_sdp4bit", None)
+    return state.wire.pair() if state is not None else (0, 0)

@@ -1,0 +1,82 @@
+"""The ``"sdp4bit"`` section of a DeepSpeed config: parsed, validated by the core, and checked
+against the ZeRO stage before DeepSpeed builds anything."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ..config import Config, knobs, presets
+from ..errors import Sdp4bitError
+
+#: The section's name (top level: DeepSpeed rejects unknown keys in zero_optimization).
+SECTION = "sdp4bit"
+
+#: Keys of the section besides the core's knobs.
+SETTINGS = ("enabled", "preset", "ranks_per_node")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed section: the codec config and the node size (None: ``LOCAL_WORLD_SIZE``)."""
+
+    config: Config
+    ranks_per_node: int | None = None
+
+
+def settings_from_config(ds_config: dict) -> Settings | None:
+    """The ``"sdp4bit"`` section of a DeepSpeed config dict, validated, or None when the
+    section is absent or ``"enabled": false``. Its keys are ``preset``, ``ranks_per_node``,
+    ``enabled`` and the core's knobs (:func:`sdp4bit.knobs`). Raises :class:`Sdp4bitError`
+    naming the problem."""
+    section = ds_config.get(SECTION)
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise Sdp4bitError(f'the "{SECTION}" config section must be an object, got {section!r}')
+    knob_names = [knob.name for knob in knobs()]
+    unknown = sorted(set(section) - set(knob_names) - set(SETTINGS))
+    if unknown:
+        raise Sdp4bitError(f'unknown key(s) {unknown} in the "{SECTION}" config section; known: '
+                           f"{sorted([*SETTINGS, *knob_names])}")
+    enabled = section.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise Sdp4bitError(f'"{SECTION}.enabled" must be true or false, got {enabled!r}')
+    if not enabled:
+        return None
+    preset = section.get("preset", "sdp4bit")
+    if preset not in presets():
+        raise Sdp4bitError(f'"{SECTION}.preset" {preset!r} is not one of {list(presets())}')
+    ranks_per_node = section.get("ranks_per_node")
+    if ranks_per_node is not None and (not isinstance(ranks_per_node, int)
+                                       or isinstance(ranks_per_node, bool) or ranks_per_node < 1):
+        raise Sdp4bitError(f'"{SECTION}.ranks_per_node" must be a positive integer, got '
+                           f"{ranks_per_node!r}")
+    overrides = {name: section[name] for name in knob_names if name in section}
+    return Settings(Config.from_knobs(preset, overrides).validate(), ranks_per_node)
+
+
+def load_config(config) -> dict:
+    """A DeepSpeed config given as a dict or a JSON file path, as a dict."""
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    raise Sdp4bitError(f"a DeepSpeed config must be a dict or a JSON file path, got "
+                       f"{type(config).__name__}")
+
+
+def check_stage(settings: Settings, ds_config: dict) -> None:
+    """Refuses what the configured ZeRO stage cannot do, before DeepSpeed builds anything."""
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    config = settings.config
+    if stage == 3 and config.codecs()[0] == "qwd":
+        raise Sdp4bitError(
+            "qWD (the weight codec of the sdp4bit preset) needs every replica to keep the "
+            "previous weights, but ZeRO stage 3 frees gathered parameters; use a direct weight "
+            'codec ("weight_codec": "qw", "qsdp" or "zeropp") or ZeRO stage 1/2')
+    if stage not in (1, 2, 3) and (config.compresses_weights or config.compresses_grads):
+        raise Sdp4bitError(f"sdp4bit compresses ZeRO's collectives; this config has ZeRO stage "
+                           f"{stage} (use stage 1 or 2)")

@@ -1,0 +1,64 @@
+"""What every framework integration (megatron-core, DeepSpeed) shares: the shard of a bucket a
+DP rank owns, the bf16 requirement of the weight codecs, the count of bytes sent against the
+uncompressed collectives, and the log line when a topology forces the slower one-level route."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .collectives import GradReduceScatter
+from .errors import Sdp4bitError
+
+logger = logging.getLogger("sdp4bit")
+
+
+def local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """DP rank `rank`'s shard of a flat buffer split into `size` equal parts (the layout of
+    Megatron's buckets and DeepSpeed's flat partitions)."""
+    shard = tensor.numel() // size
+    return tensor[rank * shard:(rank + 1) * shard]
+
+
+def require_bf16(dtypes: Iterable[torch.dtype], what: str, remedy: str) -> None:
+    """Raises :class:`Sdp4bitError` unless every dtype is bf16: the weight codecs all-gather bf16
+    parameters. `what` names the buffers, `remedy` says how to fix it in the framework."""
+    found = sorted({str(d) for d in dtypes})
+    if found != [str(torch.bfloat16)]:
+        raise Sdp4bitError(f"the weight codecs all-gather bf16 parameters; {what} {found} "
+                           f"({remedy}, or set weight_codec=none)")
+
+
+@dataclass
+class WireCounter:
+    """Bytes this rank sent through sdp4bit's collectives, and what the uncompressed
+    collectives would have sent for the same calls."""
+
+    sent: int = 0
+    uncompressed: int = 0
+
+    def add_grad(self, rs: GradReduceScatter, step: int) -> None:
+        """One reduce-scatter of `rs` at `step`."""
+        self.sent += rs.wire_bytes(step).total
+        self.uncompressed += rs.baseline_wire_bytes().total
+
+    def add_weight(self, ag) -> None:
+        """One all-gather of `ag` (a :class:`~sdp4bit.WeightAllGather`)."""
+        self.sent += ag.wire_bytes().total
+        self.uncompressed += ag.baseline_wire_bytes().total
+
+    def pair(self) -> tuple[int, int]:
+        """(sent, uncompressed)."""
+        return self.sent, self.uncompressed
+
+
+def log_route_notice(where: str, reduce_scatters: Iterable[GradReduceScatter]) -> None:
+    """Logs, once for a set of buckets set up together (`where` names them), why the topology
+    degraded the gradient route, if it did (nodes of unequal size run one level at the
+    inter-node bits)."""
+    notices = {rs.notice() for rs in reduce_scatters} - {None}
+    for notice in sorted(notices):
+        logger.warning("sdp4bit %s: %s", where, notice)

@@ -1,0 +1,174 @@
+"""A cost model of sdp4bit's communication: per training step, the bytes each DP rank sends
+inside and between nodes for each preset (the Rust core's own byte accounting, planned without
+communicating), the time that takes on a cluster's links, and the speedup over the
+uncompressed collectives.
+
+    python -m sdp4bit.plan --params 6.7e9 --nodes 16 --gpus-per-node 8 --tp 4 \\
+        --intra-gbps 1600 --inter-gbps 400 --inter-latency-us 5 [--codec-gbps 300] \\
+        [--compute-ms 900]
+    python -m sdp4bit.plan --paper      # the paper's clusters beside its speedups
+
+Model, per DP rank and step (one gradient reduce-scatter and one parameter all-gather of the
+rank's params / (TP x PP)): intra-node bytes at ``--intra-gbps`` (per rank), inter-node bytes of
+all the node's DP ranks sharing ``--inter-gbps`` (per node), a latency per message (an
+all-to-all among k peers sends k - 1 per bucket), and the codec passes at ``--codec-gbps``
+(bytes of fp32 gradient / bf16 parameter input per second per rank; 0: not modelled). With
+``--compute-ms`` the step is compute plus communication, none of it overlapped (an upper
+bound on what compression can gain).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from . import _native
+from .config import Config, presets as preset_names
+
+_SAMPLE_SHARD = 1 << 16  # elements per rank of the bucket planned to count bytes
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster's shape and links."""
+
+    nodes: int
+    gpus_per_node: int
+    tp: int = 1
+    pp: int = 1
+    intra_gbps: float = 1600.0  # per rank (NVLink-class)
+    inter_gbps: float = 100.0  # per node
+    intra_latency_us: float = 2.0
+    inter_latency_us: float = 5.0
+
+    def dp_layout(self) -> tuple[int, int]:
+        """(DP ranks, DP ranks per node): TP inside a node, PP across nodes."""
+        gpus = self.nodes * self.gpus_per_node
+        if gpus % (self.tp * self.pp) or self.gpus_per_node % self.tp:
+            raise ValueError(f"{self.nodes} x {self.gpus_per_node} GPUs do not split into "
+                             f"TP={self.tp} inside nodes and PP={self.pp}")
+        dp = gpus // (self.tp * self.pp)
+        per_node = min(dp, max(1, self.gpus_per_node // self.tp))
+        return dp, per_node
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Bytes one DP rank sends per step: (intra, inter) for gradients and for weights."""
+
+    grad: tuple[float, float]
+    weight: tuple[float, float]
+
+
+def step_bytes(preset: str, elements: float, dp: int, per_node: int) -> tuple[Bytes, Bytes]:
+    """(this preset, uncompressed) bytes per step for `elements` elements per DP group, from
+    the core's plan of a sample bucket scaled to `elements`."""
+    labels = [z // per_node for z in range(dp)]
+    sample = dp * _SAMPLE_SHARD
+    counts = _native.ops().plan_wire_bytes(Config(preset).spec(), labels, sample, 1 << 20)
+    scale = elements / sample
+    c = [x * scale for x in counts]
+    return Bytes((c[0], c[1]), (c[2], c[3])), Bytes((c[4], c[5]), (c[6], c[7]))
+
+
+def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbps: float,
+            compressed: bool) -> float:
+    """Milliseconds of one step's gradient reduce-scatter and parameter all-gather."""
+    dp, per_node = cluster.dp_layout()
+    nodes = dp // per_node
+    intra = (b.grad[0] + b.weight[0]) / (cluster.intra_gbps * 1e9 / 8)
+    inter = per_node * (b.grad[1] + b.weight[1]) / (cluster.inter_gbps * 1e9 / 8)
+    messages = 2 * buckets  # one reduce-scatter and one all-gather per bucket
+    latency = messages * ((per_node - 1) * cluster.intra_latency_us
+                          + (nodes - 1) * cluster.inter_latency_us) * 1e-6
+    codec = 0.0
+    if compressed and codec_gbps > 0:
+        codec = elements * (4 + 2) / (codec_gbps * 1e9)
+    return (intra + inter + latency + codec) * 1e3
+
+
+def predict(params: float, cluster: Cluster, presets=None, bucket_elements: float = 40e6,
+            codec_gbps: float = 0.0, compute_ms: float | None = None) -> list[dict]:
+    """One row per preset (default: every preset): bytes per step, communication time,
+    speedups over uncompressed."""
+    presets = preset_names() if presets is None else presets
+    dp, per_node = cluster.dp_layout()
+    elements = params / (cluster.tp * cluster.pp)
+    buckets = max(1, round(elements / bucket_elements))
+    rows = []
+    for preset in presets:
+        mine, base = step_bytes(preset, elements, dp, per_node)
+        t = comm_ms(mine, cluster, elements, buckets, codec_gbps, preset != "baseline")
+        t_base = comm_ms(base, cluster, elements, buckets, codec_gbps, False)
+        row = {"preset": preset, "bytes": sum(mine.grad) + sum(mine.weight),
+               "baseline_bytes": sum(base.grad) + sum(base.weight), "comm_ms": t,
+               "baseline_comm_ms": t_base, "comm_speedup": t_base / t}
+        if compute_ms is not None:
+            row["step_speedup"] = (compute_ms + t_base) / (compute_ms + t)
+        rows.append(row)
+    return rows
+
+
+#: The paper's clusters (docs/numerics.md, reference results) with the link speeds assumed for them here.
+PAPER = (
+    ("16 nodes x 4 A100, Slingshot-10", Cluster(16, 4, tp=1, intra_gbps=2400, inter_gbps=100),
+     "2.39x-3.44x"),
+    ("16 nodes x 8 H800, InfiniBand", Cluster(16, 8, tp=1, intra_gbps=3200, inter_gbps=400),
+     "1.53x-4.08x"),
+)
+
+
+def _print(rows: list[dict]) -> None:
+    step = "step_speedup" in rows[0]
+    print(f"{'preset':<12} {'GB/step/rank':>12} {'comm ms':>9} {'uncompressed ms':>16} "
+          f"{'comm speedup':>12}" + (f" {'step speedup':>12}" if step else ""))
+    for r in rows:
+        print(f"{r['preset']:<12} {r['bytes'] / 1e9:12.3f} {r['comm_ms']:9.1f} "
+              f"{r['baseline_comm_ms']:16.1f} {r['comm_speedup']:11.2f}x"
+              + (f" {r['step_speedup']:11.2f}x" if step else ""))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m sdp4bit.plan",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, help="model parameters, e.g. 6.7e9")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--intra-gbps", type=float, default=1600.0, help="per rank, Gbit/s")
+    p.add_argument("--inter-gbps", type=float, default=100.0, help="per node, Gbit/s")
+    p.add_argument("--intra-latency-us", type=float, default=2.0)
+    p.add_argument("--inter-latency-us", type=float, default=5.0)
+    p.add_argument("--bucket-elements", type=float, default=40e6)
+    p.add_argument("--codec-gbps", type=float, default=0.0,
+                   help="measured codec throughput, GB/s of input per rank (0: not modelled)")
+    p.add_argument("--compute-ms", type=float, help="compute time of one step, ms")
+    p.add_argument("--presets", default=",".join(preset_names()))
+    p.add_argument("--paper", action="store_true",
+                   help="predict the paper's clusters (1.3B-18B) beside its measured speedups")
+    args = p.parse_args(argv)
+    presets = args.presets.split(",")
+    if args.paper:
+        for name, cluster, measured in PAPER:
+            print(f"== {name} (assumed {cluster.inter_gbps:g} Gbit/s per node between nodes, "
+                  f"{cluster.intra_gbps:g} inside); the paper measured {measured} end to end")
+            for params in (1.3e9, 6.7e9, 18e9):
+                print(f"-- {params / 1e9:g}B parameters, communication only")
+                _print(predict(params, cluster, presets, args.bucket_elements, args.codec_gbps))
+        return
+    missing = [f"--{n.replace('_', '-')}" for n in ("params", "nodes", "gpus_per_node")
+               if getattr(args, n) is None]
+    if missing:
+        p.error(f"{', '.join(missing)} required (or --paper)")
+    cluster = Cluster(args.nodes, args.gpus_per_node, args.tp, args.pp, args.intra_gbps,
+                      args.inter_gbps, args.intra_latency_us, args.inter_latency_us)
+    _print(predict(args.params, cluster, presets, args.bucket_elements, args.codec_gbps,
+                   args.compute_ms))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
