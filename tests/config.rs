@@ -676,9 +676,7 @@ fn knob_table_configs() -> Vec<Config> {
     let mut configs: Vec<Config> = Preset::ALL.iter().map(|&p| Config::preset(p)).collect();
     configs.push(Config::from_overrides(Preset::Sdp4bit, [("grad_codec", "tlq")]).unwrap());
     configs.push(Config::from_overrides(Preset::Sdp4bit, [("grad_group_size", "256")]).unwrap());
-    configs.push(
-        Config::from_overrides(Preset::GlobalQsgd, [("global_qsgd_bits", "16")]).unwrap(),
-    );
+    configs.push(Config::from_overrides(Preset::GlobalQsgd, [("global_qsgd_bits", "16")]).unwrap());
     configs
 }
 
@@ -703,7 +701,10 @@ fn knob_values_report_every_knob_and_set_them_back() {
                 }
             }
         }
-        assert_eq!(rebuilt, config, "knob_values of {config} do not set it back");
+        assert_eq!(
+            rebuilt, config,
+            "knob_values of {config} do not set it back"
+        );
     }
 }
 
@@ -713,7 +714,11 @@ fn knob_table_values_are_the_ones_set_accepts() {
     for knob in KNOBS {
         let using: Vec<Config> = knob_table_configs()
             .into_iter()
-            .filter(|c| c.knob_values().iter().any(|(n, v)| *n == knob.name && v.is_some()))
+            .filter(|c| {
+                c.knob_values()
+                    .iter()
+                    .any(|(n, v)| *n == knob.name && v.is_some())
+            })
             .collect();
         assert!(!using.is_empty(), "no config uses {}", knob.name);
         // Accepted by at least one config the knob applies to.
