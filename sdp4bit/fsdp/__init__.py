@@ -102,12 +102,13 @@ def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
 
     groups = ProcessGroups.create(group, local_world_size, node_labels)
     with_grads = sum(any(p.requires_grad for p in unit.params()) for unit in found)
+    quant_start = config.values()["grad_quant_start_step"]
     shared = comms.Shared(config, groups, Telemetry(telemetry_interval, tensorboard_writer),
-                          units_with_grads=with_grads, units_with_params=len(found),
-                          first_step=first_step)
+                          units=len(found), units_with_grads=with_grads, first_step=first_step,
+                          quant_start=int(quant_start) if quant_start is not None else 0)
     state = State(shared, [])
-    for unit in found:
-        unit_state = comms.UnitState(unit.label, shared)
+    for index, unit in enumerate(found):
+        unit_state = comms.UnitState(unit.label, index, shared)
         state.units.append((unit, unit_state, unit.comms()))
         unit.module.set_custom_all_gather(comms.UnitAllGather(unit_state))
         unit.module.set_custom_reduce_scatter(comms.UnitReduceScatter(unit_state))

@@ -15,9 +15,12 @@ an fp32 reduce-scatter and a bf16 all-gather run on FSDP's own buffers without c
 complete before returning (FSDP then records its events on the stream that was current, where
 the collectives of a CUDA unit are enqueued).
 
-Each unit numbers its random streams by its gradient syncs: every gather of one step (forward,
-backward re-gathers, further micro-batches) quantizes the same weights with the same random
-numbers, so the backward pass sees exactly the weights the forward pass used.
+The compressed collectives are shared by the units whose buffers have the same size (the
+core's buffers exist once per size, not once per unit). Each unit numbers its random streams
+by its gradient syncs, with its index folded in (:meth:`UnitState.stream_step`): every gather
+between two syncs (the forward, the backward re-gathers, micro-batches without sync)
+quantizes the same weights with the same random numbers, so the backward pass sees exactly the
+weights the forward pass used, and no two units or syncs share random numbers.
 """
 
 from __future__ import annotations
@@ -41,48 +44,75 @@ _STAGED_REDUCE_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass
 class Shared:
-    """What the units of one model share: the codecs, the groups, the counts."""
+    """What the units of one model share: the codecs, the groups, the compressed collectives
+    (one per kind and buffer size), the counts."""
 
     config: Config
     groups: ProcessGroups
     telemetry: Telemetry
+    units: int  # units with parameters: the stride of the stream steps
     units_with_grads: int  # units that reduce-scatter each step (telemetry waits for all)
-    units_with_params: int  # units that all-gather each step
     first_step: int = 0
+    quant_start: int = 0  # the config's grad_quant_start_step
     wire: WireCounter = field(default_factory=WireCounter)
-    next_grad_id: int = 0
-    next_weight_id: int = 0
-    route_logged: bool = False
+    reduce_scatters: dict[int, GradReduceScatter] = field(default_factory=dict)
+    all_gathers: dict[int, WeightAllGather] = field(default_factory=dict)
 
-    def take_id(self, kind: str) -> int:
-        """The next bucket id for a gradient ("grad") or parameter ("weight") buffer, in the
-        order buffers are first seen (the same on every rank)."""
-        attr = f"next_{kind}_id"
-        bucket_id = getattr(self, attr)
-        if bucket_id > limits().max_bucket_id:
-            raise Sdp4bitError(f"more than {limits().max_bucket_id + 1} distinct FSDP {kind} "
-                               "buffers (units x layouts); wrap fewer, larger FSDP units")
-        setattr(self, attr, bucket_id + 1)
-        return bucket_id
+    def reduce_scatter(self, numel: int, device: torch.device) -> GradReduceScatter:
+        """The gradient collective of `numel`-element buffers, set up (collectively, with the
+        cross-rank agreement check) when a buffer of that size is first seen."""
+        rs = self.reduce_scatters.get(numel)
+        if rs is None:
+            rs = GradReduceScatter(self.groups, self.config, numel,
+                                   _next_id(self.reduce_scatters, "gradient"), device=device)
+            if not self.reduce_scatters:
+                log_route_notice("FSDP units", [rs])
+            self.reduce_scatters[numel] = rs
+        return rs
+
+    def all_gather(self, output: torch.Tensor) -> WeightAllGather:
+        """The parameter collective of buffers like `output`, set up like the gradient ones.
+        The direct weight codecs keep no reference: set-up reads nothing of `output`'s
+        values."""
+        ag = self.all_gathers.get(output.numel())
+        if ag is None:
+            ag = WeightAllGather(self.groups, self.config, output,
+                                 _next_id(self.all_gathers, "parameter"))
+            self.all_gathers[output.numel()] = ag
+        return ag
+
+
+def _next_id(pool: dict, kind: str) -> int:
+    """The bucket id of the next collective of `pool`: in the order buffer sizes are first
+    seen, the same on every rank."""
+    if len(pool) > limits().max_bucket_id:
+        raise Sdp4bitError(f"more than {limits().max_bucket_id + 1} distinct FSDP {kind} "
+                           "buffer sizes")
+    return len(pool)
 
 
 @dataclass
 class UnitState:
-    """One FSDP unit's compressed collectives (set up at first use, one per buffer size) and
-    its count of gradient syncs."""
+    """One FSDP unit: its place among the model's units and its count of gradient syncs."""
 
     label: str
+    index: int  # in module order, the same on every rank
     shared: Shared
     grad_syncs: int = 0
-    reduce_scatters: dict[int, GradReduceScatter] = field(default_factory=dict)
-    all_gathers: dict[int, WeightAllGather] = field(default_factory=dict)
     param_reported_at: int = -1  # the last step whose all-gather telemetry was reported
 
     @property
     def step(self) -> int:
-        """The optimizer step whose gradients are computed next (and whose weights a gather
-        now brings)."""
+        """The gradient sync this unit runs next (counted from ``first_step``); a gather
+        brings the weights this sync's gradients are computed at."""
         return self.shared.first_step + self.grad_syncs
+
+    def stream_step(self, step: int) -> int:
+        """The step the core numbers its random streams by for this unit at `step`. Units of
+        one buffer size share a collective (so the core's buffers exist once per size, not
+        once per unit), hence its bucket id: the unit's index is folded into the step, which
+        keeps every (unit, step) on streams of its own (the core keeps 32 bits of it)."""
+        return step * self.shared.units + self.index
 
     def check_group(self, group: dist.ProcessGroup) -> None:
         """Refuses a collective over another group than the unit's shard group (fully_shard's
@@ -96,30 +126,6 @@ class UnitState:
                 f"{self.label} ran a collective over ranks {ranks}, not over its shard "
                 f"group {groups.global_ranks} that sdp4bit set up for (fully_shard's "
                 "reshard_after_forward=<int> re-gathers over a smaller group; use True or False)")
-
-    def reduce_scatter(self, numel: int, device: torch.device) -> GradReduceScatter:
-        """The gradient collective of `numel`-element buffers, set up (collectively) at first
-        use."""
-        rs = self.reduce_scatters.get(numel)
-        if rs is None:
-            shared = self.shared
-            rs = GradReduceScatter(shared.groups, shared.config, numel, shared.take_id("grad"),
-                                   device=device)
-            if not shared.route_logged:
-                log_route_notice("FSDP units", [rs])
-                shared.route_logged = True
-            self.reduce_scatters[numel] = rs
-        return rs
-
-    def all_gather(self, output: torch.Tensor) -> WeightAllGather:
-        """The parameter collective of buffers like `output`, set up (collectively) at first
-        use. The direct weight codecs keep no reference, so set-up reads nothing of it."""
-        ag = self.all_gathers.get(output.numel())
-        if ag is None:
-            shared = self.shared
-            ag = WeightAllGather(shared.groups, shared.config, output, shared.take_id("weight"))
-            self.all_gathers[output.numel()] = ag
-        return ag
 
 
 def _empty(size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -179,11 +185,12 @@ class UnitReduceScatter(ReduceScatter):
             raise Sdp4bitError(f"{state.label} reduces gradients in {dtype}; the "
                                "gradient codecs take float32, bfloat16 or float16 (set "
                                "MixedPrecisionPolicy(reduce_dtype=torch.float32))")
-        rs = state.reduce_scatter(input_tensor.numel(), input_tensor.device)
-        if not rs.quantizes_at(step):
+        if step < shared.quant_start:
             shared.wire.add(uncompressed, uncompressed)
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
+        rs = shared.reduce_scatter(input_tensor.numel(), input_tensor.device)
+        stream_step = state.stream_step(step)
         exact = None
         if shared.telemetry.due(step):
             exact = torch.empty_like(output_tensor)
@@ -194,12 +201,12 @@ class UnitReduceScatter(ReduceScatter):
             bucket = input_tensor.float()
             shard = torch.empty(output_tensor.shape, dtype=torch.float32,
                                 device=output_tensor.device)
-        rs.start(bucket, shard, step).wait()
+        rs.start(bucket, shard, stream_step).wait()
         if divisor != 1:
             shard.div_(divisor)
         if shard is not output_tensor:
             output_tensor.copy_(shard)
-        sent = rs.wire_bytes(step).total
+        sent = rs.wire_bytes(stream_step).total
         shared.wire.add(sent, uncompressed)
         if exact is not None:
             shared.telemetry.report("grad", step, shared.units_with_grads, sent, uncompressed,
@@ -237,18 +244,18 @@ class UnitAllGather(AllGather):
         mine = output_tensor[groups.rank * shard:(groups.rank + 1) * shard]
         if mine.data_ptr() != input_tensor.data_ptr():
             mine.copy_(input_tensor)
-        ag = state.all_gather(output_tensor)
+        ag = shared.all_gather(output_tensor)
         step = state.step
         exact = None
         if shared.telemetry.due(step) and state.param_reported_at != step:
             exact = torch.empty_like(output_tensor)
             dist.all_gather_into_tensor(exact, mine.clone(), group=group)
-        ag.start(output_tensor, step).wait()
+        ag.start(output_tensor, state.stream_step(step)).wait()
         sent = ag.wire_bytes().total
         shared.wire.add(sent, uncompressed)
         if exact is not None:
             state.param_reported_at = step
-            shared.telemetry.report("param", step, shared.units_with_params, sent, uncompressed,
+            shared.telemetry.report("param", step, shared.units, sent, uncompressed,
                                     ErrorStats.of([output_tensor], [exact]))
         return None
 

@@ -133,10 +133,13 @@ def check_against_core(log: list, config: Config, labels: list[int]) -> int:
     spec = config.spec()
     for kind, unit, step, before, after, op in log:
         if kind == "rs":
-            rs = unit.reduce_scatters[before.numel()]
             inputs = _every_rank(before).float()
-            expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
-                spec, labels, rs.bucket_id, step, inputs)[rank]
+            rs = unit.shared.reduce_scatters.get(before.numel())
+            if not config.compresses_grads or step < unit.shared.quant_start:  # FSDP's own
+                expected = inputs.sum(0).reshape(world, -1)[rank]
+            else:
+                expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+                    spec, labels, rs.bucket_id, unit.stream_step(step), inputs)[rank]
             if op == dist.ReduceOp.AVG:
                 expected.div_(world)
             expected = expected.to(after.dtype)
@@ -150,8 +153,8 @@ def check_against_core(log: list, config: Config, labels: list[int]) -> int:
             expected = targets[0]  # weight_codec=none: FSDP's own all-gather
             if config.compresses_weights:
                 expected = torch.ops.sdp4bit.simulate_weight_all_gather(
-                    spec, labels, unit.all_gathers[after.numel()].bucket_id, step,
-                    torch.zeros_like(targets[0]), targets)[0, rank]
+                    spec, labels, unit.shared.all_gathers[after.numel()].bucket_id,
+                    unit.stream_step(step), torch.zeros_like(targets[0]), targets)[0, rank]
             assert torch.equal(_bits(after), _bits(expected)), (
                 f"unit {unit.label} step {step}: the all-gather differs from the core's")
     compared = len(log)
