@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use rayon::prelude::*;
-use sdp4bit::backend::cpu::weight::{self, WeightEncoding};
-use sdp4bit::backend::cpu::{global_qsgd, gradient};
+use sdp4bit::backend::cpu::{global_qsgd, gradient, weight};
 use sdp4bit::codec::quant::{GroupMeta, QuantSpec, dequantize_group, quantize_group};
 use sdp4bit::codec::slab::SlabLayout;
+use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather, global_k};
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};

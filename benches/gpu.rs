@@ -39,10 +39,10 @@ use cudarc::driver::{
 use half::bf16;
 use rayon::prelude::*;
 
-use sdp4bit::backend::cpu::weight::{self, WeightEncoding};
-use sdp4bit::backend::cpu::{global_qsgd, gradient};
+use sdp4bit::backend::cpu::{global_qsgd, gradient, weight};
 use sdp4bit::backend::cuda::{DeviceSpan, Kernels, Stream, dest_table, device_count, probe};
 use sdp4bit::codec::slab::SlabLayout;
+use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::global_k;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;

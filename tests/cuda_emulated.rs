@@ -49,15 +49,15 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 
-use sdp4bit::backend::cpu::global_qsgd::{self, IntCode};
-use sdp4bit::backend::cpu::gradient;
-use sdp4bit::backend::cpu::weight::{self, WeightEncoding};
+use sdp4bit::backend::cpu::{global_qsgd, gradient, weight};
 use sdp4bit::backend::cuda::abi::{
     SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode,
 };
 use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::backend::cuda::{absmax_from_bits, dest_table};
+use sdp4bit::codec::int_code::IntCode;
 use sdp4bit::codec::slab::SlabLayout;
+use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::global_k;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
 use sdp4bit::rng::{Stage, UniformStream, stream_id};

@@ -8,9 +8,9 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::cpu::global_qsgd::IntCode;
-use super::cpu::weight::WeightEncoding;
+use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::Result;
 use crate::plan::{BucketPlan, GradLayout};
