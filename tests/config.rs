@@ -1,14 +1,12 @@
 //! Presets, knobs, validation, canonical form and fingerprint of `config` (SPEC §4).
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::config::{
     DEFAULT_SEED, GROUP_QUANTUM, GradConfig, KNOBS, MAX_GROUP_SIZE, MAX_PIPELINE_CHUNKS,
     WeightConfig,
 };
 use sdp4bit::{Config, Error, GradCodec, Preset, Rounding, WeightCodec};
+use sdp4bit_test_support::random::SplitMix64;
 
 use Rounding::{Nearest, Stochastic};
 

@@ -6,9 +6,6 @@
 //! scale, an infinite offset, or the symmetric code -2^(b-1) that no encoder writes) and what
 //! the valid ones decode to.
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use half::bf16;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PtConfig, RngSeed};
@@ -21,6 +18,7 @@ use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;
 use sdp4bit::{Config, Error, Preset, Rounding};
+use sdp4bit_test_support::random::SplitMix64;
 
 fn pt_config() -> PtConfig {
     PtConfig {
@@ -541,7 +539,7 @@ fn weight_case() -> impl Strategy<Value = WeightCase> {
 
 fn bf16_vec(rng: &mut SplitMix64, n: usize) -> Vec<bf16> {
     (0..n)
-        .map(|_| bf16::from_f32(rng.normal() as f32))
+        .map(|_| bf16::from_f32(rng.gaussian_unpaired() as f32))
         .collect()
 }
 

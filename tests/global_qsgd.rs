@@ -5,14 +5,19 @@
 //! positions: every code is +-K and every sum +-W K) proves it. The width is 8 bits while
 //! W <= 127 and 16 bits beyond; forcing 8 bits for W = 128 is a clear error.
 
-mod common;
-
-use common::*;
 use sdp4bit::collective::local::LocalGroup;
 use sdp4bit::collective::{Comm, GradReduceScatter, global_k};
 use sdp4bit::plan::Topology;
 use sdp4bit::rng::{Stage, UniformStream, stream_id};
 use sdp4bit::{Config, Error, Preset};
+use sdp4bit_test_support::{
+    cluster::{reduce_scatter_ok, reduce_scatter_recorded},
+    error_stats::{assert_within, compare},
+    random::{SplitMix64, rank_grads},
+    reference::grad::grad_reference,
+    reference::route::RefRoute,
+    setups::cfg,
+};
 
 /// Rank buckets where position `i % 4 == 0` holds `+a` and `i % 4 == 1` holds `-a` on every
 /// rank (so those codes are all +K / -K), the rest small random values.

@@ -1,9 +1,8 @@
 //! The Walsh-Hadamard smoothing of SPEC §3 against an explicit Sylvester matrix in f64.
 
-mod common_unit;
-
-use common_unit::{SplitMix64, U32};
 use sdp4bit::hadamard::{MAX_BLOCK, MIN_BLOCK, forward, inverse, is_supported_block};
+use sdp4bit_test_support::random::SplitMix64;
+use sdp4bit_test_support::reference::EPS;
 
 const BLOCKS: [usize; 5] = [16, 32, 64, 128, 256];
 
@@ -29,7 +28,7 @@ fn sylvester(x: &[f32]) -> Vec<f64> {
 
 /// `gamma_k = k u / (1 - k u)`, Higham's bound for k chained roundings, u = 2^-24.
 fn gamma(k: usize) -> f64 {
-    let ku = k as f64 * U32;
+    let ku = k as f64 * EPS;
     ku / (1.0 - ku)
 }
 
@@ -42,7 +41,7 @@ fn f64_margin(n: usize, abs_sum: f64) -> f64 {
 
 fn random_block(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
     match rng.below(3) {
-        0 => rng.vec_f32(n, |r| r.normal() as f32),
+        0 => rng.vec_f32(n, |r| r.gaussian_unpaired() as f32),
         1 => rng.vec_f32(n, |r| r.grad_like()),
         _ => rng.vec_f32(n, |r| r.range_f32(-1e6, 1e6)),
     }

@@ -1,10 +1,8 @@
 //! Topology, bucket padding, gradient routes and the swizzled layout (SPEC §0, §5).
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, level_size, peer_index};
 use sdp4bit::{Config, Error, Preset};
+use sdp4bit_test_support::random::SplitMix64;
 
 fn cfg(preset: Preset, overrides: &[(&str, &str)]) -> Config {
     Config::from_overrides(preset, overrides.iter().copied())

@@ -2,15 +2,14 @@
 //! (`codec::slab`), against a reference written here from the spec and error bounds derived
 //! from the fp32 operation order.
 
-mod common_unit;
-
-use common_unit::{SplitMix64, U32};
 use rayon::prelude::*;
 use sdp4bit::Error;
 use sdp4bit::Rounding;
 use sdp4bit::codec::quant::{GroupMeta, QuantSpec, dequantize_group, quantize_group};
 use sdp4bit::codec::slab::{SLAB_ALIGN, SlabLayout};
 use sdp4bit::rng::UniformStream;
+use sdp4bit_test_support::random::SplitMix64;
+use sdp4bit_test_support::reference::EPS;
 
 fn spec(bits: u8, group_size: usize, symmetric: bool, rounding: Rounding) -> QuantSpec {
     QuantSpec {
@@ -148,7 +147,7 @@ fn fp32_slack(s: &QuantSpec, x: &[f32], i: usize, meta: GroupMeta, x_hat: f32) -
         let lo = f64::from(x.iter().copied().fold(f32::INFINITY, f32::min));
         2.0 * (xi - lo) + f64::from(levels(s)) * f64::from(meta.scale) + x_hat
     };
-    U32 * core * (1.0 + 2f64.powi(-20))
+    EPS * core * (1.0 + 2f64.powi(-20))
 }
 
 /// Random group contents covering: gradient-like values, a constant offset (so asymmetric
@@ -158,12 +157,12 @@ fn random_group(rng: &mut SplitMix64, g: usize) -> Vec<f32> {
         0 => rng.vec_f32(g, |r| r.grad_like()),
         1 => {
             let c = rng.range_f32(-10.0, 10.0);
-            rng.vec_f32(g, |r| c + r.normal() as f32 * 0.01)
+            rng.vec_f32(g, |r| c + r.gaussian_unpaired() as f32 * 0.01)
         }
         2 => rng.vec_f32(g, |r| r.range_f32(0.5, 3.0)),
         3 => rng.vec_f32(g, |r| r.range_f32(-3e5, -1e3)),
         _ => {
-            let mut v = rng.vec_f32(g, |r| r.normal() as f32);
+            let mut v = rng.vec_f32(g, |r| r.gaussian_unpaired() as f32);
             let k = rng.below(g);
             v[k] = 1e4 * if rng.below(2) == 0 { 1.0 } else { -1.0 };
             v
@@ -485,7 +484,7 @@ fn non_finite_groups_decode_to_nan() {
     for s in all_specs(96) {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN] {
             for _ in 0..4 {
-                let mut x = rng.vec_f32(96, |r| r.normal() as f32);
+                let mut x = rng.vec_f32(96, |r| r.gaussian_unpaired() as f32);
                 let at = rng.below(96);
                 x[at] = bad;
                 let u = uniforms(5, 6, 96);
@@ -584,7 +583,7 @@ fn dequantize_combine_accumulates() {
         let u = uniforms(1, 1, 64);
         let (meta, codes) = quantize(&s, &x, &u);
         let (plain, _) = dequantize(&s, &codes, meta);
-        let init = rng.vec_f32(64, |r| r.normal() as f32);
+        let init = rng.vec_f32(64, |r| r.gaussian_unpaired() as f32);
         let mut acc = init.clone();
         assert!(dequantize_group(&s, &codes, meta, &mut acc, |a, v| a + v));
         for i in 0..64 {
@@ -690,7 +689,7 @@ fn check_unbiased(
     for i in 0..g {
         let mean = sum[i] / n;
         let dev = mean - f64::from(x[i]);
-        let det = step * (nlev + 2.0) * U32 + fp32_slack(s, x, i, meta, max_abs_out[i]);
+        let det = step * (nlev + 2.0) * EPS + fp32_slack(s, x, i, meta, max_abs_out[i]);
         let thr = 3.0 * s_eff / n.sqrt() + det;
         if dev.abs() > thr {
             return Err(format!(
@@ -718,7 +717,7 @@ fn check_unbiased(
 /// Random data for the bias test: grad-like values in a group of moderate spread, so most
 /// elements have fractional code positions (where rounding bias would show).
 fn bias_group(rng: &mut SplitMix64, g: usize) -> Vec<f32> {
-    rng.vec_f32(g, |r| r.normal() as f32 + 0.3)
+    rng.vec_f32(g, |r| r.gaussian_unpaired() as f32 + 0.3)
 }
 
 const TRIALS: u64 = 4096;

@@ -1,26 +1,32 @@
 //! The gradient reduce-scatter (`GradReduceScatter` over `LocalCluster`) against an exact f64
-//! reference with per-element error bounds derived from the quantizers (see
-//! `tests/common/mod.rs` for the derivation).
+//! reference with per-element error bounds derived from the quantizers (the support crate's
+//! `reference` module derives them).
 //!
 //! Every preset (sdp4bit = TLq-HS, qsdp, global-qsgd, zeropp, baseline) and the TLq ablation
-//! run on every topology of `common::all_topologies` (W in {1, 2, 3, 4, 6, 8}, every D x M
+//! run on every topology of `setups::all_topologies` (W in {1, 2, 3, 4, 6, 8}, every D x M
 //! factorisation, non-uniform and interleaved node layouts), P in {1, 3}, odd bucket sizes
 //! (W * 1237, W * 4099 and W * 5, the last smaller than one group), two steps per object
 //! with fresh data (the buffers are reused). The baseline is bit-exact against the fp32
 //! rank-order sum, W == 1 is an exact copy, and every quantized codec stays within its
 //! worst-case bound element by element and within its (non-vacuous) mean-square bound.
 
-mod common;
-
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, CommGroups, GradReduceScatter, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Error, Preset};
+use sdp4bit_test_support::{
+    bits::assert_bits_eq,
+    cluster::{per_step, reduce_scatter_ok, reduce_scatter_recorded},
+    error_stats::{ErrStats, assert_within, compare},
+    random::rank_grads,
+    reference::grad::grad_reference,
+    reference::route::{RefRoute, ref_route},
+    setups::{FACTORS, all_topologies, cfg},
+};
 
 /// Bucket elements per rank of the sweeps: odd sizes, one smaller than any group.
 const PER_RANK: [usize; 3] = [1237, 4099, 5];

@@ -1,13 +1,11 @@
 //! Philox4x32-10 and the uniform streams of SPEC §2, checked against the Random123
 //! known-answer vectors and against an independent reference written here.
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use sdp4bit::Error;
 use sdp4bit::rng::{
     MAX_BUCKET_ID, MAX_STREAM_RANK, Stage, UniformStream, philox4x32_10, stream_id, word_to_uniform,
 };
+use sdp4bit_test_support::random::SplitMix64;
 
 /// Independent Philox4x32-10, transcribed from Salmon et al., "Parallel random numbers: as
 /// easy as 1, 2, 3" (SC'11) / Random123 `philox.h`: round = mulhilo of words 0 and 2 with the
