@@ -6,7 +6,9 @@
 //! - [`cluster`]: one collective on every rank of an in-process cluster;
 //! - [`recorder`]: a `Comm` that records every payload it carries;
 //! - [`reference`]: exact f64 answers and the error bounds derived from the quantizers;
-//! - [`error_stats`]: comparing outputs with a reference and asserting the bounds.
+//! - [`error_stats`]: comparing outputs with a reference and asserting the bounds;
+//! - [`kernel_emulator`]: the Rust driver of the g++ CUDA kernel emulator
+//!   (`tests/kernel_emulator/`).
 //!
 //! The root package depends on this crate as a dev-dependency, so the tests and this crate
 //! share one build of `sdp4bit` and its types.
@@ -14,6 +16,7 @@
 pub mod bits;
 pub mod cluster;
 pub mod error_stats;
+pub mod kernel_emulator;
 pub mod random;
 pub mod recorder;
 pub mod reference;
