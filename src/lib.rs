@@ -5,7 +5,7 @@
 //! gradients), QSDP, Global-QSGD, ZeRO++-style and uncompressed baselines. The numerics follow
 //! `SPEC.md`; this crate knows nothing of Python or torch.
 //!
-//! Layers, bottom up; each names only the layers below it:
+//! Layers, bottom up; each names only the layers below it (`tests/layering.rs` checks):
 //! - [`config`]: codec choices, presets, knobs, validation and the cross-rank fingerprint;
 //! - [`rng`], [`hadamard`]: Philox4x32-10 and the Walsh-Hadamard butterfly;
 //! - [`codec`]: the group quantizer, the byte layout of a slab on the wire, and the small types

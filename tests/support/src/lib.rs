@@ -8,7 +8,8 @@
 //! - [`reference`]: exact f64 answers and the error bounds derived from the quantizers;
 //! - [`error_stats`]: comparing outputs with a reference and asserting the bounds;
 //! - [`kernel_emulator`]: the Rust driver of the g++ CUDA kernel emulator
-//!   (`tests/kernel_emulator/`).
+//!   (`tests/kernel_emulator/`);
+//! - [`rust_source`]: the module paths a Rust source file names, for the layering test.
 //!
 //! The root package depends on this crate as a dev-dependency, so the tests and this crate
 //! share one build of `sdp4bit` and its types.
@@ -20,4 +21,5 @@ pub mod kernel_emulator;
 pub mod random;
 pub mod recorder;
 pub mod reference;
+pub mod rust_source;
 pub mod setups;
