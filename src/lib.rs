@@ -2,8 +2,8 @@
 //!
 //! The Rust core of a Megatron-LM / DeepSpeed plugin that replaces ZeRO's weight all-gather
 //! and gradient reduce-scatter with compressed versions: SDP4Bit (qWD weights, TLq-HS
-//! gradients), QSDP, Global-QSGD, ZeRO++-style and uncompressed baselines. The numerics follow
-//! `SPEC.md`; this crate knows nothing of Python or torch.
+//! gradients), QSDP, Global-QSGD, ZeRO++-style and uncompressed baselines. What they compute is
+//! specified in `docs/numerics.md`; this crate knows nothing of Python or torch.
 //!
 //! Layers, bottom up; each names only the layers below it (`tests/layering.rs` checks):
 //! - [`config`]: codec choices, presets, knobs, validation and the cross-rank fingerprint;

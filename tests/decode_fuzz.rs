@@ -2,9 +2,9 @@
 //! `SlabLayout::view` + `SlabView::decode_group`, and the collective-level receive paths
 //! `backend::cpu::gradient::{requantize_second, reduce_final}` and
 //! `backend::cpu::weight::apply_shards`. Where the bytes have the right length, an oracle
-//! written here from SPEC §1 predicts exactly which inputs are corrupt (a negative or infinite
-//! scale, an infinite offset, or the symmetric code -2^(b-1) that no encoder writes) and what
-//! the valid ones decode to.
+//! written here from docs/numerics.md §1 and §8 predicts exactly which inputs are corrupt (a
+//! negative or infinite scale, an infinite offset, or the symmetric code -2^(b-1) that no encoder
+//! writes) and what the valid ones decode to.
 
 use half::bf16;
 use proptest::prelude::*;
@@ -45,7 +45,8 @@ fn read_f32(b: &[u8], at: usize) -> f32 {
     f32::from_le_bytes(b[at..at + 4].try_into().unwrap())
 }
 
-/// SPEC §1 decode of group `k` of a slab of exactly `layout.byte_len()` bytes.
+/// The decode of group `k` (docs/numerics.md §1, §8) of a slab of exactly `layout.byte_len()`
+/// bytes.
 fn oracle(layout: &SlabLayout, slab: &[u8], k: usize) -> Expect {
     let s = &layout.spec;
     let cb = s.group_size * usize::from(s.bits) / 8;

@@ -1,4 +1,4 @@
-//! Counter-based randomness (SPEC §2): the bytes on the wire and the results are a pure
+//! Counter-based randomness (docs/numerics.md §2): the bytes on the wire and the results are a pure
 //! function of (inputs, seed, step, bucket, rank). Every payload of every collective is
 //! captured by the support crate's `Recorder`, a `Comm` wrapper around `LocalComm`.
 //!

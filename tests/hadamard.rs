@@ -1,4 +1,4 @@
-//! The Walsh-Hadamard smoothing of SPEC §3 against an explicit Sylvester matrix in f64.
+//! The Walsh-Hadamard smoothing of docs/numerics.md §3 against an explicit Sylvester matrix in f64.
 
 use sdp4bit::hadamard::{MAX_BLOCK, MIN_BLOCK, forward, inverse, is_supported_block};
 use sdp4bit_test_support::random::SplitMix64;
@@ -102,8 +102,8 @@ fn forward_matches_sylvester_matrix() {
     }
 }
 
-/// The textbook butterfly of SPEC §3 / `hadamard.rs`: stages h = 1, 2, 4, ..., n/2 in this
-/// order, each replacing (a, b) = (x[j], x[j + h]) by (a + b, a - b). CPU and GPU must follow
+/// The textbook butterfly of docs/numerics.md §3 / `hadamard.rs`: stages h = 1, 2, 4, ..., n/2 in
+/// this order, each replacing (a, b) = (x[j], x[j + h]) by (a + b, a - b). CPU and GPU must follow
 /// exactly this order so their results agree bit for bit.
 fn textbook_butterfly(x: &mut [f32]) {
     let n = x.len();
@@ -282,9 +282,9 @@ fn empty_input_is_a_no_op() {
 
 #[test]
 fn smoothing_spreads_an_outlier() {
-    // SPEC §3's purpose: one outlier of size A in a block of n becomes n values of size A
-    // (plus the small entries), so the block's absmax relative to its RMS drops from
-    // ~sqrt(n) to ~1.
+    // The purpose of the smoothing (docs/numerics.md §3): one outlier of size A in a block of n
+    // becomes n values of size A (plus the small entries), so the block's absmax relative to its
+    // RMS drops from ~sqrt(n) to ~1.
     let n = 32;
     let mut x = vec![0f32; n];
     x[5] = 1000.0;

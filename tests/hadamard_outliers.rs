@@ -1,4 +1,4 @@
-//! Hadamard smoothing (SPEC §3) on heavy-tailed gradients: TLq-HS (H32 on) against TLq
+//! Hadamard smoothing (docs/numerics.md §3) on heavy-tailed gradients: TLq-HS (H32 on) against TLq
 //! (off) at the same bits on the same fresh data.
 //!
 //! The gradients model a flattened weight-gradient matrix with rows of `HIDDEN` elements:

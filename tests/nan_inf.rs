@@ -1,5 +1,5 @@
-//! Non-finite inputs (SPEC §1): a group holding NaN or +-Inf stores scale NaN, so every
-//! element of that group dequantizes to NaN and nothing else is touched; the caller's
+//! Non-finite inputs (docs/numerics.md §1.5): a group holding NaN or +-Inf stores scale NaN, so
+//! every element of that group dequantizes to NaN and nothing else is touched; the caller's
 //! found-inf check still fires and is never fooled by a NaN clamped into a finite code.
 //!
 //! - grouped gradient codecs (TLq-HS, TLq, QSDP, ZeRO++): a NaN / Inf in one group of one

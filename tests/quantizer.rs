@@ -1,5 +1,5 @@
-//! The group quantizer of SPEC §1 (`codec::quant`) and the slab layout on the wire
-//! (`codec::slab`), against a reference written here from the spec and error bounds derived
+//! The group quantizer of docs/numerics.md §1 (`codec::quant`) and the slab layout on the wire
+//! (`codec::slab`), against a reference written here from that page and error bounds derived
 //! from the fp32 operation order.
 
 use rayon::prelude::*;
@@ -39,8 +39,8 @@ fn uniforms(seed: u64, step: u64, n: usize) -> Vec<f32> {
     u
 }
 
-/// Largest code magnitude of the spec, written independently: `L = 2^(b-1) - 1` symmetric,
-/// `N = 2^b - 1` asymmetric (SPEC §1).
+/// Largest code magnitude of docs/numerics.md §1.1 and §1.2, written independently:
+/// `L = 2^(b-1) - 1` symmetric, `N = 2^b - 1` asymmetric.
 fn levels(s: &QuantSpec) -> i32 {
     if s.symmetric {
         (1 << (s.bits - 1)) - 1
@@ -49,8 +49,8 @@ fn levels(s: &QuantSpec) -> i32 {
     }
 }
 
-/// Unpacks codes as SPEC §1 lays them out: 4-bit two's complement (or unsigned, asymmetric)
-/// nibbles with element 2k in the low nibble; 8-bit int8 (uint8 asymmetric).
+/// Unpacks codes as docs/numerics.md §1.6 lays them out: 4-bit two's complement (or unsigned,
+/// asymmetric) nibbles with element 2k in the low nibble; 8-bit int8 (uint8 asymmetric).
 fn unpack(s: &QuantSpec, codes: &[u8]) -> Vec<i32> {
     let mut out = Vec::with_capacity(s.group_size);
     for &byte in codes {
@@ -71,8 +71,8 @@ fn unpack(s: &QuantSpec, codes: &[u8]) -> Vec<i32> {
     out
 }
 
-/// SPEC §1 written out with the same fp32 operation order (no FMA): returns (scale, offset,
-/// codes). This is the bit-exact reference of what the codec must produce.
+/// docs/numerics.md §1 written out with the same fp32 operation order (no FMA): returns (scale,
+/// offset, codes). This is the bit-exact reference of what the codec must produce.
 fn reference_quantize(s: &QuantSpec, x: &[f32], u: &[f32]) -> (f32, f32, Vec<i32>) {
     let n = levels(s);
     let zeros = vec![0; x.len()];
@@ -83,7 +83,7 @@ fn reference_quantize(s: &QuantSpec, x: &[f32], u: &[f32]) -> (f32, f32, Vec<i32
         let a = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         (a / n as f32, 0f32, -n, n)
     } else {
-        // -0 canonicalised to +0 (SPEC §1 as documented in codec::quant).
+        // -0 canonicalised to +0 (docs/numerics.md §1.2).
         let lo = x.iter().copied().fold(f32::INFINITY, f32::min) + 0.0;
         let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 0.0;
         let scale = (hi - lo) / n as f32;
@@ -171,7 +171,7 @@ fn random_group(rng: &mut SplitMix64, g: usize) -> Vec<f32> {
 }
 
 #[test]
-fn codes_and_scales_match_spec_reference_bit_for_bit() {
+fn codes_and_scales_match_an_independent_reference_bit_for_bit() {
     let mut rng = SplitMix64::new(0x0a17_0001);
     for g in [32usize, 96, 128, 1024, 2048] {
         for s in all_specs(g) {
@@ -215,14 +215,14 @@ fn codes_and_scales_match_spec_reference_bit_for_bit() {
 
 #[test]
 fn scale_definitions() {
-    // SPEC §1: symmetric s = absmax / L with L = 7 (4-bit) or 127 (8-bit); asymmetric
-    // s = (hi - lo) / (2^b - 1) with lo stored as the offset.
+    // docs/numerics.md §1.1, §1.2: symmetric s = absmax / L with L = 7 (4-bit) or 127 (8-bit);
+    // asymmetric s = (hi - lo) / (2^b - 1) with lo stored as the offset.
     let mut rng = SplitMix64::new(0x0a17_0002);
     for _ in 0..200 {
         let g = 32 * (1 + rng.below(8));
         let x = rng.vec_f32(g, |r| r.grad_like());
         let a = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        // -0 canonicalised to +0 (SPEC §1 as documented in codec::quant).
+        // -0 canonicalised to +0 (docs/numerics.md §1.2).
         let lo = x.iter().copied().fold(f32::INFINITY, f32::min) + 0.0;
         let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 0.0;
         let u = uniforms(3, 0, g);
@@ -456,8 +456,8 @@ fn stochastic_rounding_is_floor_of_v_plus_u() {
         (0.25, 0.75, 1),
         (-0.25, 0.0, -1),
         (-0.25, 0.25, 0),
-        // v + u is an fp32 addition (SPEC §2 fixes the float ops): 2 + (1 - 2^-24) rounds
-        // to 3 (ulp 2^-22 on [2, 4)), so the code is 3, not floor of the exact sum.
+        // v + u is an fp32 addition (docs/numerics.md §1.4 fixes the float ops): 2 + (1 - 2^-24)
+        // rounds to 3 (ulp 2^-22 on [2, 4)), so the code is 3, not floor of the exact sum.
         (2.0, top, 3),
         (0.0, top, 0),
         (6.9, top, 7),
@@ -792,7 +792,8 @@ fn unbiasedness_check_has_power() {
 // ---------------------------------------------------------------------------------------
 // Slab layout
 
-/// SPEC §1 wire layout, written independently: `[codes][scales][offsets]`, padded to 16.
+/// The slab layout of docs/numerics.md §6, written independently: `[codes][scales][offsets]`,
+/// padded to 16.
 fn expected_byte_len(s: &QuantSpec, groups: usize) -> usize {
     let codes = groups * s.group_size * usize::from(s.bits) / 8;
     let meta = groups * 4 * if s.symmetric { 1 } else { 2 };

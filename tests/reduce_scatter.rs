@@ -486,14 +486,14 @@ fn sizes_mismatched_across_ranks_fail_on_every_rank_two_level() {
 // ------------------------------------------------------------------------------------------
 
 /// Bytes one slab of `groups` groups of `g` `bits`-bit codes (`meta` fp32 words per group)
-/// takes on the wire (SPEC §1: codes, then scales/offsets, 16-byte aligned).
+/// takes on the wire (docs/numerics.md §6: codes, then scales/offsets, 16-byte aligned).
 fn slab_bytes(groups: usize, g: usize, bits: usize, meta: usize) -> u64 {
     ((groups * g * bits / 8 + 4 * meta * groups).div_ceil(16) * 16) as u64
 }
 
 #[test]
-fn wire_bits_per_element_match_spec() {
-    // Large buckets: the per-element bits of SPEC §6 within padding.
+fn wire_bits_per_element_match_the_ideal_values() {
+    // Large buckets: the per-element bits of docs/numerics.md §9 within padding.
     let per_rank = 2048 * 72; // a multiple of lcm(2048, 3 * 128): no padding for P = 1, 3
     for p in ["1", "3"] {
         let config = cfg(Preset::Sdp4bit, &[("pipeline_chunks", p)]);
@@ -540,7 +540,7 @@ fn wire_bits_per_element_match_spec() {
             assert_eq!(base, 16.0, "{ctx}");
         }
     }
-    // Other codecs and the degraded routes, at the bits SPEC §4 gives them.
+    // Other codecs and the degraded routes, at the bits docs/numerics.md §4.2 gives them.
     let numel_per = 2048 * 64;
     // (preset, overrides, node labels, intra bits, inter bits, shards per intra-node message:
     // M for a two-level route, whose intra-node slab carries every node's shard, else 1)
@@ -641,7 +641,7 @@ fn wire_bytes_equal_the_bytes_actually_sent() {
                         (want.intra_node, want.inter_node),
                         "{ctx}"
                     );
-                    // And the slab sizes of SPEC §1 for the grouped codecs' exchanges.
+                    // And the slab sizes of docs/numerics.md §6 for the grouped codecs' exchanges.
                     if preset == Preset::Sdp4bit
                         && matches!(ref_route(&config, &topo, 0), RefRoute::TwoLevel { .. })
                     {

@@ -1,4 +1,4 @@
-//! The numerics of SPEC §1: the group quantizer and the byte layout of what goes on the wire.
+//! The group quantizer and the byte layout of what goes on the wire (docs/numerics.md §1, §6).
 //!
 //! Everything here works on one group or one slab at a time and is the single definition the
 //! CPU passes (`backend::cpu`) apply in parallel and the CUDA kernels reproduce. The small

@@ -1,4 +1,4 @@
-//! The gradient reduce-scatter of one bucket (SPEC §4, §5).
+//! The gradient reduce-scatter of one bucket (docs/numerics.md §7.1, §7.2, §7.4).
 
 use crate::backend::cpu::Host;
 use crate::backend::{Backend, Element};

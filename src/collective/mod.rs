@@ -1,4 +1,4 @@
-//! The collective algorithms of SPEC §5, each written once over the [`Comm`] and
+//! The collective algorithms of docs/numerics.md §7, each written once over the [`Comm`] and
 //! [`Backend`] traits (host memory by default, CUDA device memory in the extension).
 //!
 //! - [`GradReduceScatter`]: the gradient reduce-scatter of one bucket (baseline, the grouped

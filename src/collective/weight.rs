@@ -1,4 +1,4 @@
-//! The parameter all-gather of one bucket after the optimizer step (SPEC §4, §5).
+//! The parameter all-gather of one bucket after the optimizer step (docs/numerics.md §7.3).
 
 use half::bf16;
 

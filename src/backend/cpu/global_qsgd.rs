@@ -1,5 +1,5 @@
-//! The passes of Global-QSGD (SPEC §4): the local absmax, the rounding of `x / s` to integers
-//! with the global scale `s = a / K`, and the dequantization of the summed integers.
+//! The passes of Global-QSGD (docs/numerics.md §7.2): the local absmax, the rounding of `x / s` to
+//! integers with the global scale `s = a / K`, and the dequantization of the summed integers.
 
 use rayon::prelude::*;
 

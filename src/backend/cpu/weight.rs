@@ -1,4 +1,4 @@
-//! The two fused passes of the weight all-gather (SPEC §4, §5): encode this rank's shard,
+//! The two fused passes of the weight all-gather (docs/numerics.md §7.3): encode this rank's shard,
 //! then apply every rank's chunk to the whole param bucket.
 
 use half::bf16;
