@@ -472,7 +472,8 @@ fn global_dequantize_row(opts: &Opts, name: &str) -> Row {
 /// A pass row: its label and how to measure it.
 type RowFn = Box<dyn Fn(&Opts, &str) -> Row + Send + Sync>;
 
-/// Every pass row, in the order of the issue.
+/// Every pass row, numbered in the order of the report: the sdp4bit gradient passes, the
+/// qWD passes, then QSDP's, ZeRO++'s and Global-QSGD's.
 fn pass_rows() -> Vec<(&'static str, RowFn)> {
     let sdp = config(Preset::Sdp4bit, &[]);
     let qsdp = config(Preset::Qsdp, &[]);

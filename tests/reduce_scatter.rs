@@ -464,7 +464,7 @@ fn sizes_mismatched_across_ranks_fail_on_every_rank_two_level() {
     // One rank of a 2 x 2 two-level route plans a different bucket. Its node's intra-node
     // exchange fails on both of that node's ranks, but the other node's ranks pass their
     // intra-node exchange and then wait in the inter-node one for peers that have already
-    // returned. The brief requires an error on ALL ranks, not a hang.
+    // returned. Every rank must get an error, never a hang.
     let config = cfg(Preset::Sdp4bit, &[]);
     let topo = Topology::uniform(2, 2).unwrap();
     let limit = Duration::from_secs(15);
