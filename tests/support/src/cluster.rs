@@ -11,7 +11,7 @@ use crate::recorder::{Record, Recorder};
 
 /// Runs one reduce-scatter of `grads[r]` (rank r's bucket) at `step` on a fresh cluster and
 /// returns every rank's shard or error. Shards start as NaN so unwritten elements show.
-pub fn reduce_scatter(
+fn reduce_scatter(
     config: &Config,
     topo: &Topology,
     grads: &[Vec<f32>],
@@ -30,7 +30,9 @@ pub fn reduce_scatter(
     })
 }
 
-/// [`reduce_scatter`], panicking on any rank's error.
+/// Runs one reduce-scatter of `grads[r]` (rank r's bucket) at `step` on a fresh cluster and
+/// returns every rank's shard, panicking on any rank's error. Shards start as NaN so unwritten
+/// elements show.
 pub fn reduce_scatter_ok(
     config: &Config,
     topo: &Topology,

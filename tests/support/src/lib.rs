@@ -5,7 +5,7 @@
 //! - [`setups`]: the configs and topologies the collective sweeps run on;
 //! - [`cluster`]: one collective on every rank of an in-process cluster;
 //! - [`recorder`]: a `Comm` that records every payload it carries;
-//! - [`reference`]: exact f64 answers and the error bounds derived from the quantizers;
+//! - [`reference`](mod@reference): exact f64 answers and the error bounds derived from the quantizers;
 //! - [`error_stats`]: comparing outputs with a reference and asserting the bounds;
 //! - [`kernel_emulator`]: the Rust driver of the g++ CUDA kernel emulator
 //!   (`tests/kernel_emulator/`);
