@@ -27,7 +27,7 @@ const CXX_FLAGS: [&str; 11] = [
 
 /// The emulator's source directory, `tests/kernel_emulator/`.
 fn harness_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernel_emulator")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernel_emulator")
 }
 
 /// Fails the test unless g++ runs.

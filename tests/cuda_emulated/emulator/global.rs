@@ -11,7 +11,7 @@ use sdp4bit::rng::Stage;
 
 use super::case::{Buf, Case, ELEMENTS_PER_BLOCK, Expect};
 use super::data::{f32_bytes, garbage, stream, values};
-use crate::random::SplitMix64;
+use sdp4bit_test_support::random::SplitMix64;
 
 /// The data of one Global-QSGD case.
 #[derive(Debug, Clone, Copy)]

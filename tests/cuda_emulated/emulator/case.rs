@@ -8,7 +8,7 @@ use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::codec::slab::SlabLayout;
 
 use super::compare::first_difference;
-use crate::random::SplitMix64;
+use sdp4bit_test_support::random::SplitMix64;
 
 /// Groups one block handles at a time (8 warps, one group each): the launch shape of
 /// `backend::cuda::launch` for the grouped kernels.

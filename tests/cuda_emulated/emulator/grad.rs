@@ -12,7 +12,7 @@ use sdp4bit::rng::Stage;
 
 use super::case::{Case, Expect, GROUPS_PER_BLOCK};
 use super::data::{damage, f32_bytes, garbage, plain, stream, values};
-use crate::random::SplitMix64;
+use sdp4bit_test_support::random::SplitMix64;
 
 /// One rank's view of the grouped gradient reduce-scatter: its first pass over the whole
 /// bucket, then per chunk the requantization (two-level routes) and the final reduction of

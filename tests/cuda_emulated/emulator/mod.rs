@@ -1,4 +1,5 @@
-//! The Rust driver of the CUDA kernel emulator (`tests/kernel_emulator/`): g++ compiles the
+//! The Rust driver of the CUDA kernel emulator (`tests/kernel_emulator/`), beside its only user
+//! (compiled into this test alone, not into the shared support crate): g++ compiles the
 //! kernels of `kernels/` unchanged against a host emulation of the CUDA device environment
 //! (each warp runs as 32 cooperative fibers that meet at every shuffle and vote; see
 //! `cuda_shim.h` for the model and its limits), and the emulator runs launches generated here
@@ -10,7 +11,7 @@
 //! - `data`: the random inputs (special values, damaged slabs);
 //! - [`Case`]: buffers, launches and the expected outputs; the case file;
 //! - `compare`: the first difference between an emulated output and the CPU's;
-//! - `build`: the g++ build, once per test process;
+//! - `compile`: the g++ build, once per test process;
 //! - [`emulate_family`]: runs one family's cases and reports the differences.
 //!
 //! Outputs are compared as `tests/cuda_gpu.rs` does on a GPU: codes and padding byte for byte,
@@ -19,9 +20,9 @@
 //! and canaries around every buffer) or undefined behaviour (UBSan), naming the case, launch
 //! and thread.
 
-mod build;
 mod case;
 mod compare;
+mod compile;
 mod data;
 pub mod global;
 pub mod grad;

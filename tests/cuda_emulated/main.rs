@@ -1,7 +1,7 @@
 //! Bit-identity of every CUDA kernel with the CPU backend, without a GPU: g++ compiles the
 //! kernels of `kernels/` unchanged against a host emulation of the CUDA device environment
-//! (`tests/kernel_emulator/`, driven by the support crate's `kernel_emulator`), and the
-//! emulator runs launches that the CPU backend's outputs are expected of.
+//! (`tests/kernel_emulator/`, driven by [`emulator`]), and the emulator runs launches whose
+//! outputs must be the CPU backend's.
 //!
 //! One test per codec family, each with fresh random inputs (fixed seed, per family), launch
 //! parameters built by the CUDA backend's own `abi` constructors, grids of 1, 2 or 3 blocks
@@ -35,11 +35,14 @@
 use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, GradCodec, Preset, WeightCodec};
-use sdp4bit_test_support::kernel_emulator::global::{GlobalData, global_case};
-use sdp4bit_test_support::kernel_emulator::grad::grad_case;
-use sdp4bit_test_support::kernel_emulator::weight::weight_case;
-use sdp4bit_test_support::kernel_emulator::{Case, Coverage, emulate_family};
 use sdp4bit_test_support::random::SplitMix64;
+
+mod emulator;
+
+use emulator::global::{GlobalData, global_case};
+use emulator::grad::grad_case;
+use emulator::weight::weight_case;
+use emulator::{Case, Coverage, emulate_family};
 
 /// The kernels of the grouped gradient reduce-scatter with two levels.
 const TWO_LEVEL_GRAD_KERNELS: [Kernel; 3] = [

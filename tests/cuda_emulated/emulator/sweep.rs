@@ -10,14 +10,15 @@ use std::time::{Duration, Instant};
 
 use sdp4bit::backend::cuda::source::Kernel;
 
-use super::build::{emulator_executable, require_gxx};
 use super::case::Case;
-use crate::random::SplitMix64;
+use super::compile::{emulator_executable, require_gxx};
+use sdp4bit_test_support::random::SplitMix64;
 
 /// The data seed unless `SDP4BIT_TEST_SEED` is set.
 const DEFAULT_SEED: u64 = 0x5D94_B17E_0000_0001;
 
-/// How long the emulator may run one family (the largest takes about 20 s on two cores).
+/// How long the emulator may run one family (the largest, TLq-HS's full sweep, takes about
+/// 30 s on two cores).
 const EMULATOR_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How much of a family's cross product of variants and sizes runs.
@@ -29,6 +30,7 @@ pub enum Coverage {
     Subset,
 }
 
+/// Whether the environment variable `name` is `1`.
 fn flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "1")
 }
@@ -63,7 +65,7 @@ pub fn emulate_family(
         .unwrap_or(DEFAULT_SEED);
     let kernel_dir = std::env::var_os("SDP4BIT_KERNELS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels"));
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels"));
     require_gxx();
     let start = Instant::now();
 

@@ -5,7 +5,7 @@ use half::bf16;
 use sdp4bit::codec::slab::SlabLayout;
 use sdp4bit::rng::{Stage, UniformStream, stream_id};
 
-use crate::random::SplitMix64;
+use sdp4bit_test_support::random::SplitMix64;
 
 /// A fair coin.
 fn coin(rand: &mut SplitMix64) -> bool {

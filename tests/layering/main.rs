@@ -15,7 +15,9 @@
 
 use std::path::Path;
 
-use sdp4bit_test_support::rust_source::{module_of, named_paths};
+mod rust_source;
+
+use rust_source::{module_of, named_paths};
 
 /// A layering rule: the non-test code of the modules under `modules` names nothing under any
 /// of `forbidden`.

@@ -12,7 +12,7 @@ use sdp4bit::{Config, WeightCodec};
 
 use super::case::{Case, Expect, GROUPS_PER_BLOCK};
 use super::data::{bf16_bytes, bf16s, damage, garbage, stream, updated};
-use crate::random::SplitMix64;
+use sdp4bit_test_support::random::SplitMix64;
 
 /// The weight all-gather's two passes: this rank encodes its shard (at its padded bucket index,
 /// or with `high_index` at one whose Philox blocks cross 2^32), then applies every rank's slab,
