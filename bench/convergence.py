@@ -1,4 +1,4 @@
-"""Convergence study: the paper's ablation at small scale (docs/numerics.md, reference results).
+"""Convergence study: the paper's ablation at small scale (docs/numerics.md §10).
 
 Trains the byte-level GPT of examples/gpt_cpu with W = 4 ranks as 2 nodes x 2 ranks on CPU,
 once per row, with the same seed and data order: baseline, qW, qWD, TLq, TLq-HS, SDP4Bit,
