@@ -111,7 +111,8 @@ class UnitState:
         """The step the core numbers its random streams by for this unit at `step`. Units of
         one buffer size share a collective (so the core's buffers exist once per size, not
         once per unit), hence its bucket id: the unit's index is folded into the step, which
-        keeps every (unit, step) on streams of its own (the core keeps 32 bits of it)."""
+        keeps every (unit, step) on streams of its own (the core keeps its low 32 bits,
+        docs/numerics.md §2.1)."""
         return step * self.shared.units + self.index
 
     def check_group(self, group: dist.ProcessGroup) -> None:

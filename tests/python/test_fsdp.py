@@ -95,7 +95,8 @@ def test_telemetry_reports_bytes_and_error_at_the_interval():
             sent = scalars[(f"sdp4bit/{kind}/bytes_sent", step)]
             assert 0 < sent < scalars[(f"sdp4bit/{kind}/bytes_uncompressed", step)]
             assert scalars[(f"sdp4bit/{kind}/nonfinite", step)] == 0
-    # 8-bit qsdp weights: an element's error is under a step (range / 255) of its group.
+    # 8-bit qsdp weights: an element's error is under a step (range / 255) of its group
+    # (docs/numerics.md §1.2).
     assert 0 < scalars[("sdp4bit/param/rel_l2_error", 2)] < 0.05
     assert 0 < scalars[("sdp4bit/grad/rel_l2_error", 2)] < 1
 
@@ -155,6 +156,26 @@ def test_torch_without_fsdp2_custom_collectives_is_refused(monkeypatch, missing)
         sdp4bit.fsdp.enable(torch.nn.Linear(2, 2))
     assert "needs PyTorch 2.9 or later" in str(raised.value)
     assert f"FSDPModule.{missing}" in str(raised.value)
+
+
+def test_a_unit_with_several_parameter_groups_is_refused():
+    # torch 2.15: shard_placement_fn can put a unit's parameters on meshes of their own, one
+    # parameter group each, whose single-group accessor then fails inside torch.
+    class State:
+        _fsdp_param_groups = [object(), object()]
+
+        @property
+        def _fsdp_param_group(self):
+            raise AssertionError("Expected at most 1 param group")
+
+    class Unit(torch.nn.Linear):
+        def _get_fsdp_state(self):
+            return State()
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Unit(2, 2))
+    api = sdp4bit.fsdp._torch.Fsdp2(Unit, object, object)
+    with pytest.raises(Sdp4bitError, match="FSDP unit '1' has 2 parameter groups"):
+        sdp4bit.fsdp._torch.units(model, api)
 
 
 def test_the_example_trains_and_writes_its_results(tmp_path):
