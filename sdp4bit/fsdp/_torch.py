@@ -65,7 +65,7 @@ class Unit:
     @property
     def label(self) -> str:
         """How messages name the unit."""
-        return f"FSDP unit '{self.name}'" if self.name else "the root FSDP unit"
+        return _label(self.name)
 
     def params(self) -> list[nn.Parameter]:
         """The sharded parameters (DTensors) the unit manages."""
@@ -100,10 +100,24 @@ def units(model: nn.Module, api: Fsdp2) -> list[Unit]:
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is None:
             _unknown("FSDPModule._get_fsdp_state")
-        group = _attribute(get_state(), "_fsdp_param_group", "FSDPState")
+        state = get_state()
+        # torch 2.15 keeps a list, one group per mesh when shard_placement_fn gives
+        # parameters meshes of their own; reading the single group then fails inside torch.
+        every_group = getattr(state, "_fsdp_param_groups", None)
+        if every_group is not None and len(every_group) > 1:
+            raise Sdp4bitError(
+                f"{_label(name)} has {len(every_group)} parameter groups (parameters on "
+                "meshes of their own, from shard_placement_fn); sdp4bit serves one shard "
+                "group per unit and FSDP takes no custom collectives for such a unit")
+        group = _attribute(state, "_fsdp_param_group", "FSDPState")
         if group is not None:
             found.append(Unit(name, module, group))
     return found
+
+
+def _label(name: str) -> str:
+    """How messages name the unit at `name` in the model."""
+    return f"FSDP unit '{name}'" if name else "the root FSDP unit"
 
 
 def _attribute(owner: object, name: str, kind: str):
