@@ -67,6 +67,15 @@ def test_w2_every_codec_equals_the_core():
             assert 0 < sent < uncompressed, codecs
 
 
+def test_one_rank_trains_bit_exact_with_fsdps_own():
+    # torch 2.9 calls the reduce-scatter at world size 1 too (2.11 skips it): the core copies
+    # (docs/numerics.md §7.4), every call checked against it, so training is FSDP's own.
+    own = run_ranks(1, fs.train, None, 3)[0]
+    ours = run_ranks(1, fs.train, "sdp4bit", 3, True)[0]
+    assert ours["losses"] == own["losses"] and ours["params"] == own["params"]
+    assert ours["wire"] == (0, 0)
+
+
 def test_loss_tracks_fsdps_own():
     steps = 30
     own = run_ranks(2, fs.train, None, steps)[0]["losses"]
