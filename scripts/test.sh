@@ -134,7 +134,7 @@ wait_for "$COMPAT_ENVS_PID" .cache/logs/venv-compat.log
 for name in "${COMPAT_TORCH[@]}"; do
   venv=$ROOT/.cache/venv-torch-$name
   version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
-  step "torch $version ($name): pip install . with the prebuilt bundle and no cargo, one collective"
+  step "torch $version ($name): pip install . with the prebuilt bundle and no cargo, one collective, FSDP2"
   (
     sdp4bit_use "$venv"
     rm -rf build
@@ -142,7 +142,8 @@ for name in "${COMPAT_TORCH[@]}"; do
       pip install --quiet --no-deps --no-build-isolation --force-reinstall .
     smoke "$venv"
     pytest -q -p no:cacheprovider tests/python/test_native.py \
-      "tests/python/test_collectives.py::test_every_preset_equals_the_in_process_collective[W4-2x2]"
+      "tests/python/test_collectives.py::test_every_preset_equals_the_in_process_collective[W4-2x2]" \
+      tests/python/test_fsdp.py::test_w4_collectives_equal_the_core_with_the_topology_given
   )
 done
 

@@ -1,6 +1,7 @@
-"""What every framework integration (megatron-core, DeepSpeed) shares: the shard of a bucket a
-DP rank owns, the bf16 requirement of the weight codecs, the count of bytes sent against the
-uncompressed collectives, and the log line when a topology forces the slower one-level route."""
+"""What every framework integration (megatron-core, DeepSpeed, FSDP2) shares: the shard of a
+bucket a DP rank owns, the bf16 requirement of the weight codecs, the count of bytes sent
+against the uncompressed collectives, and the log line when a topology forces the slower
+one-level route."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ class WireCounter:
 
     sent: int = 0
     uncompressed: int = 0
+
+    def add(self, sent: int, uncompressed: int) -> None:
+        """One call that sent `sent` bytes where the framework's own collective would have
+        sent `uncompressed` (e.g. in a 16-bit dtype the core's fp32 baseline does not know)."""
+        self.sent += sent
+        self.uncompressed += uncompressed
 
     def add_grad(self, rs: GradReduceScatter, step: int) -> None:
         """One reduce-scatter of `rs` at `step`."""

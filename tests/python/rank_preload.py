@@ -15,6 +15,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402,F401
 import torch.distributed  # noqa: E402,F401
+import torch.distributed.fsdp  # noqa: E402,F401
 
 try:
     import megatron.core.distributed  # noqa: F401

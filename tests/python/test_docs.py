@@ -73,6 +73,9 @@ EXERCISED = {
         TEST_SH, "python scripts/build_native.py --out .cache/native-bundle"),
     # the quick start, run here
     "torchrun --standalone --nproc-per-node 4 examples/quickstart.py": lambda: True,
+    # the FSDP2 example, run by its test with a few steps
+    "torchrun --standalone --nproc-per-node 4 examples/fsdp2/train.py": lambda: _contains(
+        "tests/python/test_fsdp.py", '"examples/fsdp2/train.py"', '"--ranks-per-node", "2"'),
     # Megatron-LM: the launcher with these flags, against a stand-in of megatron.training
     "python -m megatron_patch": lambda: _contains("tests/python/test_launcher.py",
                                                   '"-m", "megatron_patch"'),

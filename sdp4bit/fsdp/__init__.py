@@ -1,0 +1,166 @@
+"""PyTorch FSDP2 (``fully_shard``, torch 2.9 and later): sdp4bit's codecs as every unit's
+parameter all-gather and gradient reduce-scatter, through FSDP2's custom-collective setters.
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    sdp4bit.fsdp.enable(model)          # QSDP weights, TLq-HS gradients (two levels by node)
+    ...                                 # train as usual
+    sdp4bit.fsdp.disable(model)         # before torch.distributed.destroy_process_group()
+
+FSDP frees gathered parameters after use, so no rank keeps a previous copy to take qWD's
+differences against: the weight codecs here are the direct ones (qsdp, the default, qw,
+zeropp, or none), QSDP's own setting: the exact sharded parameters stay with their owner and
+the gathers bring every rank the same quantized bytes. The gradient codecs are all of the
+core's. A preset given by name reads ``sdp4bit`` as qsdp weights (:func:`preset_config`); a
+:class:`~sdp4bit.Config` with qWD weights is refused.
+
+Refused with an error naming the problem, never run uncompressed: HSDP and replicated
+parameters (their all-reduce would go uncompressed), a reduce op other than AVG or SUM
+(``set_gradient_divide_factor`` without ``set_force_sum_reduction_for_comms(True)``),
+re-gathers over a smaller group (``reshard_after_forward=<int>``), and, with a weight codec,
+parameters not all-gathered as bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import Config
+from ..errors import Sdp4bitError
+from ..groups import ProcessGroups
+from ..telemetry import Telemetry
+from ._torch import Unit, fsdp2, units
+
+__all__ = ["State", "disable", "enable", "preset_config", "wire_bytes"]
+
+logger = logging.getLogger("sdp4bit")
+
+#: The attribute of the model that holds sdp4bit's state.
+_ATTRIBUTE = "_sdp4bit_fsdp"
+
+
+def preset_config(preset: str = "sdp4bit", overrides: dict | None = None) -> Config:
+    """A preset and knobs (as for :meth:`Config.from_knobs`) as FSDP reads them: a preset
+    whose weight codec is qWD gets QSDP's (qsdp) instead, unless `overrides` names a weight
+    codec. Validated."""
+    overrides = dict(overrides or {})
+    config = Config.from_knobs(preset, overrides)
+    if "weight_codec" not in overrides and config.codecs()[0] == "qwd":
+        config = config.replace(weight_codec="qsdp")
+    return config.validate()
+
+
+@dataclass
+class State:
+    """sdp4bit's state on a model (what :func:`enable` returns)."""
+
+    shared: object  # comms.Shared: config, groups, telemetry, bytes counted
+    units: list[tuple[Unit, object, tuple[object, object]]]  # (unit, UnitState, FSDP's comms)
+
+    @property
+    def config(self) -> Config:
+        return self.shared.config
+
+    @property
+    def groups(self) -> ProcessGroups:
+        return self.shared.groups
+
+
+def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
+           local_world_size: int | None = None, node_labels: list[int] | None = None,
+           telemetry_interval: int = 0, tensorboard_writer=None, first_step: int = 0) -> State:
+    """Routes every FSDP unit of `model` (a module ``fully_shard`` was applied to, with its
+    submodules) through sdp4bit with `config`: a :class:`~sdp4bit.Config`, or a preset name
+    read by :func:`preset_config`. Collective: every rank calls it, after ``fully_shard`` and
+    before training.
+
+    Nodes come from `node_labels` (one per rank of the shard group) or `local_world_size`
+    (default ``LOCAL_WORLD_SIZE``). Each unit's collectives are set up when FSDP first calls
+    them, with the cross-rank agreement check. Random streams are numbered by gradient syncs
+    from `first_step` (pass the step a resumed run starts at). Every `telemetry_interval`
+    steps (0: never) the quantization error against FSDP's exact collectives and the bytes are
+    reported (:mod:`sdp4bit.telemetry`) to the ``sdp4bit`` logger and `tensorboard_writer`.
+    """
+    api = fsdp2()
+    config = _fsdp_config(config)
+    if not isinstance(first_step, int) or first_step < 0:
+        raise ValueError(f"sdp4bit: first_step must be a non-negative int, got {first_step!r}")
+    if getattr(model, _ATTRIBUTE, None) is not None:
+        raise Sdp4bitError("sdp4bit is already enabled on this model; disable() it first")
+    found = units(model, api)
+    if not found:
+        raise Sdp4bitError("this model has no FSDP unit with parameters; apply fully_shard to "
+                           "it (and its blocks) before sdp4bit.fsdp.enable")
+    group = _shard_group(found)
+    from . import comms  # its base classes are FSDP2's, whose presence fsdp2() checked
+
+    groups = ProcessGroups.create(group, local_world_size, node_labels)
+    with_grads = sum(any(p.requires_grad for p in unit.params()) for unit in found)
+    quant_start = config.values()["grad_quant_start_step"]
+    shared = comms.Shared(config, groups, Telemetry(telemetry_interval, tensorboard_writer),
+                          units=len(found), units_with_grads=with_grads, first_step=first_step,
+                          quant_start=int(quant_start) if quant_start is not None else 0)
+    state = State(shared, [])
+    for index, unit in enumerate(found):
+        unit_state = comms.UnitState(unit.label, index, shared)
+        state.units.append((unit, unit_state, unit.comms()))
+        unit.module.set_custom_all_gather(comms.UnitAllGather(unit_state))
+        unit.module.set_custom_reduce_scatter(comms.UnitReduceScatter(unit_state))
+    setattr(model, _ATTRIBUTE, state)
+    logger.info("sdp4bit enabled on %d FSDP units: %s", len(found), config.describe())
+    return state
+
+
+def disable(model: nn.Module) -> None:
+    """Gives every unit of `model` back the collectives FSDP had and closes sdp4bit's groups.
+    Call it on every rank before ``torch.distributed.destroy_process_group()``."""
+    state = getattr(model, _ATTRIBUTE, None)
+    if state is None:
+        return
+    for unit, _, (all_gather, reduce_scatter) in state.units:
+        unit.module.set_custom_all_gather(all_gather)
+        unit.module.set_custom_reduce_scatter(reduce_scatter)
+    delattr(model, _ATTRIBUTE)
+    state.groups.close()
+
+
+def wire_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes sent, bytes FSDP's own collectives would have sent) by this rank through the
+    units' collectives since :func:`enable`."""
+    state = getattr(model, _ATTRIBUTE, None)
+    return state.shared.wire.pair() if state is not None else (0, 0)
+
+
+def _fsdp_config(config: Config | str) -> Config:
+    if isinstance(config, str):
+        return preset_config(config)
+    if not isinstance(config, Config):
+        raise TypeError(f"sdp4bit: config must be a sdp4bit.Config or a preset name, got "
+                        f"{type(config).__name__}")
+    if config.validate().codecs()[0] == "qwd":
+        raise Sdp4bitError(
+            "qWD (weight_codec=qwd) needs every rank to keep the previous weights, but FSDP "
+            "frees gathered parameters after use; use a direct weight codec (qsdp, qw or "
+            "zeropp), or pass the preset by name (sdp4bit.fsdp.enable(model, 'sdp4bit') reads "
+            "it with qsdp weights)")
+    return config
+
+
+def _shard_group(found: list[Unit]) -> dist.ProcessGroup:
+    """The one process group every unit shards its parameters over."""
+    group = ranks = None
+    for unit in found:
+        mine = unit.shard_group()
+        if group is None:
+            group, ranks = mine, dist.get_process_group_ranks(mine)
+        elif mine is not group and dist.get_process_group_ranks(mine) != ranks:
+            raise Sdp4bitError(
+                f"{unit.label} is sharded over ranks {dist.get_process_group_ranks(mine)}, "
+                f"other units over {ranks}; sdp4bit serves one shard group per model")
+    return group

@@ -1,0 +1,132 @@
+"""What sdp4bit uses of PyTorch's FSDP2, found by feature detection rather than by version.
+
+The public part: ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` (torch 2.9
+and later) and the ``AllGather`` / ``ReduceScatter`` interfaces they take, which live in a
+private module. The private part, read only: each unit's parameter group (which parameters it
+manages, and the collectives it had, so that they can be put back). Every access goes through
+this module, so a torch that moved something fails here with a message naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..errors import Sdp4bitError
+
+#: Where FSDP2's collective interfaces live.
+_API_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_api"
+_SETTERS = ("set_custom_all_gather", "set_custom_reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Fsdp2:
+    """The FSDP2 classes sdp4bit plugs into."""
+
+    module_class: type  # FSDPModule: what fully_shard turns a module into
+    all_gather_base: type  # AllGather: __call__(output, input, group, async_op) and allocate
+    reduce_scatter_base: type  # ReduceScatter: __call__(output, input, group, op, async_op)
+
+
+def fsdp2() -> Fsdp2:
+    """FSDP2's classes, or :class:`Sdp4bitError` naming what this torch lacks (torch before 2.9
+    has no custom collectives)."""
+    missing = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = None
+        missing.append("torch.distributed.fsdp.FSDPModule")
+    if FSDPModule is not None:
+        missing += [f"FSDPModule.{name}" for name in _SETTERS if not hasattr(FSDPModule, name)]
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_api as api
+
+        bases = (api.AllGather, api.ReduceScatter)
+    except (ImportError, AttributeError):
+        missing.append(f"{_API_MODULE}.AllGather / ReduceScatter")
+    if missing:
+        raise Sdp4bitError(
+            f"sdp4bit.fsdp needs PyTorch 2.9 or later (FSDP2's custom all-gather and "
+            f"reduce-scatter); torch {torch.__version__} lacks {', '.join(missing)}")
+    return Fsdp2(FSDPModule, *bases)
+
+
+@dataclass
+class Unit:
+    """One module ``fully_shard`` was applied to that manages parameters of its own."""
+
+    name: str  # its name in the model ("" for the root)
+    module: nn.Module  # the FSDPModule
+    param_group: object  # FSDP's FSDPParamGroup of the unit
+
+    @property
+    def label(self) -> str:
+        """How messages name the unit."""
+        return _label(self.name)
+
+    def params(self) -> list[nn.Parameter]:
+        """The sharded parameters (DTensors) the unit manages."""
+        return [_attribute(p, "sharded_param", "FSDPParam") for p in
+                _attribute(self.param_group, "fsdp_params", "FSDPParamGroup")]
+
+    def shard_group(self):
+        """The process group the unit shards its parameters over; refuses a unit that also
+        replicates them (HSDP, or replicate()), whose all-reduce would go uncompressed."""
+        mesh_info = _attribute(self.param_group, "mesh_info", "FSDPParamGroup")
+        if _attribute(mesh_info, "replicate_mesh_dim", "DataParallelMeshInfo") is not None:
+            kind = "HSDP" if hasattr(mesh_info, "shard_process_group") else "replicate()"
+            raise Sdp4bitError(
+                f"{self.label} replicates its parameters over a mesh dimension ({kind}); "
+                "their all-reduce between replicas would go uncompressed: shard over a 1-D "
+                "data-parallel mesh")
+        return _attribute(mesh_info, "shard_process_group", "FSDPMeshInfo")
+
+    def comms(self) -> tuple[object, object]:
+        """The all-gather and reduce-scatter the unit runs now."""
+        return (_attribute(self.param_group, "_all_gather_comm", "FSDPParamGroup"),
+                _attribute(self.param_group, "_reduce_scatter_comm", "FSDPParamGroup"))
+
+
+def units(model: nn.Module, api: Fsdp2) -> list[Unit]:
+    """The FSDP units of `model` that manage parameters, in module order (the same on every
+    rank); modules ``fully_shard`` left without parameters of their own have no collectives."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, api.module_class):
+            continue
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            _unknown("FSDPModule._get_fsdp_state")
+        state = get_state()
+        # torch 2.15 keeps a list, one group per mesh when shard_placement_fn gives
+        # parameters meshes of their own; reading the single group then fails inside torch.
+        every_group = getattr(state, "_fsdp_param_groups", None)
+        if every_group is not None and len(every_group) > 1:
+            raise Sdp4bitError(
+                f"{_label(name)} has {len(every_group)} parameter groups (parameters on "
+                "meshes of their own, from shard_placement_fn); sdp4bit serves one shard "
+                "group per unit and FSDP takes no custom collectives for such a unit")
+        group = _attribute(state, "_fsdp_param_group", "FSDPState")
+        if group is not None:
+            found.append(Unit(name, module, group))
+    return found
+
+
+def _label(name: str) -> str:
+    """How messages name the unit at `name` in the model."""
+    return f"FSDP unit '{name}'" if name else "the root FSDP unit"
+
+
+def _attribute(owner: object, name: str, kind: str):
+    if not hasattr(owner, name):
+        _unknown(f"{kind}.{name}")
+    return getattr(owner, name)
+
+
+def _unknown(what: str):
+    raise Sdp4bitError(f"torch {torch.__version__}'s FSDP2 has no {what}, which sdp4bit.fsdp "
+                       "reads to find each unit's parameters and collectives; this torch's FSDP2 "
+                       "internals are not supported")
