@@ -95,15 +95,16 @@ def build_optimizer(chunks: list, lr: float, min_lr: float | None = None,
         return get_megatron_optimizer(config, chunks)
 
 
-def cosine_schedule(optimizer, lr: float, min_lr: float, warmup: int, steps: int,
-                    weight_decay: float = 0.01):
+def lr_schedule(optimizer, lr: float, min_lr: float, warmup: int, steps: int,
+                decay: str = "cosine", weight_decay: float = 0.01):
     """megatron-core's OptimizerParamScheduler: linear warm-up over `warmup` steps, then
-    cosine decay to `min_lr` at `steps`; call its ``step(1)`` after each optimizer step."""
+    `decay` ("constant", or "cosine" to `min_lr` at `steps`); call its ``step(1)`` after each
+    optimizer step."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=steps, lr_decay_style="cosine", start_wd=weight_decay, end_wd=weight_decay,
+        lr_decay_steps=steps, lr_decay_style=decay, start_wd=weight_decay, end_wd=weight_decay,
         wd_incr_steps=steps, wd_incr_style="constant")
 
 
