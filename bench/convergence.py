@@ -1,4 +1,4 @@
-"""Convergence study: the paper's ablation at small scale (docs/numerics.md, reference results).
+"""Convergence study: the paper's ablation at small scale (docs/numerics.md §10).
 
 Trains megatron-core's GPTModel with its real DistributedOptimizer (examples/gpt_cpu/train.py)
 on W = 4 gloo ranks as 2 nodes x 2 ranks on CPU, once per row and seed: baseline, qW, qWD,
@@ -202,6 +202,12 @@ def plot(runs: dict[str, dict[int, dict]], summary: dict[str, dict], path: Path,
                         "mean final validation loss in ()", fontsize=10)
     curves_ax.set_ylim(top=min(4.0, curves_ax.get_ylim()[1]))
     diff_ax.axhline(0.0, color="black", linewidth=0.8)
+    settled = [d for name in runs if name != BASELINE
+               for d in differences[name][len(differences[name]) // 2:]]
+    if settled:  # the early, large swings would hide the end, which the table is about
+        bounds = [b for d in settled for b in (d.low, d.high) if b == b] or [0.0]
+        margin = 0.1 * (max(bounds) - min(bounds) or 1.0)
+        diff_ax.set_ylim(min(bounds) - margin, max(bounds) + margin)
     diff_ax.set_xlabel("step")
     diff_ax.set_ylabel("paired difference from baseline (smoothed training loss)")
     diff_ax.set_title("difference from baseline, seed by seed: mean and 95% interval",
