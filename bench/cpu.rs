@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use rayon::prelude::*;
-use sdp4bit::backend::cpu::weight::{self, WeightEncoding};
-use sdp4bit::backend::cpu::{global_qsgd, gradient};
+use sdp4bit::backend::cpu::{global_qsgd, gradient, weight};
 use sdp4bit::codec::quant::{GroupMeta, QuantSpec, dequantize_group, quantize_group};
 use sdp4bit::codec::slab::SlabLayout;
+use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather, global_k};
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
@@ -472,7 +472,8 @@ fn global_dequantize_row(opts: &Opts, name: &str) -> Row {
 /// A pass row: its label and how to measure it.
 type RowFn = Box<dyn Fn(&Opts, &str) -> Row + Send + Sync>;
 
-/// Every pass row, in the order of the issue.
+/// Every pass row, numbered in the order of the report: the sdp4bit gradient passes, the
+/// qWD passes, then QSDP's, ZeRO++'s and Global-QSGD's.
 fn pass_rows() -> Vec<(&'static str, RowFn)> {
     let sdp = config(Preset::Sdp4bit, &[]);
     let qsdp = config(Preset::Qsdp, &[]);

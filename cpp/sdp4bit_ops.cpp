@@ -126,8 +126,9 @@ uint64_t checked_raw_stream(c10::Device device, int64_t raw) {
 uint64_t device_address(const void* data) { return reinterpret_cast<uint64_t>(data); }
 
 uint32_t checked_bucket_id(int64_t bucket_id) {
-  TORCH_CHECK(bucket_id >= 0 && bucket_id <= 4095, "sdp4bit: bucket_id ", bucket_id,
-              " is outside 0..=4095");
+  const int64_t max = ffi::max_bucket_id();
+  TORCH_CHECK(bucket_id >= 0 && bucket_id <= max, "sdp4bit: bucket_id ", bucket_id,
+              " is outside 0..=", max);
   return static_cast<uint32_t>(bucket_id);
 }
 

@@ -1,5 +1,5 @@
-// Global-QSGD passes (SPEC §4): the local absmax, the rounding of x / scale to 8- or 16-bit
-// integers with one global scale, and the dequantization of the summed integers.
+// Global-QSGD passes (docs/numerics.md §7.2): the local absmax, the rounding of x / scale to 8- or
+// 16-bit integers with one global scale, and the dequantization of the summed integers.
 //
 // Mirrors backend::cpu::global_qsgd: local_absmax, quantize::<i8 | i16>,
 // dequantize::<i8 | i16>.

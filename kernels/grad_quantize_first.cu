@@ -1,4 +1,5 @@
-// grad_quantize_first: the first pass of the grouped gradient reduce-scatter (SPEC §5).
+// grad_quantize_first: the first pass of the grouped gradient reduce-scatter
+// (docs/numerics.md §7.1).
 //
 // Mirrors backend::cpu::gradient::quantize_first (and quantize_first_run): Hadamard (when
 // hadamard_block != 0) + quantize + swizzle of the whole bucket, all P chunks, into

@@ -1,4 +1,4 @@
-// grad_reduce_final: the last pass of the grouped gradient reduce-scatter (SPEC §5).
+// grad_reduce_final: the last pass of the grouped gradient reduce-scatter (docs/numerics.md §7.1).
 //
 // Mirrors backend::cpu::gradient::reduce_final (and sum_groups): for chunk p, dequantize the
 // slabs received at the last level, sum them in slab order, invert the Hadamard transform

@@ -1,4 +1,5 @@
-// grad_requantize_second: the middle pass of the two-level gradient reduce-scatter (SPEC §5).
+// grad_requantize_second: the middle pass of the two-level gradient reduce-scatter
+// (docs/numerics.md §7.1).
 //
 // Mirrors backend::cpu::gradient::requantize_second (and requantize_run, sum_groups): for
 // chunk p, dequantize the peers1 slabs received at the first level, sum them in slab order

@@ -3,8 +3,7 @@
 // pointers first, then one parameter struct by value. Fixed-width fields only; the struct
 // layouts must stay identical on both sides (the Rust side checks sizes at compile time).
 //
-// Numerics: ../shared/SPEC.md, with the decisions documented in src/codec/quant.rs,
-// src/plan.rs and src/rng.rs; every kernel must produce the bytes the CPU backend
+// Numerics: docs/numerics.md; every kernel must produce the bytes the CPU backend
 // (src/backend/cpu) produces for the same inputs.
 #pragma once
 

@@ -1,4 +1,4 @@
-// weight_apply: every rank's pass of the quantized weight all-gather (SPEC §4, §5).
+// weight_apply: every rank's pass of the quantized weight all-gather (docs/numerics.md §7.3).
 //
 // Mirrors backend::cpu::weight::apply_shards (and apply_run): decode the `world` received
 // slabs (slab z encodes shard z) into the whole bf16 param bucket:

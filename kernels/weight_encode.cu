@@ -1,4 +1,4 @@
-// weight_encode: the owner's pass of the quantized weight all-gather (SPEC §4, §5).
+// weight_encode: the owner's pass of the quantized weight all-gather (docs/numerics.md §7.3).
 //
 // Mirrors backend::cpu::weight::encode_shard (and encode_run): quantize this rank's shard,
 // x = f32(new) - f32(reference) (qWD, difference = 1) or x = f32(new) (direct), computed in

@@ -111,7 +111,7 @@ def predict(params: float, cluster: Cluster, presets=None, bucket_elements: floa
     return rows
 
 
-#: The paper's clusters (docs/numerics.md, reference results) with the link speeds assumed for them here.
+#: The paper's clusters (docs/numerics.md §10) with the link speeds assumed for them here.
 PAPER = (
     ("16 nodes x 4 A100, Slingshot-10", Cluster(16, 4, tp=1, intra_gbps=2400, inter_gbps=100),
      "2.39x-3.44x"),

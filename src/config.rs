@@ -13,7 +13,7 @@ use std::str::FromStr;
 use crate::codec::quant::QuantSpec;
 use crate::error::{Error, Result};
 
-/// How a real value is rounded to an integer code (SPEC §1).
+/// How a real value is rounded to an integer code (docs/numerics.md §1.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Rounding {
     /// `floor(v + u)` with `u ~ U[0, 1)` from Philox: unbiased.
@@ -22,7 +22,7 @@ pub enum Rounding {
     Nearest,
 }
 
-/// Codec for the bf16 parameter all-gather after each optimizer step (SPEC §4).
+/// Codec for the bf16 parameter all-gather after each optimizer step (docs/numerics.md §4.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightCodec {
     /// Uncompressed bf16 all-gather.
@@ -37,7 +37,7 @@ pub enum WeightCodec {
     Zeropp,
 }
 
-/// Codec for the fp32 gradient reduce-scatter (SPEC §4).
+/// Codec for the fp32 gradient reduce-scatter (docs/numerics.md §4.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GradCodec {
     /// Uncompressed fp32 reduce-scatter.
@@ -128,7 +128,7 @@ pub const GROUP_QUANTUM: usize = 32;
 pub const DEFAULT_SEED: u64 = 1234;
 
 impl WeightConfig {
-    /// The defaults SPEC §4 gives each weight codec.
+    /// The defaults of each weight codec (docs/numerics.md §4.1).
     pub fn defaults(codec: WeightCodec) -> Self {
         let (bits, group_size, rounding) = match codec {
             WeightCodec::None => (16, 0, Rounding::Nearest),
@@ -159,7 +159,7 @@ impl WeightConfig {
 }
 
 impl GradConfig {
-    /// The defaults SPEC §4 gives each gradient codec.
+    /// The defaults of each gradient codec (docs/numerics.md §4.2).
     pub fn defaults(codec: GradCodec) -> Self {
         let base = Self {
             codec,

@@ -1,4 +1,5 @@
-//! The crate's error type: every failure is a value that names the problem.
+//! The crate's error type: every failure is a value that names the problem; and the buffer
+//! length check every layer applies to its callers' buffers.
 
 /// Everything that can go wrong in the core. Each variant carries a message that names the
 /// offending value (size, knob, rank, byte count) so it can be shown to a user unchanged.
@@ -31,3 +32,14 @@ pub enum Error {
 
 /// Shorthand for results carrying [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// An [`Error::Buffer`] unless `what` has the `want` elements the plan expects.
+pub(crate) fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Buffer(format!(
+            "{what} has {got} elements, the plan expects {want}"
+        )))
+    }
+}

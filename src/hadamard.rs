@@ -1,4 +1,5 @@
-//! Walsh-Hadamard smoothing (SPEC §3): the unnormalized Sylvester butterfly and its inverse.
+//! Walsh-Hadamard smoothing (docs/numerics.md §3): the unnormalized Sylvester butterfly and its
+//! inverse.
 //!
 //! The butterfly runs stages `h = 1, 2, 4, ..., n/2`, each replacing `(a, b)` at distance `h`
 //! by `(a + b, a - b)`; the inverse is the same butterfly followed by a multiplication by

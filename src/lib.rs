@@ -2,17 +2,21 @@
 //!
 //! The Rust core of a Megatron-LM / DeepSpeed plugin that replaces ZeRO's weight all-gather
 //! and gradient reduce-scatter with compressed versions: SDP4Bit (qWD weights, TLq-HS
-//! gradients), QSDP, Global-QSGD, ZeRO++-style and uncompressed baselines. The numerics follow
-//! `SPEC.md`; this crate knows nothing of Python or torch.
+//! gradients), QSDP, Global-QSGD, ZeRO++-style and uncompressed baselines. What they compute is
+//! specified in `docs/numerics.md`; this crate knows nothing of Python or torch.
 //!
-//! Layers, bottom up:
+//! Layers, bottom up; each names only the layers below it (`tests/layering.rs` checks):
 //! - [`config`]: codec choices, presets, knobs, validation and the cross-rank fingerprint;
 //! - [`rng`], [`hadamard`]: Philox4x32-10 and the Walsh-Hadamard butterfly;
-//! - [`codec`]: the group quantizer and the byte layout of a slab on the wire;
+//! - [`codec`]: the group quantizer, the byte layout of a slab on the wire, and the small types
+//!   the backends and the collectives share (what a weight slab encodes, Global-QSGD's integer
+//!   codes, the element types a reduce-scatter sums);
 //! - [`plan`]: topology, padding and the swizzled layout;
-//! - [`backend::cpu`]: the fused passes with rayon (the executable reference);
-//! - [`backend::cuda`]: the same passes as CUDA kernels (NVRTC at first use, launched on the
-//!   caller's stream); without a driver or GPU it reports an error value;
+//! - [`backend`]: the [`Backend`](backend::Backend) trait the collectives run over, and its two
+//!   implementations, which name neither each other nor the collectives:
+//!   - [`backend::cpu`]: the fused passes with rayon (the executable reference);
+//!   - [`backend::cuda`]: the same passes as CUDA kernels (NVRTC at first use, launched on the
+//!     caller's stream); without a driver or GPU it reports an error value;
 //! - [`collective`]: every algorithm once, over the [`collective::Comm`] trait, plus an
 //!   in-process `Comm` for tests and benchmarks;
 //! - `ffi` (feature `ffi`): the cxx bridge the torch extension in `cpp/` links against.

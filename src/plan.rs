@@ -1,14 +1,15 @@
-//! Topology, padding and the swizzled layout (SPEC §0, §5).
+//! Topology, padding and the swizzled layout (docs/numerics.md §5).
 //!
 //! A bucket of `numel` elements splits into `W` contiguous shards of `S = numel / W` elements
 //! (rank `z` owns shard `z`, as in Megatron). For the grouped codecs each shard is padded with
-//! zeros to `S_pad`, a multiple of `lcm(weight group, grad group * P, Hadamard block, 32)`, so
-//! no group ever straddles two shards and every size `W` divides is served. Padded elements
-//! never leave the rank: they are zeros on the way in and dropped on the way out.
+//! zeros to `S_pad`, a multiple of `lcm(weight group, grad group * P, Hadamard block)` over the
+//! grouped codecs in use (groups are multiples of 32), so no group ever straddles two shards
+//! and every size `W` divides is served. Padded elements never leave the rank: they are zeros
+//! on the way in and dropped on the way out.
 //!
 //! Element `e` of shard `z` has the *padded index* `z * S_pad + e`; it is the Philox element
-//! index of every quantization of that element (SPEC §2), so the random numbers do not depend
-//! on the order in which groups are laid out or processed.
+//! index of every quantization of that element (docs/numerics.md §2.3), so the random numbers do
+//! not depend on the order in which groups are laid out or processed.
 
 use crate::codec::slab::SlabLayout;
 use crate::config::{Config, GradCodec, WeightCodec};
@@ -299,7 +300,7 @@ pub struct LevelLayout {
     pub slab: SlabLayout,
 }
 
-/// The swizzled layout of the grouped gradient reduce-scatter (SPEC §5).
+/// The swizzled layout of the grouped gradient reduce-scatter (docs/numerics.md §5.4).
 ///
 /// A destination rank `z` has coordinates `(x1, x2)`: its peer index in the first and second
 /// exchange (`x2 = 0` with one exchange). The first quantization writes groups in the order

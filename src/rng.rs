@@ -1,4 +1,4 @@
-//! Counter-based random numbers: Philox4x32-10 keyed and countered as SPEC §2 says.
+//! Counter-based random numbers: Philox4x32-10 keyed and countered as docs/numerics.md §2 says.
 //!
 //! Key = the 64-bit training seed (low word first). Counter = `(i / 4` low 32 bits,
 //! `i / 4` high 32 bits, `step`, `stream)` where `i` is the element index inside the (padded)

@@ -4,22 +4,26 @@
 //!   fp32 master copy, adds a small random update every step and writes `bf16(master)` into
 //!   its own shard; after every step every replica is bit-identical, and the reconstruction
 //!   error `|param - bf16(master)|` is within the one-step bound derived from that step's
-//!   difference (4-bit SR scale + bf16 half-ulp, `common::weight_bounds`), does not grow
-//!   (last 100 steps vs first 100) and is far below a direct-quantization (qw) run's.
+//!   difference (4-bit SR scale + bf16 half-ulp, `reference::weight::weight_bounds`), does
+//!   not grow (last 100 steps vs first 100) and is far below a direct-quantization (qw) run's.
 //! - the direct codecs (qw, qsdp, zeropp): replicas bit-identical and within the bound of a
 //!   direct quantization of the new weights, also in mean square (non-vacuous);
 //! - the uncompressed codec is a bit-exact gather; W == 1 is a copy for every codec.
 
-mod common;
-
 use std::time::Instant;
 
-use common::*;
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset};
+use sdp4bit_test_support::{
+    bits::{bf16_bits, digest},
+    cluster::per_step,
+    random::{SplitMix64, gaussian_f32},
+    reference::weight::weight_bounds,
+    setups::cfg,
+};
 
 /// Per-step record of one replica.
 #[derive(Debug, Clone, Copy)]

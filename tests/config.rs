@@ -1,14 +1,12 @@
-//! Presets, knobs, validation, canonical form and fingerprint of `config` (SPEC §4).
+//! Presets, knobs, validation, canonical form and fingerprint of `config` (docs/numerics.md §4).
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::config::{
     DEFAULT_SEED, GROUP_QUANTUM, GradConfig, KNOBS, MAX_GROUP_SIZE, MAX_PIPELINE_CHUNKS,
     WeightConfig,
 };
 use sdp4bit::{Config, Error, GradCodec, Preset, Rounding, WeightCodec};
+use sdp4bit_test_support::random::SplitMix64;
 
 use Rounding::{Nearest, Stochastic};
 
@@ -60,9 +58,9 @@ fn weight(codec: WeightCodec, bits: u8, group_size: usize, rounding: Rounding) -
 }
 
 #[test]
-fn presets_match_spec_table() {
-    // SPEC §4: sdp4bit = qwd + tlq-hs; qsdp = qsdp + qsdp; global-qsgd = none + global-qsgd;
-    // zeropp = zeropp + zeropp; baseline = none + none.
+fn presets_match_the_documented_table() {
+    // docs/numerics.md §4.3: sdp4bit = qwd + tlq-hs; qsdp = qsdp + qsdp; global-qsgd = none +
+    // global-qsgd; zeropp = zeropp + zeropp; baseline = none + none.
     let sdp = Config::preset(Preset::Sdp4bit);
     assert_eq!(sdp.weight, weight(WeightCodec::Qwd, 4, 2048, Stochastic));
     assert_eq!(sdp.grad.codec, GradCodec::TlqHs);
@@ -122,7 +120,7 @@ fn presets_match_spec_table() {
 
 #[test]
 fn codec_defaults_and_quant_specs() {
-    // Weight codecs (SPEC §4 table): qw is b=4 g=2048 symmetric SR.
+    // Weight codecs (docs/numerics.md §4.1): qw is b=4 g=2048 symmetric SR.
     assert_eq!(
         WeightConfig::defaults(WeightCodec::Qw),
         weight(WeightCodec::Qw, 4, 2048, Stochastic)

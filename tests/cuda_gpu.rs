@@ -18,13 +18,13 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use half::bf16;
 use rayon::prelude::*;
 
-use sdp4bit::backend::cpu::global_qsgd::{self, IntCode};
-use sdp4bit::backend::cpu::gradient;
-use sdp4bit::backend::cpu::weight::{self, WeightEncoding};
+use sdp4bit::backend::cpu::{global_qsgd, gradient, weight};
 use sdp4bit::backend::cuda::{
     DeviceSpan, Kernels, Stream, absmax_from_bits, dest_table, device_count, probe,
 };
+use sdp4bit::codec::int_code::IntCode;
 use sdp4bit::codec::slab::SlabLayout;
+use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::global_k;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::{Stage, UniformStream, stream_id};

@@ -2,24 +2,23 @@
 //! `SlabLayout::view` + `SlabView::decode_group`, and the collective-level receive paths
 //! `backend::cpu::gradient::{requantize_second, reduce_final}` and
 //! `backend::cpu::weight::apply_shards`. Where the bytes have the right length, an oracle
-//! written here from SPEC §1 predicts exactly which inputs are corrupt (a negative or infinite
-//! scale, an infinite offset, or the symmetric code -2^(b-1) that no encoder writes) and what
-//! the valid ones decode to.
+//! written here from docs/numerics.md §1 and §8 predicts exactly which inputs are corrupt (a
+//! negative or infinite scale, an infinite offset, or the symmetric code -2^(b-1) that no encoder
+//! writes) and what the valid ones decode to.
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use half::bf16;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PtConfig, RngSeed};
 use rayon::prelude::*;
 use sdp4bit::backend::cpu::gradient::{quantize_first, reduce_final, requantize_second};
-use sdp4bit::backend::cpu::weight::{WeightEncoding, apply_shards, encode_shard};
+use sdp4bit::backend::cpu::weight::{apply_shards, encode_shard};
 use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::codec::slab::SlabLayout;
+use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;
 use sdp4bit::{Config, Error, Preset, Rounding};
+use sdp4bit_test_support::random::SplitMix64;
 
 fn pt_config() -> PtConfig {
     PtConfig {
@@ -46,7 +45,8 @@ fn read_f32(b: &[u8], at: usize) -> f32 {
     f32::from_le_bytes(b[at..at + 4].try_into().unwrap())
 }
 
-/// SPEC §1 decode of group `k` of a slab of exactly `layout.byte_len()` bytes.
+/// The decode of group `k` (docs/numerics.md §1, §8) of a slab of exactly `layout.byte_len()`
+/// bytes.
 fn oracle(layout: &SlabLayout, slab: &[u8], k: usize) -> Expect {
     let s = &layout.spec;
     let cb = s.group_size * usize::from(s.bits) / 8;
@@ -540,7 +540,7 @@ fn weight_case() -> impl Strategy<Value = WeightCase> {
 
 fn bf16_vec(rng: &mut SplitMix64, n: usize) -> Vec<bf16> {
     (0..n)
-        .map(|_| bf16::from_f32(rng.normal() as f32))
+        .map(|_| bf16::from_f32(rng.gaussian_unpaired() as f32))
         .collect()
 }
 

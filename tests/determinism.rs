@@ -1,6 +1,6 @@
-//! Counter-based randomness (SPEC §2): the bytes on the wire and the results are a pure
+//! Counter-based randomness (docs/numerics.md §2): the bytes on the wire and the results are a pure
 //! function of (inputs, seed, step, bucket, rank). Every payload of every collective is
-//! captured by `common::Recorder`, a `Comm` wrapper around `LocalComm`.
+//! captured by the support crate's `Recorder`, a `Comm` wrapper around `LocalComm`.
 //!
 //! - same seed: identical shards and identical send / receive payloads across runs (also
 //!   with two clusters running concurrently, and with an object reused across steps versus a
@@ -10,14 +10,18 @@
 //! - different ranks draw different streams: ranks holding identical gradients send
 //!   identical scales but different codes.
 
-mod common;
-
-use common::*;
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset};
+use sdp4bit_test_support::{
+    bits::{assert_bits_eq, bf16_bits, f32_bits},
+    cluster::{RankLogs, reduce_scatter_recorded},
+    random::{SplitMix64, gaussian_f32, rank_grads},
+    recorder::{Record, Recorder},
+    setups::cfg,
+};
 
 /// The configurations and topologies exercised: every route kind.
 fn cases() -> Vec<(String, Config, Topology)> {

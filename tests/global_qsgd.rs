@@ -1,18 +1,23 @@
-//! Global-QSGD never overflows its integer reduce-scatter (SPEC §4): `K = floor((2^(w-1) - 1)
-//! / W)`, so W codes of magnitude at most K sum within the integer type. The in-process
-//! communicator sums with checked integer adds and fails on overflow, so running the real
-//! collective with adversarial inputs (every rank at +absmax or -absmax at the same
-//! positions: every code is +-K and every sum +-W K) proves it. The width is 8 bits while
+//! Global-QSGD never overflows its integer reduce-scatter (docs/numerics.md §7.2):
+//! `K = floor((2^(w-1) - 1) / W)`, so W codes of magnitude at most K sum within the integer
+//! type. The in-process communicator sums with checked integer adds and fails on overflow, so
+//! running the real collective with adversarial inputs (every rank at +absmax or -absmax at the
+//! same positions: every code is +-K and every sum +-W K) proves it. The width is 8 bits while
 //! W <= 127 and 16 bits beyond; forcing 8 bits for W = 128 is a clear error.
 
-mod common;
-
-use common::*;
 use sdp4bit::collective::local::LocalGroup;
 use sdp4bit::collective::{Comm, GradReduceScatter, global_k};
 use sdp4bit::plan::Topology;
 use sdp4bit::rng::{Stage, UniformStream, stream_id};
 use sdp4bit::{Config, Error, Preset};
+use sdp4bit_test_support::{
+    cluster::{reduce_scatter_ok, reduce_scatter_recorded},
+    error_stats::{assert_within, compare},
+    random::{SplitMix64, rank_grads},
+    reference::grad::grad_reference,
+    reference::route::RefRoute,
+    setups::cfg,
+};
 
 /// Rank buckets where position `i % 4 == 0` holds `+a` and `i % 4 == 1` holds `-a` on every
 /// rank (so those codes are all +K / -K), the rest small random values.
@@ -121,8 +126,8 @@ fn absmax_above_k(k: i32) -> f32 {
     panic!("no fp32 absmax in [1, 2) with a / (a / {k}) > {k}");
 }
 
-/// A step and an element at which rank `rank`'s Philox uniform (SPEC §2, stream of bucket
-/// `bucket`, Global-QSGD stage) pushes `floor(fl(a / s) + u)` above K for `x = a`.
+/// A step and an element at which rank `rank`'s Philox uniform (docs/numerics.md §2, stream of
+/// bucket `bucket`, Global-QSGD stage) pushes `floor(fl(a / s) + u)` above K for `x = a`.
 fn step_where_unclamped_code_exceeds_k(
     config: &Config,
     bucket: u32,

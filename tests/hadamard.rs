@@ -1,9 +1,8 @@
-//! The Walsh-Hadamard smoothing of SPEC §3 against an explicit Sylvester matrix in f64.
+//! The Walsh-Hadamard smoothing of docs/numerics.md §3 against an explicit Sylvester matrix in f64.
 
-mod common_unit;
-
-use common_unit::{SplitMix64, U32};
 use sdp4bit::hadamard::{MAX_BLOCK, MIN_BLOCK, forward, inverse, is_supported_block};
+use sdp4bit_test_support::random::SplitMix64;
+use sdp4bit_test_support::reference::EPS;
 
 const BLOCKS: [usize; 5] = [16, 32, 64, 128, 256];
 
@@ -29,7 +28,7 @@ fn sylvester(x: &[f32]) -> Vec<f64> {
 
 /// `gamma_k = k u / (1 - k u)`, Higham's bound for k chained roundings, u = 2^-24.
 fn gamma(k: usize) -> f64 {
-    let ku = k as f64 * U32;
+    let ku = k as f64 * EPS;
     ku / (1.0 - ku)
 }
 
@@ -42,7 +41,7 @@ fn f64_margin(n: usize, abs_sum: f64) -> f64 {
 
 fn random_block(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
     match rng.below(3) {
-        0 => rng.vec_f32(n, |r| r.normal() as f32),
+        0 => rng.vec_f32(n, |r| r.gaussian_unpaired() as f32),
         1 => rng.vec_f32(n, |r| r.grad_like()),
         _ => rng.vec_f32(n, |r| r.range_f32(-1e6, 1e6)),
     }
@@ -103,8 +102,8 @@ fn forward_matches_sylvester_matrix() {
     }
 }
 
-/// The textbook butterfly of SPEC §3 / `hadamard.rs`: stages h = 1, 2, 4, ..., n/2 in this
-/// order, each replacing (a, b) = (x[j], x[j + h]) by (a + b, a - b). CPU and GPU must follow
+/// The textbook butterfly of docs/numerics.md §3 / `hadamard.rs`: stages h = 1, 2, 4, ..., n/2 in
+/// this order, each replacing (a, b) = (x[j], x[j + h]) by (a + b, a - b). CPU and GPU must follow
 /// exactly this order so their results agree bit for bit.
 fn textbook_butterfly(x: &mut [f32]) {
     let n = x.len();
@@ -283,9 +282,9 @@ fn empty_input_is_a_no_op() {
 
 #[test]
 fn smoothing_spreads_an_outlier() {
-    // SPEC §3's purpose: one outlier of size A in a block of n becomes n values of size A
-    // (plus the small entries), so the block's absmax relative to its RMS drops from
-    // ~sqrt(n) to ~1.
+    // The purpose of the smoothing (docs/numerics.md §3): one outlier of size A in a block of n
+    // becomes n values of size A (plus the small entries), so the block's absmax relative to its
+    // RMS drops from ~sqrt(n) to ~1.
     let n = 32;
     let mut x = vec![0f32; n];
     x[5] = 1000.0;

@@ -1,4 +1,4 @@
-//! Hadamard smoothing (SPEC §3) on heavy-tailed gradients: TLq-HS (H32 on) against TLq
+//! Hadamard smoothing (docs/numerics.md §3) on heavy-tailed gradients: TLq-HS (H32 on) against TLq
 //! (off) at the same bits on the same fresh data.
 //!
 //! The gradients model a flattened weight-gradient matrix with rows of `HIDDEN` elements:
@@ -11,11 +11,15 @@
 //! over several buckets and routes), and on plain gaussian data it must not be worse by
 //! more than a little.
 
-mod common;
-
-use common::*;
 use sdp4bit::Preset;
 use sdp4bit::plan::Topology;
+use sdp4bit_test_support::{
+    cluster::reduce_scatter_ok,
+    error_stats::{assert_within_opts, compare},
+    random::SplitMix64,
+    reference::grad::grad_reference,
+    setups::cfg,
+};
 
 const HIDDEN: usize = 1024;
 const OUTLIER_CHANNELS: usize = 4;

@@ -1,5 +1,5 @@
-//! Non-finite inputs (SPEC §1): a group holding NaN or +-Inf stores scale NaN, so every
-//! element of that group dequantizes to NaN and nothing else is touched; the caller's
+//! Non-finite inputs (docs/numerics.md §1.5): a group holding NaN or +-Inf stores scale NaN, so
+//! every element of that group dequantizes to NaN and nothing else is touched; the caller's
 //! found-inf check still fires and is never fooled by a NaN clamped into a finite code.
 //!
 //! - grouped gradient codecs (TLq-HS, TLq, QSDP, ZeRO++): a NaN / Inf in one group of one
@@ -13,12 +13,15 @@
 //! - weight codecs: a NaN / Inf in one rank's new weights makes exactly that weight group NaN
 //!   on every replica (the uncompressed gather copies the value itself).
 
-mod common;
-
-use common::*;
 use half::bf16;
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset};
+use sdp4bit_test_support::{
+    bits::bf16_bits,
+    cluster::{all_gather_once, reduce_scatter_ok},
+    random::{SplitMix64, gaussian_f32, rank_grads},
+    setups::cfg,
+};
 
 const BAD: [(&str, f32); 3] = [
     ("NaN", f32::NAN),

@@ -1,10 +1,8 @@
-//! Topology, bucket padding, gradient routes and the swizzled layout (SPEC §0, §5).
+//! Topology, bucket padding, gradient routes and the swizzled layout (docs/numerics.md §5).
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, level_size, peer_index};
 use sdp4bit::{Config, Error, Preset};
+use sdp4bit_test_support::random::SplitMix64;
 
 fn cfg(preset: Preset, overrides: &[(&str, &str)]) -> Config {
     Config::from_overrides(preset, overrides.iter().copied())
@@ -22,8 +20,8 @@ fn lcm(a: usize, b: usize) -> usize {
 // ---------------------------------------------------------------------------------------
 // Topology
 
-/// Independent model of SPEC §0: ranks share a node iff their labels are equal; nodes are
-/// numbered by first appearance in DP order; a rank's local index is the number of earlier
+/// Independent model of docs/numerics.md §5.2: ranks share a node iff their labels are equal; nodes
+/// are numbered by first appearance in DP order; a rank's local index is the number of earlier
 /// DP ranks on its node.
 fn check_topology_against_labels(t: &Topology, labels: &[u64]) {
     let w = labels.len();
@@ -266,8 +264,8 @@ fn plan_configs() -> Vec<Config> {
     v
 }
 
-/// The factors SPEC §5 requires the padded shard to be a multiple of (P enters through the
-/// gradient term: only the grouped gradient path cuts shards into P chunks).
+/// The factors docs/numerics.md §5.1 requires the padded shard to be a multiple of (P enters
+/// through the gradient term: only the grouped gradient path cuts shards into P chunks).
 fn required_factors(c: &Config) -> Vec<(&'static str, usize)> {
     let mut f = vec![];
     if let Some(s) = c.weight.quant_spec() {

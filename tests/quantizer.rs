@@ -1,16 +1,15 @@
-//! The group quantizer of SPEC §1 (`codec::quant`) and the slab layout on the wire
-//! (`codec::slab`), against a reference written here from the spec and error bounds derived
+//! The group quantizer of docs/numerics.md §1 (`codec::quant`) and the slab layout on the wire
+//! (`codec::slab`), against a reference written here from that page and error bounds derived
 //! from the fp32 operation order.
 
-mod common_unit;
-
-use common_unit::{SplitMix64, U32};
 use rayon::prelude::*;
 use sdp4bit::Error;
 use sdp4bit::Rounding;
 use sdp4bit::codec::quant::{GroupMeta, QuantSpec, dequantize_group, quantize_group};
 use sdp4bit::codec::slab::{SLAB_ALIGN, SlabLayout};
 use sdp4bit::rng::UniformStream;
+use sdp4bit_test_support::random::SplitMix64;
+use sdp4bit_test_support::reference::EPS;
 
 fn spec(bits: u8, group_size: usize, symmetric: bool, rounding: Rounding) -> QuantSpec {
     QuantSpec {
@@ -40,8 +39,8 @@ fn uniforms(seed: u64, step: u64, n: usize) -> Vec<f32> {
     u
 }
 
-/// Largest code magnitude of the spec, written independently: `L = 2^(b-1) - 1` symmetric,
-/// `N = 2^b - 1` asymmetric (SPEC §1).
+/// Largest code magnitude of docs/numerics.md §1.1 and §1.2, written independently:
+/// `L = 2^(b-1) - 1` symmetric, `N = 2^b - 1` asymmetric.
 fn levels(s: &QuantSpec) -> i32 {
     if s.symmetric {
         (1 << (s.bits - 1)) - 1
@@ -50,8 +49,8 @@ fn levels(s: &QuantSpec) -> i32 {
     }
 }
 
-/// Unpacks codes as SPEC §1 lays them out: 4-bit two's complement (or unsigned, asymmetric)
-/// nibbles with element 2k in the low nibble; 8-bit int8 (uint8 asymmetric).
+/// Unpacks codes as docs/numerics.md §1.6 lays them out: 4-bit two's complement (or unsigned,
+/// asymmetric) nibbles with element 2k in the low nibble; 8-bit int8 (uint8 asymmetric).
 fn unpack(s: &QuantSpec, codes: &[u8]) -> Vec<i32> {
     let mut out = Vec::with_capacity(s.group_size);
     for &byte in codes {
@@ -72,8 +71,8 @@ fn unpack(s: &QuantSpec, codes: &[u8]) -> Vec<i32> {
     out
 }
 
-/// SPEC §1 written out with the same fp32 operation order (no FMA): returns (scale, offset,
-/// codes). This is the bit-exact reference of what the codec must produce.
+/// docs/numerics.md §1 written out with the same fp32 operation order (no FMA): returns (scale,
+/// offset, codes). This is the bit-exact reference of what the codec must produce.
 fn reference_quantize(s: &QuantSpec, x: &[f32], u: &[f32]) -> (f32, f32, Vec<i32>) {
     let n = levels(s);
     let zeros = vec![0; x.len()];
@@ -84,7 +83,7 @@ fn reference_quantize(s: &QuantSpec, x: &[f32], u: &[f32]) -> (f32, f32, Vec<i32
         let a = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         (a / n as f32, 0f32, -n, n)
     } else {
-        // -0 canonicalised to +0 (SPEC §1 as documented in codec::quant).
+        // -0 canonicalised to +0 (docs/numerics.md §1.2).
         let lo = x.iter().copied().fold(f32::INFINITY, f32::min) + 0.0;
         let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 0.0;
         let scale = (hi - lo) / n as f32;
@@ -148,7 +147,7 @@ fn fp32_slack(s: &QuantSpec, x: &[f32], i: usize, meta: GroupMeta, x_hat: f32) -
         let lo = f64::from(x.iter().copied().fold(f32::INFINITY, f32::min));
         2.0 * (xi - lo) + f64::from(levels(s)) * f64::from(meta.scale) + x_hat
     };
-    U32 * core * (1.0 + 2f64.powi(-20))
+    EPS * core * (1.0 + 2f64.powi(-20))
 }
 
 /// Random group contents covering: gradient-like values, a constant offset (so asymmetric
@@ -158,12 +157,12 @@ fn random_group(rng: &mut SplitMix64, g: usize) -> Vec<f32> {
         0 => rng.vec_f32(g, |r| r.grad_like()),
         1 => {
             let c = rng.range_f32(-10.0, 10.0);
-            rng.vec_f32(g, |r| c + r.normal() as f32 * 0.01)
+            rng.vec_f32(g, |r| c + r.gaussian_unpaired() as f32 * 0.01)
         }
         2 => rng.vec_f32(g, |r| r.range_f32(0.5, 3.0)),
         3 => rng.vec_f32(g, |r| r.range_f32(-3e5, -1e3)),
         _ => {
-            let mut v = rng.vec_f32(g, |r| r.normal() as f32);
+            let mut v = rng.vec_f32(g, |r| r.gaussian_unpaired() as f32);
             let k = rng.below(g);
             v[k] = 1e4 * if rng.below(2) == 0 { 1.0 } else { -1.0 };
             v
@@ -172,7 +171,7 @@ fn random_group(rng: &mut SplitMix64, g: usize) -> Vec<f32> {
 }
 
 #[test]
-fn codes_and_scales_match_spec_reference_bit_for_bit() {
+fn codes_and_scales_match_an_independent_reference_bit_for_bit() {
     let mut rng = SplitMix64::new(0x0a17_0001);
     for g in [32usize, 96, 128, 1024, 2048] {
         for s in all_specs(g) {
@@ -216,14 +215,14 @@ fn codes_and_scales_match_spec_reference_bit_for_bit() {
 
 #[test]
 fn scale_definitions() {
-    // SPEC §1: symmetric s = absmax / L with L = 7 (4-bit) or 127 (8-bit); asymmetric
-    // s = (hi - lo) / (2^b - 1) with lo stored as the offset.
+    // docs/numerics.md §1.1, §1.2: symmetric s = absmax / L with L = 7 (4-bit) or 127 (8-bit);
+    // asymmetric s = (hi - lo) / (2^b - 1) with lo stored as the offset.
     let mut rng = SplitMix64::new(0x0a17_0002);
     for _ in 0..200 {
         let g = 32 * (1 + rng.below(8));
         let x = rng.vec_f32(g, |r| r.grad_like());
         let a = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        // -0 canonicalised to +0 (SPEC §1 as documented in codec::quant).
+        // -0 canonicalised to +0 (docs/numerics.md §1.2).
         let lo = x.iter().copied().fold(f32::INFINITY, f32::min) + 0.0;
         let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 0.0;
         let u = uniforms(3, 0, g);
@@ -457,8 +456,8 @@ fn stochastic_rounding_is_floor_of_v_plus_u() {
         (0.25, 0.75, 1),
         (-0.25, 0.0, -1),
         (-0.25, 0.25, 0),
-        // v + u is an fp32 addition (SPEC §2 fixes the float ops): 2 + (1 - 2^-24) rounds
-        // to 3 (ulp 2^-22 on [2, 4)), so the code is 3, not floor of the exact sum.
+        // v + u is an fp32 addition (docs/numerics.md §1.4 fixes the float ops): 2 + (1 - 2^-24)
+        // rounds to 3 (ulp 2^-22 on [2, 4)), so the code is 3, not floor of the exact sum.
         (2.0, top, 3),
         (0.0, top, 0),
         (6.9, top, 7),
@@ -485,7 +484,7 @@ fn non_finite_groups_decode_to_nan() {
     for s in all_specs(96) {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN] {
             for _ in 0..4 {
-                let mut x = rng.vec_f32(96, |r| r.normal() as f32);
+                let mut x = rng.vec_f32(96, |r| r.gaussian_unpaired() as f32);
                 let at = rng.below(96);
                 x[at] = bad;
                 let u = uniforms(5, 6, 96);
@@ -584,7 +583,7 @@ fn dequantize_combine_accumulates() {
         let u = uniforms(1, 1, 64);
         let (meta, codes) = quantize(&s, &x, &u);
         let (plain, _) = dequantize(&s, &codes, meta);
-        let init = rng.vec_f32(64, |r| r.normal() as f32);
+        let init = rng.vec_f32(64, |r| r.gaussian_unpaired() as f32);
         let mut acc = init.clone();
         assert!(dequantize_group(&s, &codes, meta, &mut acc, |a, v| a + v));
         for i in 0..64 {
@@ -690,7 +689,7 @@ fn check_unbiased(
     for i in 0..g {
         let mean = sum[i] / n;
         let dev = mean - f64::from(x[i]);
-        let det = step * (nlev + 2.0) * U32 + fp32_slack(s, x, i, meta, max_abs_out[i]);
+        let det = step * (nlev + 2.0) * EPS + fp32_slack(s, x, i, meta, max_abs_out[i]);
         let thr = 3.0 * s_eff / n.sqrt() + det;
         if dev.abs() > thr {
             return Err(format!(
@@ -718,7 +717,7 @@ fn check_unbiased(
 /// Random data for the bias test: grad-like values in a group of moderate spread, so most
 /// elements have fractional code positions (where rounding bias would show).
 fn bias_group(rng: &mut SplitMix64, g: usize) -> Vec<f32> {
-    rng.vec_f32(g, |r| r.normal() as f32 + 0.3)
+    rng.vec_f32(g, |r| r.gaussian_unpaired() as f32 + 0.3)
 }
 
 const TRIALS: u64 = 4096;
@@ -793,7 +792,8 @@ fn unbiasedness_check_has_power() {
 // ---------------------------------------------------------------------------------------
 // Slab layout
 
-/// SPEC §1 wire layout, written independently: `[codes][scales][offsets]`, padded to 16.
+/// The slab layout of docs/numerics.md §6, written independently: `[codes][scales][offsets]`,
+/// padded to 16.
 fn expected_byte_len(s: &QuantSpec, groups: usize) -> usize {
     let codes = groups * s.group_size * usize::from(s.bits) / 8;
     let meta = groups * 4 * if s.symmetric { 1 } else { 2 };

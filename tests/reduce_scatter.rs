@@ -1,26 +1,32 @@
 //! The gradient reduce-scatter (`GradReduceScatter` over `LocalCluster`) against an exact f64
-//! reference with per-element error bounds derived from the quantizers (see
-//! `tests/common/mod.rs` for the derivation).
+//! reference with per-element error bounds derived from the quantizers (the support crate's
+//! `reference` module derives them).
 //!
 //! Every preset (sdp4bit = TLq-HS, qsdp, global-qsgd, zeropp, baseline) and the TLq ablation
-//! run on every topology of `common::all_topologies` (W in {1, 2, 3, 4, 6, 8}, every D x M
+//! run on every topology of `setups::all_topologies` (W in {1, 2, 3, 4, 6, 8}, every D x M
 //! factorisation, non-uniform and interleaved node layouts), P in {1, 3}, odd bucket sizes
 //! (W * 1237, W * 4099 and W * 5, the last smaller than one group), two steps per object
 //! with fresh data (the buffers are reused). The baseline is bit-exact against the fp32
 //! rank-order sum, W == 1 is an exact copy, and every quantized codec stays within its
 //! worst-case bound element by element and within its (non-vacuous) mean-square bound.
 
-mod common;
-
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, CommGroups, GradReduceScatter, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Error, Preset};
+use sdp4bit_test_support::{
+    bits::assert_bits_eq,
+    cluster::{per_step, reduce_scatter_ok, reduce_scatter_recorded},
+    error_stats::{ErrStats, assert_within, compare},
+    random::rank_grads,
+    reference::grad::grad_reference,
+    reference::route::{RefRoute, ref_route},
+    setups::{FACTORS, all_topologies, cfg},
+};
 
 /// Bucket elements per rank of the sweeps: odd sizes, one smaller than any group.
 const PER_RANK: [usize; 3] = [1237, 4099, 5];
@@ -458,7 +464,7 @@ fn sizes_mismatched_across_ranks_fail_on_every_rank_two_level() {
     // One rank of a 2 x 2 two-level route plans a different bucket. Its node's intra-node
     // exchange fails on both of that node's ranks, but the other node's ranks pass their
     // intra-node exchange and then wait in the inter-node one for peers that have already
-    // returned. The brief requires an error on ALL ranks, not a hang.
+    // returned. Every rank must get an error, never a hang.
     let config = cfg(Preset::Sdp4bit, &[]);
     let topo = Topology::uniform(2, 2).unwrap();
     let limit = Duration::from_secs(15);
@@ -480,14 +486,14 @@ fn sizes_mismatched_across_ranks_fail_on_every_rank_two_level() {
 // ------------------------------------------------------------------------------------------
 
 /// Bytes one slab of `groups` groups of `g` `bits`-bit codes (`meta` fp32 words per group)
-/// takes on the wire (SPEC §1: codes, then scales/offsets, 16-byte aligned).
+/// takes on the wire (docs/numerics.md §6: codes, then scales/offsets, 16-byte aligned).
 fn slab_bytes(groups: usize, g: usize, bits: usize, meta: usize) -> u64 {
     ((groups * g * bits / 8 + 4 * meta * groups).div_ceil(16) * 16) as u64
 }
 
 #[test]
-fn wire_bits_per_element_match_spec() {
-    // Large buckets: the per-element bits of SPEC §6 within padding.
+fn wire_bits_per_element_match_the_ideal_values() {
+    // Large buckets: the per-element bits of docs/numerics.md §9 within padding.
     let per_rank = 2048 * 72; // a multiple of lcm(2048, 3 * 128): no padding for P = 1, 3
     for p in ["1", "3"] {
         let config = cfg(Preset::Sdp4bit, &[("pipeline_chunks", p)]);
@@ -534,7 +540,7 @@ fn wire_bits_per_element_match_spec() {
             assert_eq!(base, 16.0, "{ctx}");
         }
     }
-    // Other codecs and the degraded routes, at the bits SPEC §4 gives them.
+    // Other codecs and the degraded routes, at the bits docs/numerics.md §4.2 gives them.
     let numel_per = 2048 * 64;
     // (preset, overrides, node labels, intra bits, inter bits, shards per intra-node message:
     // M for a two-level route, whose intra-node slab carries every node's shard, else 1)
@@ -635,7 +641,7 @@ fn wire_bytes_equal_the_bytes_actually_sent() {
                         (want.intra_node, want.inter_node),
                         "{ctx}"
                     );
-                    // And the slab sizes of SPEC §1 for the grouped codecs' exchanges.
+                    // And the slab sizes of docs/numerics.md §6 for the grouped codecs' exchanges.
                     if preset == Preset::Sdp4bit
                         && matches!(ref_route(&config, &topo, 0), RefRoute::TwoLevel { .. })
                     {

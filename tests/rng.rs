@@ -1,13 +1,11 @@
-//! Philox4x32-10 and the uniform streams of SPEC §2, checked against the Random123
+//! Philox4x32-10 and the uniform streams of docs/numerics.md §2, checked against the Random123
 //! known-answer vectors and against an independent reference written here.
 
-mod common_unit;
-
-use common_unit::SplitMix64;
 use sdp4bit::Error;
 use sdp4bit::rng::{
     MAX_BUCKET_ID, MAX_STREAM_RANK, Stage, UniformStream, philox4x32_10, stream_id, word_to_uniform,
 };
+use sdp4bit_test_support::random::SplitMix64;
 
 /// Independent Philox4x32-10, transcribed from Salmon et al., "Parallel random numbers: as
 /// easy as 1, 2, 3" (SC'11) / Random123 `philox.h`: round = mulhilo of words 0 and 2 with the
@@ -33,8 +31,8 @@ fn reference_philox(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     c
 }
 
-/// SPEC §2 uniform of element `i`: counter `(i/4 lo, i/4 hi, step, stream)`, key = seed low
-/// word first, word `i % 4`, `u = (w >> 8) * 2^-24` (computed here in f64, exact).
+/// The uniform of element `i` (docs/numerics.md §2): counter `(i/4 lo, i/4 hi, step, stream)`,
+/// key = seed low word first, word `i % 4`, `u = (w >> 8) * 2^-24` (computed here in f64, exact).
 fn reference_uniform(seed: u64, step: u32, stream: u32, i: u64) -> f32 {
     let b = i / 4;
     let words = reference_philox(
@@ -97,7 +95,7 @@ fn philox_matches_reference_on_random_inputs() {
 }
 
 #[test]
-fn uniform_follows_spec_counter_layout() {
+fn uniform_follows_the_documented_counter_layout() {
     let mut rng = SplitMix64::new(0x5eed_0002);
     // Seeds whose two halves differ, so swapping the key words would be caught.
     let seeds = [0x0123_4567_89ab_cdefu64, 1234, u64::MAX - 7, 1 << 40];
@@ -117,7 +115,7 @@ fn uniform_follows_spec_counter_layout() {
             assert_eq!(
                 got.to_bits(),
                 want.to_bits(),
-                "seed={seed:#x} step={step} stream={stream:#x} i={i}: uniform {got} != SPEC {want}"
+                "seed={seed:#x} step={step} stream={stream:#x} i={i}: uniform {got} != reference {want}"
             );
             let b = i / 4;
             assert_eq!(

@@ -8,9 +8,9 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::cpu::global_qsgd::IntCode;
-use super::cpu::weight::WeightEncoding;
+use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::Result;
 use crate::plan::{BucketPlan, GradLayout};
@@ -21,7 +21,8 @@ pub trait Element: bytemuck::Pod + Send + Sync + Debug + 'static {}
 
 impl<T: bytemuck::Pod + Send + Sync + Debug + 'static> Element for T {}
 
-/// Memory of one kind (host or one CUDA device) and the fused passes of SPEC §4 on it.
+/// Memory of one kind (host or one CUDA device) and the fused passes of the collectives
+/// (docs/numerics.md §7) on it.
 ///
 /// Each pass mirrors the function of `backend::cpu` of the same name argument for argument;
 /// a backend other than the CPU must reproduce the CPU's bytes. Passes may run asynchronously

@@ -1,4 +1,4 @@
-//! The group quantizer `Q(b, g, mode, rounding)` of SPEC §1, one group at a time.
+//! The group quantizer `Q(b, g, mode, rounding)` of docs/numerics.md §1, one group at a time.
 //!
 //! Order of floating-point operations (fixed, so CPU and GPU agree bit for bit; no fused
 //! multiply-add anywhere):

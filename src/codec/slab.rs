@@ -1,6 +1,6 @@
-//! The chunk layout on the wire (SPEC §1): what one rank sends one peer is a single contiguous
-//! byte range `[codes of its G groups][G scales][G offsets, asymmetric only]`, zero-padded to a
-//! multiple of 16 bytes. Scales and offsets are little-endian fp32.
+//! The slab layout on the wire (docs/numerics.md §6): what one rank sends one peer is a single
+//! contiguous byte range `[codes of its G groups][G scales][G offsets, asymmetric only]`,
+//! zero-padded to a multiple of 16 bytes. Scales and offsets are little-endian fp32.
 //!
 //! Group sizes are multiples of 32, so the codes region is itself a multiple of 16 bytes and
 //! the metadata starts 16-byte aligned relative to the slab.

@@ -1,11 +1,11 @@
-//! The gradient reduce-scatter of one bucket (SPEC §4, §5).
+//! The gradient reduce-scatter of one bucket (docs/numerics.md §7.1, §7.2, §7.4).
 
 use crate::backend::cpu::Host;
-use crate::backend::cpu::global_qsgd::IntCode;
 use crate::backend::{Backend, Element};
-use crate::collective::{Comm, CommGroups, WireBytes, check_len};
+use crate::codec::int_code::IntCode;
+use crate::collective::{Comm, CommGroups, WireBytes};
 use crate::config::{Config, GradCodec, Rounding};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
 use crate::rng::{Stage, UniformStream, stream_id};
 

@@ -1,4 +1,4 @@
-//! The collective algorithms of SPEC §5, each written once over the [`Comm`] and
+//! The collective algorithms of docs/numerics.md §7, each written once over the [`Comm`] and
 //! [`Backend`] traits (host memory by default, CUDA device memory in the extension).
 //!
 //! - [`GradReduceScatter`]: the gradient reduce-scatter of one bucket (baseline, the grouped
@@ -21,50 +21,13 @@ pub use gradient::{GradReduceScatter, global_k};
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;
 
+// Defined beside the codecs, below the backends, which need it too.
+pub use crate::codec::sum::SumElement;
+
 use crate::backend::Backend;
 use crate::backend::cpu::Host;
 use crate::error::{Error, Result};
 use crate::plan::{Level, Topology};
-
-/// Element types a reduce-scatter can sum: fp32 gradients and Global-QSGD's integers.
-pub trait SumElement: bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug {
-    /// Name used in error messages.
-    const DTYPE: &'static str;
-    /// `a + b`, or `None` when an integer sum overflows.
-    fn checked_sum(a: Self, b: Self) -> Option<Self>;
-}
-
-impl SumElement for f32 {
-    const DTYPE: &'static str = "float32";
-    fn checked_sum(a: Self, b: Self) -> Option<Self> {
-        Some(a + b)
-    }
-}
-
-impl SumElement for i8 {
-    const DTYPE: &'static str = "int8";
-    fn checked_sum(a: Self, b: Self) -> Option<Self> {
-        a.checked_add(b)
-    }
-}
-
-impl SumElement for i16 {
-    const DTYPE: &'static str = "int16";
-    fn checked_sum(a: Self, b: Self) -> Option<Self> {
-        a.checked_add(b)
-    }
-}
-
-/// An [`Error::Buffer`] unless `what` has the `want` elements the plan expects.
-pub(crate) fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(Error::Buffer(format!(
-            "{what} has {got} elements, the plan expects {want}"
-        )))
-    }
-}
 
 /// Sums `blocks` (one per rank, each `recv.len()` little-endian `T`s, in rank order) into
 /// `recv`, left to right: `((b0 + b1) + b2) + ...`. Every [`Comm`] sums in this order, so a

@@ -1,11 +1,11 @@
-//! The parameter all-gather of one bucket after the optimizer step (SPEC §4, §5).
+//! The parameter all-gather of one bucket after the optimizer step (docs/numerics.md §7.3).
 
 use half::bf16;
 
 use crate::backend::Backend;
 use crate::backend::cpu::Host;
-use crate::backend::cpu::weight::WeightEncoding;
 use crate::codec::slab::SlabLayout;
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::collective::{Comm, WireBytes};
 use crate::config::{Config, WeightCodec};
 use crate::error::{Error, Result};

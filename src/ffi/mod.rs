@@ -19,7 +19,7 @@ use buckets::{
     GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_device_problem,
     new_cuda_grad_bucket, new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, parse_config,
 };
-use schema::schema_json;
+use schema::{max_bucket_id, schema_json};
 use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
 
 #[cxx::bridge(namespace = "sdp4bit::ffi")]
@@ -65,6 +65,8 @@ mod bridge {
         fn knob_values_json(self: &ParsedConfig) -> String;
         /// The presets, knobs (name, accepted values, doc) and limits, as JSON text.
         fn schema_json() -> String;
+        /// The largest bucket id the random streams can number.
+        fn max_bucket_id() -> u32;
 
         /// The gradient reduce-scatter of one bucket.
         type GradBucket;

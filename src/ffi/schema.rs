@@ -47,3 +47,8 @@ impl ParsedConfig {
         Value::Object(values).to_string()
     }
 }
+
+/// [`MAX_BUCKET_ID`], for the extension's argument checks.
+pub(super) fn max_bucket_id() -> u32 {
+    MAX_BUCKET_ID
+}

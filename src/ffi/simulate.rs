@@ -6,8 +6,8 @@ use half::bf16;
 use super::buckets::ParsedConfig;
 use super::{FfiResult, guard};
 use crate::collective::local::LocalCluster;
-use crate::collective::{Comm, GradReduceScatter, WeightAllGather, check_len};
-use crate::error::{Error, Result};
+use crate::collective::{Comm, GradReduceScatter, WeightAllGather};
+use crate::error::{Error, Result, check_len};
 use crate::plan::Topology;
 
 pub(super) fn simulate_grad_reduce_scatter(

@@ -1,5 +1,5 @@
 // Host emulation of the CUDA device environment the kernels of kernels/ use, so that g++ can
-// compile them unchanged and tests/cuda_emulated.rs can run them on a machine without a GPU.
+// compile them unchanged and tests/cuda_emulated/ can run them on a machine without a GPU.
 // This header is force-included (g++ -include) ahead of every kernels/*.cu translation unit
 // and of emulator.cpp.
 //

@@ -1,5 +1,5 @@
 // Runs the CUDA kernels of kernels/ on the host, as described by case files that
-// tests/cuda_emulated.rs writes (the emulation model and its limits: cuda_shim.h).
+// tests/cuda_emulated/ writes (the emulation model and its limits: cuda_shim.h).
 //
 // Usage: emulator DIR JOBS
 //   Runs every DIR/*.case with JOBS worker threads and writes DIR/<name>.out for each case

@@ -1,54 +1,15 @@
-//! The passes of Global-QSGD (SPEC §4): the local absmax, the rounding of `x / s` to integers
-//! with the global scale `s = a / K`, and the dequantization of the summed integers.
+//! The passes of Global-QSGD (docs/numerics.md §7.2): the local absmax, the rounding of `x / s` to
+//! integers with the global scale `s = a / K`, and the dequantization of the summed integers.
 
 use rayon::prelude::*;
 
+use crate::codec::int_code::IntCode;
 use crate::codec::quant::{abs_bits_max, bits_non_finite, code_bits};
-use crate::collective::SumElement;
 use crate::config::Rounding;
 use crate::rng::UniformStream;
 
 /// Elements per parallel task (a multiple of 4, so every task starts a Philox block).
 const TASK: usize = 1 << 14;
-
-/// Integer codes Global-QSGD sums inside the reduce-scatter.
-pub trait IntCode: SumElement + Copy {
-    /// Width of the integer in bits.
-    const BITS: u8;
-    /// Converts an already clamped integral value.
-    fn from_f32(v: f32) -> Self;
-    /// The code whose two's complement bits are the low bits of `bits` (as produced by
-    /// `codec::quant::code_bits` from a clamped integral value; equal to `from_f32`).
-    fn from_low_bits(bits: u32) -> Self;
-    /// The code as a float.
-    fn to_f32(self) -> f32;
-}
-
-impl IntCode for i8 {
-    const BITS: u8 = 8;
-    fn from_f32(v: f32) -> Self {
-        v as i8
-    }
-    fn from_low_bits(bits: u32) -> Self {
-        bits as i8
-    }
-    fn to_f32(self) -> f32 {
-        f32::from(self)
-    }
-}
-
-impl IntCode for i16 {
-    const BITS: u8 = 16;
-    fn from_f32(v: f32) -> Self {
-        v as i16
-    }
-    fn from_low_bits(bits: u32) -> Self {
-        bits as i16
-    }
-    fn to_f32(self) -> f32 {
-        f32::from(self)
-    }
-}
 
 /// `max |x|` over the bucket, or +Inf when it holds a NaN or Inf (so a MAX all-reduce carries
 /// the non-finite flag to every rank whatever the backend does with NaN).

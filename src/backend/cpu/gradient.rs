@@ -1,4 +1,4 @@
-//! The three fused passes of the grouped gradient reduce-scatter (SPEC §5).
+//! The three fused passes of the grouped gradient reduce-scatter (docs/numerics.md §7.1).
 //!
 //! Each pass is parallel over runs of consecutive output groups (`run_groups`); a run
 //! is processed group by group in a per-thread scratch buffer, so every input byte is read once

@@ -4,14 +4,13 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::global_qsgd::{self, IntCode};
-use super::gradient;
-use super::weight::{self, WeightEncoding};
+use super::{global_qsgd, gradient, weight};
 use crate::backend::device::{Backend, Element};
+use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
-use crate::collective::check_len;
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
-use crate::error::Result;
+use crate::error::{Result, check_len};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 

@@ -1,4 +1,4 @@
-//! The two fused passes of the weight all-gather (SPEC §4, §5): encode this rank's shard,
+//! The two fused passes of the weight all-gather (docs/numerics.md §7.3): encode this rank's shard,
 //! then apply every rank's chunk to the whole param bucket.
 
 use half::bf16;
@@ -6,21 +6,13 @@ use rayon::prelude::*;
 
 use crate::codec::quant::QuantSpec;
 use crate::codec::slab::{GroupRun, SlabLayout, SlabView};
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
 use crate::plan::BucketPlan;
 use crate::rng::UniformStream;
 
 use super::{run_groups, with_scratch};
-
-/// What a weight chunk encodes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightEncoding {
-    /// The weights themselves (qw, qsdp, zeropp): `param = bf16(x')`.
-    Direct,
-    /// The difference from the previous parameters (qWD): `param = bf16(param + d')`.
-    Difference,
-}
 
 /// Encodes one shard: quantizes `new - reference` (difference) or `new` (direct) computed in
 /// fp32, zero-padded to the padded shard, into one slab. `first_index` is the padded bucket

@@ -7,9 +7,9 @@
 
 use std::mem::size_of;
 
-use crate::backend::cpu::weight::WeightEncoding;
 use crate::codec::quant::QuantSpec;
 use crate::codec::slab::SlabLayout;
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
 use crate::plan::{BucketPlan, GradLayout};

@@ -15,13 +15,12 @@ use half::bf16;
 
 use super::launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
 use super::module::{Kernels, driver_error};
-use crate::backend::cpu::global_qsgd::IntCode;
-use crate::backend::cpu::weight::WeightEncoding;
 use crate::backend::{Backend, Element};
+use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
-use crate::collective::check_len;
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 

@@ -2,8 +2,8 @@
 //!
 //! The sources include `sdp4bit_abi.h` and `common.cuh`; both are handed to NVRTC in memory
 //! (cudarc's `create_program` passes no headers, so the program is created here through
-//! `nvrtcCreateProgram` itself). Options pin the numerics SPEC §2 needs for bit-identity with
-//! the CPU backend: no FMA contraction, IEEE division, no flush-to-zero.
+//! `nvrtcCreateProgram` itself). Options pin the arithmetic docs/numerics.md §1.4 needs for
+//! bit-identity with the CPU backend: no FMA contraction, IEEE division, no flush-to-zero.
 
 use std::ffi::{CString, c_char, c_int};
 use std::fmt;

@@ -19,9 +19,9 @@ use super::abi::{
 };
 use super::module::{Kernels, driver_error};
 use super::source::Kernel;
-use crate::backend::cpu::global_qsgd::IntCode;
-use crate::backend::cpu::weight::WeightEncoding;
+use crate::codec::int_code::IntCode;
 use crate::codec::slab::{SLAB_ALIGN, SlabLayout};
+use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
 use crate::plan::{BucketPlan, GradLayout};

@@ -1,0 +1,224 @@
+//! One emulator case: its buffers, its kernel launches and the outputs expected of them, and
+//! the case file the emulator reads (format: `tests/kernel_emulator/emulator.cpp`).
+
+use sdp4bit::backend::cuda::abi::{
+    SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode,
+};
+use sdp4bit::backend::cuda::source::Kernel;
+use sdp4bit::codec::slab::SlabLayout;
+
+use super::compare::first_difference;
+use sdp4bit_test_support::random::SplitMix64;
+
+/// Groups one block handles at a time (8 warps, one group each): the launch shape of
+/// `backend::cuda::launch` for the grouped kernels.
+pub(crate) const GROUPS_PER_BLOCK: u64 = 8;
+/// Elements one block handles in the element-wise (Global-QSGD) kernels.
+pub(crate) const ELEMENTS_PER_BLOCK: u64 = 256;
+
+/// A buffer of a case (its index).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Buf(u32);
+
+/// How an output buffer is compared with the CPU's.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Expect {
+    /// Whole slabs of the layout.
+    Slabs(SlabLayout),
+    /// fp32 values.
+    F32,
+    /// bf16 values.
+    Bf16,
+    /// Integers of this many bytes.
+    Ints(usize),
+    /// One `u32` left by `global_absmax`, compared as `absmax_from_bits` of it.
+    AbsmaxBits,
+}
+
+/// An output buffer and the bytes the CPU backend says it must end as.
+#[derive(Debug)]
+struct Check {
+    buffer: usize,
+    what: String,
+    expect: Expect,
+    want: Vec<u8>,
+}
+
+/// One kernel launch of a case.
+#[derive(Debug)]
+struct Launch {
+    kernel: Kernel,
+    grid: u32,
+    /// 0 forward, 1 reverse, 2 shuffled with `order_seed`.
+    order: u32,
+    order_seed: u64,
+    pointers: Vec<Option<Buf>>,
+    params: Vec<u8>,
+}
+
+/// The launch parameter structs of `abi`: `#[repr(C)]` with fixed-width fields and no padding
+/// (abi.rs asserts their sizes, the sums of their fields), so every byte is initialised.
+pub(crate) trait AbiParams: Copy {}
+impl AbiParams for SdpGradFirst {}
+impl AbiParams for SdpGradSecond {}
+impl AbiParams for SdpGradFinal {}
+impl AbiParams for SdpWeightEncode {}
+impl AbiParams for SdpWeightApply {}
+impl AbiParams for SdpGlobal {}
+
+/// The bytes `cuLaunchKernel` would copy for `params`.
+fn param_bytes<T: AbiParams>(params: &T) -> Vec<u8> {
+    // SAFETY: `params` is a live value of a type without padding (see `AbiParams`), so its
+    // `size_of::<T>()` bytes are initialised and readable as u8.
+    unsafe { std::slice::from_raw_parts((params as *const T).cast::<u8>(), size_of::<T>()) }
+        .to_vec()
+}
+
+/// One case: buffers (inputs and outputs), the launches that run on them in order, and the
+/// bytes the CPU backend computed for every output.
+#[derive(Debug)]
+pub struct Case {
+    name: String,
+    /// (is an output, initial bytes).
+    buffers: Vec<(bool, Vec<u8>)>,
+    launches: Vec<Launch>,
+    checks: Vec<Check>,
+    /// Picks each launch's grid and warp order.
+    shapes: SplitMix64,
+}
+
+impl Case {
+    /// What the case covers, for failure messages.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The kernels the case launches, in launch order.
+    pub fn kernels(&self) -> impl Iterator<Item = Kernel> + '_ {
+        self.launches.iter().map(|l| l.kernel)
+    }
+
+    /// Outputs compared with the CPU's.
+    pub fn checks(&self) -> usize {
+        self.checks.len()
+    }
+
+    /// An empty case; `rand` seeds the choice of grids and warp orders.
+    pub(crate) fn new(name: String, rand: &mut SplitMix64) -> Self {
+        Self {
+            name,
+            buffers: Vec::new(),
+            launches: Vec::new(),
+            checks: Vec::new(),
+            shapes: SplitMix64::new(rand.next_u64()),
+        }
+    }
+
+    /// An input buffer holding `bytes`.
+    pub(crate) fn input(&mut self, bytes: Vec<u8>) -> Buf {
+        self.buffers.push((false, bytes));
+        Buf(self.buffers.len() as u32 - 1)
+    }
+
+    /// An output buffer starting as `initial`, which must end as `want` (from the CPU).
+    pub(crate) fn output(
+        &mut self,
+        initial: Vec<u8>,
+        what: String,
+        expect: Expect,
+        want: Vec<u8>,
+    ) -> Buf {
+        assert_eq!(initial.len(), want.len(), "{what}: output sizes");
+        self.buffers.push((true, initial));
+        let buffer = self.buffers.len() - 1;
+        self.checks.push(Check {
+            buffer,
+            what,
+            expect,
+            want,
+        });
+        Buf(buffer as u32)
+    }
+
+    /// Launches `kernel` over `units` work units (`per_block` per block), as
+    /// `backend::cuda::launch` does, but with a grid of 1, 2 or 3 blocks (grid-stride loops) or
+    /// `units / per_block` blocks (rounded up), and one of three warp orders.
+    pub(crate) fn launch<T: AbiParams>(
+        &mut self,
+        kernel: Kernel,
+        units: u64,
+        per_block: u64,
+        pointers: &[Option<Buf>],
+        params: &T,
+    ) {
+        let grid = match self.shapes.below(4) {
+            0 => 1,
+            1 => 2,
+            2 => 3,
+            _ => units.div_ceil(per_block).max(1),
+        };
+        self.launches.push(Launch {
+            kernel,
+            grid: u32::try_from(grid).expect("grid fits u32"),
+            order: self.shapes.below(3) as u32,
+            order_seed: self.shapes.next_u64(),
+            pointers: pointers.to_vec(),
+            params: param_bytes(params),
+        });
+    }
+
+    /// The case file (format: `tests/kernel_emulator/emulator.cpp`).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = b"SDPEMU01".to_vec();
+        let u32_le = |out: &mut Vec<u8>, v: usize| {
+            out.extend(u32::try_from(v).expect("fits u32").to_le_bytes())
+        };
+        u32_le(&mut out, self.buffers.len());
+        for (output, bytes) in &self.buffers {
+            out.push(u8::from(*output));
+            out.extend((bytes.len() as u64).to_le_bytes());
+            out.extend(bytes);
+        }
+        u32_le(&mut out, self.launches.len());
+        for l in &self.launches {
+            u32_le(&mut out, l.kernel.name().len());
+            out.extend(l.kernel.name().as_bytes());
+            out.extend(l.grid.to_le_bytes());
+            out.extend(l.order.to_le_bytes());
+            out.extend(l.order_seed.to_le_bytes());
+            u32_le(&mut out, l.pointers.len());
+            for p in &l.pointers {
+                out.extend(p.map_or(u32::MAX, |b| b.0).to_le_bytes());
+            }
+            u32_le(&mut out, l.params.len());
+            out.extend(&l.params);
+        }
+        out
+    }
+
+    /// Compares the emulator's output file (the final bytes of the output buffers, in order)
+    /// with the expected outputs; one message per differing output.
+    pub(crate) fn compare(&self, out: &[u8]) -> Vec<String> {
+        let mut got = std::collections::HashMap::new();
+        let mut at = 0;
+        for (i, (output, bytes)) in self.buffers.iter().enumerate() {
+            if *output {
+                if at + bytes.len() > out.len() {
+                    return vec![format!("output file of {} bytes is too short", out.len())];
+                }
+                got.insert(i, &out[at..at + bytes.len()]);
+                at += bytes.len();
+            }
+        }
+        if at != out.len() {
+            return vec![format!("output file of {} bytes, expected {at}", out.len())];
+        }
+        self.checks
+            .iter()
+            .filter_map(|c| {
+                first_difference(c.expect, &c.want, got[&c.buffer])
+                    .map(|e| format!("{}: {e}", c.what))
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,149 @@
+//! The g++ build of the emulator: every `.cu` of the kernel directory and
+//! `tests/kernel_emulator/emulator.cpp`, compiled in parallel and linked once per test process
+//! (every test that emulates kernels shares it).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+/// g++ flags of every translation unit. `-ffp-contract=off`: no fused multiply-add, as NVRTC's
+/// `--fmad=false`. CUDA's `#pragma unroll` means nothing to g++, hence `-Wno-unknown-pragmas`.
+/// UBSan (linked too) stops the emulator at undefined behaviour in a kernel: misaligned
+/// accesses (which work on x86 but fault on a GPU), out-of-range shifts and float-to-int
+/// conversions, signed overflow.
+const CXX_FLAGS: [&str; 11] = [
+    "-std=c++20",
+    "-O1",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wno-unknown-pragmas",
+    "-pthread",
+    "-fsanitize=undefined,float-cast-overflow",
+    "-fno-sanitize-recover=all",
+];
+
+/// The emulator's source directory, `tests/kernel_emulator/`.
+fn harness_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kernel_emulator")
+}
+
+/// Fails the test unless g++ runs.
+pub(crate) fn require_gxx() {
+    match Command::new("g++").arg("--version").output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!("`g++ --version` failed ({}); g++ is required", out.status),
+        Err(e) => panic!(
+            "g++ is required to build the CUDA kernel emulator ({e}); install it, or set \
+             SDP4BIT_SKIP_EMULATOR=1 to skip this test"
+        ),
+    }
+}
+
+/// The emulator executable built from the kernels in `kernels` (its bytes, to be written
+/// into each test's work directory), or the compiler's complaint. The first call builds it;
+/// every later call in the process (the kernel directory must not change) waits for and
+/// shares that build, failed or not, so the tests never compile twice.
+pub(crate) fn emulator_executable(kernels: &Path) -> Result<&'static [u8], String> {
+    static BUILT: OnceLock<(PathBuf, Result<Vec<u8>, String>)> = OnceLock::new();
+    let (built_from, exe) = BUILT.get_or_init(|| (kernels.to_path_buf(), build_once(kernels)));
+    assert_eq!(built_from, kernels, "one kernel directory per test process");
+    exe.as_deref().map_err(Clone::clone)
+}
+
+/// Builds the emulator in a fresh temporary directory and returns the executable's bytes. The
+/// directory is removed after a successful build and kept (and named) after a failed one.
+fn build_once(kernels: &Path) -> Result<Vec<u8>, String> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!(
+        "sdp4bit-emulator-build-{}-{nanos}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let exe = build(kernels, &dir)
+        .and_then(|exe| std::fs::read(&exe).map_err(|e| format!("read {}: {e}", exe.display())));
+    match exe {
+        Ok(exe) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Ok(exe)
+        }
+        Err(e) => Err(format!("{e}\n(build directory kept: {})", dir.display())),
+    }
+}
+
+/// Compiles every `.cu` of `kernels` and the emulator with g++ (in parallel) and links them
+/// into `dir/emulator`; an error holds the compiler's output on any error or warning.
+fn build(kernels: &Path, dir: &Path) -> Result<PathBuf, String> {
+    let harness = harness_dir();
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(kernels)
+        .map_err(|e| format!("{}: {e}", kernels.display()))?
+        .map(|entry| entry.expect("directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "cu"))
+        .collect();
+    sources.sort();
+    if sources.is_empty() {
+        return Err(format!("no .cu file in {}", kernels.display()));
+    }
+    sources.push(harness.join("emulator.cpp"));
+
+    let compiles: Vec<_> = sources
+        .iter()
+        .map(|source| {
+            let stem = source.file_stem().expect("file name").to_string_lossy();
+            let object = dir.join(format!("{stem}.o"));
+            let child = Command::new("g++")
+                .args(CXX_FLAGS)
+                .arg("-include")
+                .arg(harness.join("cuda_shim.h"))
+                .arg("-I")
+                .arg(kernels)
+                .args(["-x", "c++", "-c"])
+                .arg(source)
+                .arg("-o")
+                .arg(&object)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start g++");
+            (source, object, child)
+        })
+        .collect();
+    let mut objects = Vec::new();
+    let mut errors = String::new();
+    for (source, object, child) in compiles {
+        let out = child.wait_with_output().expect("wait for g++");
+        if !out.status.success() {
+            errors += &format!(
+                "g++ failed on {}:\n{}{}\n",
+                source.display(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        objects.push(object);
+    }
+    if !errors.is_empty() {
+        return Err(format!(
+            "building the kernel emulator failed (warnings are errors):\n{errors}"
+        ));
+    }
+    let exe = dir.join("emulator");
+    let out = Command::new("g++")
+        .args(["-pthread", "-fsanitize=undefined"])
+        .args(&objects)
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .expect("run g++ to link");
+    if !out.status.success() {
+        return Err(format!(
+            "linking the kernel emulator failed (it needs g++'s UBSan runtime, libubsan):\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(exe)
+}

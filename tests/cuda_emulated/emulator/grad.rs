@@ -1,0 +1,156 @@
+//! The emulator cases of the grouped gradient reduce-scatter's three kernels: one rank's first
+//! pass over its bucket, then per pipeline chunk the requantization (two-level routes) and the
+//! final reduction of what its peers send it, each also with damaged received slabs.
+
+use sdp4bit::Config;
+use sdp4bit::backend::cpu::gradient;
+use sdp4bit::backend::cuda::abi::{SdpGradFinal, SdpGradFirst, SdpGradSecond};
+use sdp4bit::backend::cuda::dest_table;
+use sdp4bit::backend::cuda::source::Kernel;
+use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
+use sdp4bit::rng::Stage;
+
+use super::case::{Case, Expect, GROUPS_PER_BLOCK};
+use super::data::{damage, f32_bytes, garbage, plain, stream, values};
+use sdp4bit_test_support::random::SplitMix64;
+
+/// One rank's view of the grouped gradient reduce-scatter: its first pass over the whole
+/// bucket, then per chunk the requantization (two-level routes) and the final reduction of
+/// what its peers send it, each also with damaged received slabs.
+pub fn grad_case(
+    name: String,
+    rand: &mut SplitMix64,
+    config: &Config,
+    topology: &Topology,
+    shard_len: usize,
+) -> Case {
+    let mut case = Case::new(name, rand);
+    let w = topology.world();
+    let plan = BucketPlan::new(w * shard_len, w, config).expect("plan");
+    let route = GradRoute::new(config, topology);
+    let layout = GradLayout::new(config, topology, &route, plan).expect("W > 1 has an exchange");
+    let first = layout.first;
+    let g = config.grad.group_size;
+    let me = rand.below(w);
+    let my_x1 = peer_index(topology, first.level, me);
+    let dests: Vec<u8> = dest_table(&layout)
+        .expect("destination table")
+        .iter()
+        .flat_map(|d| d.to_le_bytes())
+        .collect();
+    let dests = case.input(dests);
+
+    // The first pass of this rank's bucket.
+    let bucket = values(rand, plan.numel, g);
+    let rng = stream(rand, me, Stage::GradFirst);
+    let mut own = vec![0u8; plan.chunks * first.peers * first.slab.byte_len()];
+    gradient::quantize_first(&layout, &bucket, &rng, &mut own);
+    let input = case.input(f32_bytes(&bucket));
+    let out = case.output(
+        garbage(own.len()),
+        "grad_quantize_first".into(),
+        Expect::Slabs(first.slab),
+        own.clone(),
+    );
+    case.launch(
+        Kernel::GradQuantizeFirst,
+        (plan.chunks * first.peers * first.slab.groups) as u64,
+        GROUPS_PER_BLOCK,
+        &[Some(input), Some(dests), Some(out)],
+        &SdpGradFirst::new(&layout, &rng).expect("params"),
+    );
+
+    // What every first-level peer's first pass sends: this rank's own, the others' of their
+    // own random buckets.
+    let sent: Vec<Vec<u8>> = (0..first.peers)
+        .map(|x1| {
+            if x1 == my_x1 {
+                return own.clone();
+            }
+            let bucket = values(rand, plan.numel, g);
+            let mut out = vec![0u8; own.len()];
+            gradient::quantize_first(
+                &layout,
+                &bucket,
+                &stream(rand, x1, Stage::GradFirst),
+                &mut out,
+            );
+            out
+        })
+        .collect();
+
+    let len = first.slab.byte_len();
+    for p in 0..plan.chunks {
+        let k = p * first.peers + my_x1;
+        let recv: Vec<u8> = sent
+            .iter()
+            .flat_map(|o| &o[k * len..(k + 1) * len])
+            .copied()
+            .collect();
+        let last_recv = match layout.second {
+            None => recv,
+            Some(second) => {
+                let rng = stream(rand, me, Stage::GradSecond);
+                let params = SdpGradSecond::new(&layout, my_x1, p, &rng).expect("params");
+                let cpu = |recv: &[u8]| {
+                    let mut out = vec![0u8; second.peers * second.slab.byte_len()];
+                    gradient::requantize_second(&layout, my_x1, p, recv, &rng, &mut out)
+                        .expect("valid slabs");
+                    out
+                };
+                let want = cpu(&recv);
+                let (bad, twin) = damage(rand, first.slab, &recv);
+                for (tag, input, want) in
+                    [("", &recv, want.clone()), (" damaged", &bad, cpu(&twin))]
+                {
+                    let input = case.input(input.clone());
+                    let out = case.output(
+                        garbage(want.len()),
+                        format!("grad_requantize_second p={p}{tag}"),
+                        Expect::Slabs(second.slab),
+                        want,
+                    );
+                    case.launch(
+                        Kernel::GradRequantizeSecond,
+                        (second.peers * second.slab.groups) as u64,
+                        GROUPS_PER_BLOCK,
+                        &[Some(input), Some(dests), Some(out)],
+                        &params,
+                    );
+                }
+                // Stand-in for what the second-level peers send: this rank's own slabs.
+                want
+            }
+        };
+
+        // The final reduction of chunk p into a shard holding a sentinel elsewhere.
+        let last = layout.last();
+        let sentinel = plain(rand, plan.shard_len);
+        let cpu = |recv: &[u8]| {
+            let mut shard = sentinel.clone();
+            gradient::reduce_final(&layout, p, recv, &mut shard).expect("valid slabs");
+            f32_bytes(&shard)
+        };
+        let (bad, twin) = damage(rand, last.slab, &last_recv);
+        for (tag, input, want) in [
+            ("", &last_recv, cpu(&last_recv)),
+            (" damaged", &bad, cpu(&twin)),
+        ] {
+            let input = case.input(input.clone());
+            let out = case.output(
+                f32_bytes(&sentinel),
+                format!("grad_reduce_final p={p}{tag}"),
+                Expect::F32,
+                want,
+            );
+            case.launch(
+                Kernel::GradReduceFinal,
+                last.slab.groups as u64,
+                GROUPS_PER_BLOCK,
+                &[Some(input), Some(out)],
+                &SdpGradFinal::new(&layout, p).expect("params"),
+            );
+        }
+    }
+    case
+}

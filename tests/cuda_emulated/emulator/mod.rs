@@ -1,0 +1,33 @@
+//! The Rust driver of the CUDA kernel emulator (`tests/kernel_emulator/`), beside its only user
+//! (compiled into this test alone, not into the shared support crate): g++ compiles the
+//! kernels of `kernels/` unchanged against a host emulation of the CUDA device environment
+//! (each warp runs as 32 cooperative fibers that meet at every shuffle and vote; see
+//! `cuda_shim.h` for the model and its limits), and the emulator runs launches generated here
+//! from the CPU backend, writing the outputs for comparison.
+//!
+//! - [`grad`], [`weight`], [`global`]: the cases of each kernel family, built from the CPU
+//!   backend (the launch parameters from the CUDA backend's own `abi` constructors, so the
+//!   `#[repr(C)]` mirrors are checked against the C structs too);
+//! - `data`: the random inputs (special values, damaged slabs);
+//! - [`Case`]: buffers, launches and the expected outputs; the case file;
+//! - `compare`: the first difference between an emulated output and the CPU's;
+//! - `compile`: the g++ build, once per test process;
+//! - [`emulate_family`]: runs one family's cases and reports the differences.
+//!
+//! Outputs are compared as `tests/cuda_gpu.rs` does on a GPU: codes and padding byte for byte,
+//! scales, offsets, fp32 and bf16 values bit for bit with NaN compared as NaN-ness. The
+//! emulator itself fails a case on a divergent warp, an out-of-bounds access (guard pages
+//! and canaries around every buffer) or undefined behaviour (UBSan), naming the case, launch
+//! and thread.
+
+mod case;
+mod compare;
+mod compile;
+mod data;
+pub mod global;
+pub mod grad;
+mod sweep;
+pub mod weight;
+
+pub use case::Case;
+pub use sweep::{Coverage, emulate_family};

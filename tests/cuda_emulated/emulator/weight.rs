@@ -1,0 +1,124 @@
+//! The emulator cases of the weight all-gather's two kernels: one rank encodes its shard,
+//! then applies every rank's slab, also with damaged slabs.
+
+use sdp4bit::backend::cpu::weight;
+use sdp4bit::backend::cuda::abi::{SdpWeightApply, SdpWeightEncode};
+use sdp4bit::backend::cuda::source::Kernel;
+use sdp4bit::codec::slab::SlabLayout;
+use sdp4bit::codec::weight_encoding::WeightEncoding;
+use sdp4bit::plan::BucketPlan;
+use sdp4bit::rng::Stage;
+use sdp4bit::{Config, WeightCodec};
+
+use super::case::{Case, Expect, GROUPS_PER_BLOCK};
+use super::data::{bf16_bytes, bf16s, damage, garbage, stream, updated};
+use sdp4bit_test_support::random::SplitMix64;
+
+/// The weight all-gather's two passes: this rank encodes its shard (at its padded bucket index,
+/// or with `high_index` at one whose Philox blocks cross 2^32), then applies every rank's slab,
+/// also with damaged slabs.
+pub fn weight_case(
+    name: String,
+    rand: &mut SplitMix64,
+    config: &Config,
+    w: usize,
+    shard_len: usize,
+    high_index: bool,
+) -> Case {
+    let mut case = Case::new(name, rand);
+    let spec = config.weight.quant_spec().expect("a grouped weight codec");
+    let g = spec.group_size;
+    let encoding = if config.weight.codec == WeightCodec::Qwd {
+        WeightEncoding::Difference
+    } else {
+        WeightEncoding::Direct
+    };
+    let difference = encoding == WeightEncoding::Difference;
+    let plan = BucketPlan::new(w * shard_len, w, config).expect("plan");
+    let layout = SlabLayout {
+        spec,
+        groups: plan.padded_shard_len / g,
+    };
+    let me = rand.below(w);
+
+    // Encode this rank's shard; direct encodings pass no reference (a null pointer).
+    let reference = bf16s(rand, shard_len, g);
+    let new = updated(rand, &reference);
+    let rng = stream(rand, me, Stage::Weight);
+    let first_index = if high_index {
+        (1u64 << 34) - 32 * (1 + rand.below(g / 16)) as u64
+    } else {
+        plan.padded_index(me, 0)
+    };
+    let mut want = vec![0u8; layout.byte_len()];
+    weight::encode_shard(
+        layout,
+        encoding,
+        first_index,
+        &new,
+        &reference,
+        &rng,
+        &mut want,
+    );
+    let new = case.input(bf16_bytes(&new));
+    let reference = difference.then(|| case.input(bf16_bytes(&reference)));
+    let out = case.output(
+        garbage(want.len()),
+        format!("weight_encode at index {first_index}"),
+        Expect::Slabs(layout),
+        want,
+    );
+    case.launch(
+        Kernel::WeightEncode,
+        layout.groups as u64,
+        GROUPS_PER_BLOCK,
+        &[Some(new), reference, Some(out)],
+        &SdpWeightEncode::new(&layout, encoding, shard_len, first_index, &rng).expect("params"),
+    );
+
+    // Apply every rank's slab, each the CPU encoding of that rank's update.
+    let mut recv = Vec::with_capacity(w * layout.byte_len());
+    for z in 0..w {
+        let old = bf16s(rand, shard_len, g);
+        let new = updated(rand, &old);
+        let mut slab = vec![0u8; layout.byte_len()];
+        let rng = stream(rand, z, Stage::Weight);
+        weight::encode_shard(
+            layout,
+            encoding,
+            plan.padded_index(z, 0),
+            &new,
+            &old,
+            &rng,
+            &mut slab,
+        );
+        recv.extend(slab);
+    }
+    let own_reference = bf16s(rand, shard_len, g);
+    let params = bf16s(rand, plan.numel, g);
+    let cpu = |recv: &[u8]| {
+        let mut out = params.clone();
+        weight::apply_shards(layout, encoding, &plan, me, recv, &own_reference, &mut out)
+            .expect("valid slabs");
+        bf16_bytes(&out)
+    };
+    let own = difference.then(|| case.input(bf16_bytes(&own_reference)));
+    let (bad, twin) = damage(rand, layout, &recv);
+    for (tag, input, want) in [("", &recv, cpu(&recv)), (" damaged", &bad, cpu(&twin))] {
+        let input = case.input(input.clone());
+        let out = case.output(
+            bf16_bytes(&params),
+            format!("weight_apply{tag}"),
+            Expect::Bf16,
+            want,
+        );
+        case.launch(
+            Kernel::WeightApply,
+            (w * shard_len.div_ceil(g)) as u64,
+            GROUPS_PER_BLOCK,
+            &[Some(input), own, Some(out)],
+            &SdpWeightApply::new(&layout, encoding, &plan, me).expect("params"),
+        );
+    }
+    case
+}

@@ -1,0 +1,23 @@
+//! Support code shared by sdp4bit's integration tests (`tests/`), one job per module:
+//!
+//! - [`random`]: the fixed-seed generator and the random buckets the tests draw;
+//! - [`bits`]: outputs as bit patterns, digests and bit-exact comparison;
+//! - [`setups`]: the configs and topologies the collective sweeps run on;
+//! - [`cluster`]: one collective on every rank of an in-process cluster;
+//! - [`recorder`]: a `Comm` that records every payload it carries;
+//! - [`reference`](mod@reference): exact f64 answers and the error bounds derived from the
+//!   quantizers;
+//! - [`error_stats`]: comparing outputs with a reference and asserting the bounds.
+//!
+//! The root package depends on this crate as a dev-dependency, so the tests and this crate
+//! share one build of `sdp4bit` and its types. Every test binary waits for this crate to
+//! build, so code with a single user lives beside that user instead: the kernel emulator's
+//! driver in `tests/cuda_emulated/emulator/`, the Rust path reader in `tests/layering/`.
+
+pub mod bits;
+pub mod cluster;
+pub mod error_stats;
+pub mod random;
+pub mod recorder;
+pub mod reference;
+pub mod setups;
