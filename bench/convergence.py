@@ -11,7 +11,7 @@ reduce-scatter and of the weight all-gather from sdp4bit's telemetry, bytes sent
 convergence.json (every run) and convergence.png (loss curves and paired differences with
 their intervals).
 
-    bash scripts/bench.sh convergence --out bench/results        # the full study (~80 min)
+    bash scripts/bench.sh convergence --out bench/results        # the full study (~86 min)
     bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows baseline,SDP4Bit \\
         --val-tokens 8192 --out /tmp/smoke                        # the test command's smoke run
 
@@ -80,15 +80,15 @@ ROWS = {row.name: row for row in (
     Row("ZeRO++-style", _preset("zeropp")),
 )}
 
-#: The full study's size. Measured on the 2-core machine shared with other jobs (load average
-#: 7-8): 118-147 ms per training step (median over steps 5-99 of examples/gpt_cpu/train.py,
-#: baseline and SDP4Bit rows), 8 s to evaluate 1,048,576 held-out tokens and about 20 s of
-#: start-up per run (torchrun, 4 processes importing torch and megatron-core); so a run of
-#: 600 steps takes about 20 + 8 + 600 x 0.13 = 106 s, and 9 rows x 5 seeds = 45 runs about
-#: 80 minutes. Five seeds rather than three longer runs: the interval's half-width is
-#: t(0.975, n - 1) / sqrt(n) times the paired differences' spread, 2.48 for n = 3, 1.24 for
-#: n = 5.
-STEPS = 600
+#: The full study's size, from runs of this script on the 2-core machine shared with other
+#: jobs (load average 4-8): a run took 46 s at 60 steps and 121 s at 600 steps (means over
+#: its rows and seeds), so about 38 s of start-up and evaluation of 1,048,576 held-out tokens
+#: plus 0.139 s per training step; 9 rows x 5 seeds = 45 runs of 550 steps take about
+#: 45 x (38 + 550 x 0.139) s = 86 minutes. The interval's half-width is t(0.975, n - 1) /
+#: sqrt(n) times the spread of the paired differences: 2.48 for n = 3, 1.24 for n = 5. The
+#: spread measured at 600 steps (baseline and SDP4Bit, 3 seeds) was 0.0051 of a loss of
+#: 1.711, so 5 seeds give about +-0.37% of the loss (bench/results/convergence.md, "Sizing").
+STEPS = 550
 SEEDS = "1,2,3,4,5"
 VAL_TOKENS = 1_048_576
 COMMON = ["--lr", "3e-3", "--lr-decay", "cosine", "--warmup-steps", "{warmup}",
@@ -252,7 +252,7 @@ def report(args, rows: list[Row], seeds: list[int], summary: dict[str, dict],
         "# Convergence study (small-scale ablation)",
         "",
         f"- the full study: `{full}` (defaults: {STEPS} steps, seeds {SEEDS}, every row, "
-        f"{VAL_TOKENS:,d} held-out tokens; about 80 min on 2 cores, sized in bench/convergence.py)",
+        f"{VAL_TOKENS:,d} held-out tokens; about 86 min on 2 cores, sized in bench/convergence.py)",
         f"- this run: `{shown}`",
         f"- machine: {os.cpu_count()} cores, {cpu_model()}, Python {platform.python_version()}, "
         f"megatron-core {megatron.core.__version__}",
@@ -288,10 +288,12 @@ def report(args, rows: list[Row], seeds: list[int], summary: dict[str, dict],
                      f"{_error(s['grad_rel_l2'])} | {_error(s['param_rel_l2'])} | {ratio} | "
                      f"{s['median_step_ms']:.0f} ms |")
     if "SDP4Bit" in summary and runs_per_row > 1:
-        width = 2 * summary["SDP4Bit"]["difference"]["half_width"]
-        verdict = "narrower" if width < 0.005 * base else "NOT narrower"
-        lines += ["", f"SDP4Bit's interval is {width:.4f} wide, {100 * width / base:.2f}% of the "
-                      f"baseline's loss ({base:.4f}): {verdict} than 0.5%."]
+        half = summary["SDP4Bit"]["difference"]["half_width"]
+        verdict = {True: "under", False: "NOT under"}
+        lines += ["", f"SDP4Bit's interval is ±{half:.4f}, ±{100 * half / base:.2f}% of the "
+                      f"baseline's loss ({base:.4f}): half-width {verdict[half < 0.005 * base]} "
+                      f"0.5%, full width ({200 * half / base:.2f}%) "
+                      f"{verdict[2 * half < 0.005 * base]} 0.5%."]
     return "\n".join(lines) + "\n"
 
 
