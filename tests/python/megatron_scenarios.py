@@ -4,6 +4,7 @@ megatron_checkpoint), with and without the sdp4bit integration."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
@@ -107,6 +108,26 @@ def _check_grad_shards_against_core(chunk, before):
             f"bucket {rs.bucket_id} step {step} differs from the core")
 
 
+@contextlib.contextmanager
+def _grads_as_each_sync_starts(snapshots: dict):
+    """Records every bucket group's gradient buckets as its sync starts (from a backward hook
+    under ``overlap_grad_reduce``, or from ``finish_grad_sync``), keyed by the group: what
+    each rank feeds the reduce-scatter, before anything is reduced in place."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    patched = _ParamAndGradBucketGroup.start_grad_sync
+
+    def start_grad_sync(self, *args, **kwargs):
+        snapshots[self] = [bucket.grad_data.clone() for bucket in self.buckets]
+        return patched(self, *args, **kwargs)
+
+    _ParamAndGradBucketGroup.start_grad_sync = start_grad_sync
+    try:
+        yield snapshots
+    finally:
+        _ParamAndGradBucketGroup.start_grad_sync = patched
+
+
 def _poison_one_gradient(chunk) -> None:
     """One NaN in this rank's gradient of the first parameter, as a bad backward makes it."""
     param = next(chunk.module.parameters())
@@ -116,7 +137,7 @@ def _poison_one_gradient(chunk) -> None:
 def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None,
           check_against_core=False, bucket_size=BUCKET):
     """Trains a few steps; returns (losses, stepped flags, final bf16 params as bytes, (bytes
-    sent, uncompressed bytes) in one step). Plain Python values: tensors sent between
+    sent, uncompressed bytes) in one step, buckets). Plain Python values: tensors sent between
     processes would live in shared memory that ends with the rank."""
     gpt.initialize(SEED)
     _enable(preset)
@@ -124,26 +145,32 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
                           overlap_param_gather=overlap_param, bucket_size=bucket_size,
                           check_for_nan_in_grad=False)  # the optimizer's check is under test
     optimizer = gpt.build_optimizer([ddp], lr=LR)
-    losses, stepped = [], []
-    for step in range(steps):
-        gpt.zero_grads([ddp], optimizer)
-        loss = gpt.token_losses(ddp, windows(step, rank)).mean()
-        loss.backward()
-        if step == nan_step and rank == 1:
-            _poison_one_gradient(ddp)
-        before = _grad_snapshot(ddp) if check_against_core else None
-        gpt.finish_grad_sync([ddp])
-        if check_against_core:
-            _check_grad_shards_against_core(ddp, before)
-        ok, _ = gpt.optimizer_step(optimizer)
-        stepped.append(ok)
-        losses.append(loss.item())
+    losses, stepped, snapshots = [], [], {}
+    recording = _grads_as_each_sync_starts(snapshots) if check_against_core else (
+        contextlib.nullcontext())
+    with recording:
+        for step in range(steps):
+            gpt.zero_grads([ddp], optimizer)
+            snapshots.clear()
+            loss = gpt.token_losses(ddp, windows(step, rank)).mean()
+            loss.backward()
+            if step == nan_step and rank == 1:
+                _poison_one_gradient(ddp)
+            gpt.finish_grad_sync([ddp])
+            if check_against_core:
+                assert set(snapshots) == set(ddp.bucket_groups), "a bucket group did not sync"
+                before = [grad for group in ddp.bucket_groups for grad in snapshots[group]]
+                _check_grad_shards_against_core(ddp, before)
+            ok, _ = gpt.optimizer_step(optimizer)
+            stepped.append(ok)
+            losses.append(loss.item())
     gpt.flush_param_sync([ddp])
     _assert_replicas_identical([ddp])
     sent, baseline = integration.wire_bytes(ddp, steps)
+    buckets = sum(len(group.buckets) for group in ddp.bucket_groups)
     integration.disable()
     gpt.shutdown()
-    return losses, stepped, _param_bytes(ddp), (sent, baseline)
+    return losses, stepped, _param_bytes(ddp), (sent, baseline), buckets
 
 
 def train_with_checkpoint(rank, world, overlap_param, steps, save_at, directory, resume):

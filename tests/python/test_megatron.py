@@ -25,7 +25,8 @@ def _train(preset, overlap_grad=False, overlap_param=False, nan_step=None, core=
 def test_baseline_preset_is_bit_exact_with_megatrons_own_path():
     own = _train(None, overlap_grad=True)
     ours = _train("baseline", overlap_grad=True)
-    for (own_losses, _, own_params, _), (losses, stepped, params, bytes_) in zip(own, ours):
+    for (own_losses, _, own_params, _, _), (losses, stepped, params, bytes_, _) in zip(
+            own, ours):
         assert all(stepped)
         assert own_losses == losses
         assert own_params == params
@@ -33,17 +34,21 @@ def test_baseline_preset_is_bit_exact_with_megatrons_own_path():
 
 
 def test_sdp4bit_matches_the_core_and_keeps_replicas_identical():
-    results = _train("sdp4bit", core=True)  # every bucket's shard against the core's
-    losses, stepped, params, (sent, baseline) = results[0]
-    assert all(stepped)
-    assert losses[-1] < losses[0], losses
-    assert all(r[2] == params for r in results)  # replicas bit-identical (also checked inside)
-    # One bucket without overlap_grad_reduce; padding to the 2048-element weight groups.
-    assert 0 < sent < baseline / 3, (sent, baseline)
+    # Every bucket's shard against the core's, each step: one bucket without
+    # overlap_grad_reduce, several buckets and bucket groups synced from backward hooks with it.
+    for overlap_grad, expected_buckets in ((False, 1), (True, None)):
+        results = _train("sdp4bit", overlap_grad=overlap_grad, core=True)
+        losses, stepped, params, (sent, baseline), buckets = results[0]
+        assert all(stepped)
+        assert losses[-1] < losses[0], losses
+        assert all(r[2] == params for r in results)  # replicas bit-identical (checked inside too)
+        assert buckets == expected_buckets if expected_buckets else buckets > 1, buckets
+        if not overlap_grad:  # one bucket: little padding to the 2048-element weight groups
+            assert 0 < sent < baseline / 3, (sent, baseline)
 
 
 def _same_runs(a, b, what):
-    for (losses_a, _, params_a, _), (losses_b, _, params_b, _) in zip(a, b):
+    for (losses_a, _, params_a, _, _), (losses_b, _, params_b, _, _) in zip(a, b):
         assert losses_a == losses_b, what
         assert params_a == params_b, what
 
@@ -65,7 +70,7 @@ def test_nan_gradient_skips_the_step_through_megatrons_found_inf_check():
     # One NaN in rank 1's gradient at step 1: the DistributedOptimizer skips that step on
     # every rank (its grad scaler's found-inf flag, all-reduced over the DP group).
     results = _train("sdp4bit", nan_step=1)
-    for _, stepped, _, _ in results:
+    for _, stepped, _, _, _ in results:
         assert stepped == [True, False, True], stepped
 
 
