@@ -68,7 +68,7 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
                 str(ROOT / "examples/gpt_cpu/train.py"),
                 "--preset", "megatron" if preset == "baseline" else preset,
                 "--ranks-per-node", str(per_node), "--steps", str(args.steps),
-                "--log-every", "1000000", "--telemetry-interval", "0", "--eval-batches", "1",
+                "--log-every", "1000000", "--telemetry-interval", "0", "--val-tokens", "4096",
                 "--json-out", str(json_out), *args.model.split()], 29401, args.timeout)
             trained = json.loads(json_out.read_text())
             steady = sorted(trained["step_ms"][args.warmup_steps:])

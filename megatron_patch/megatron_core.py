@@ -22,7 +22,6 @@ otherwise.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -444,15 +443,3 @@ def wire_bytes(ddp_model, step: int) -> tuple[int, int]:
             sent, baseline = sent + wire.sent, baseline + wire.uncompressed
     return sent, baseline
 
-
-@contextlib.contextmanager
-def megatron_on_cpu():
-    """Lets megatron-core build DDP buffers on CPU: it allocates them on
-    ``torch.cuda.current_device()``, which answers ``"cpu"`` inside this block. For CPU runs
-    with gloo (tests, the main job); GPU jobs do not need it."""
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = original

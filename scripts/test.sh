@@ -122,10 +122,11 @@ if [ ! -d "$NEXT_DIR/megatron/core" ]; then
 fi
 PYTHONPATH="$ROOT/$NEXT_DIR" pytest -q tests/python/test_megatron.py
 
-step "convergence study smoke run (3 steps, 3 rows; the study itself is bench/convergence.py)"
-OMP_NUM_THREADS=1 bash scripts/bench.sh convergence --steps 3 --rows baseline,qWD,SDP4Bit \
-  --out .cache/convergence-smoke
+step "convergence study smoke run (3 steps, 2 rows x 2 seeds; the study is bench/convergence.py)"
+OMP_NUM_THREADS=1 bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows baseline,SDP4Bit \
+  --val-tokens 4096 --out .cache/convergence-smoke
 test -s .cache/convergence-smoke/convergence.png
+grep -q "SDP4Bit's interval is" .cache/convergence-smoke/convergence.md
 
 step "native bundle from the tree (python scripts/build_native.py)"
 python scripts/build_native.py --out .cache/native-bundle >/dev/null

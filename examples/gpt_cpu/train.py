@@ -1,8 +1,13 @@
-"""The main job: a small byte-level GPT trained on CPU by W gloo ranks (launched by torchrun)
-with megatron-core's DDP and the sdp4bit integration, printing the loss and the bytes the
-compressed collectives save.
+"""The main job: megatron-core's GPTModel trained on CPU by W gloo ranks (launched by torchrun)
+with megatron-core's DDP and real DistributedOptimizer (gradient reduce-scatter overlapped
+with backward) and the sdp4bit integration, printing the loss and the bytes the compressed
+collectives save. Byte-level language modelling on the standard library's sources.
 
     torchrun --standalone --nproc-per-node 4 examples/gpt_cpu/train.py --ranks-per-node 2
+
+megatron-core runs on CPU through the shims of cpu_support/ (docs/megatron.md, "Running on
+CPU"), which this script puts on its path; the bench/convergence.py study runs it once per
+row and seed.
 """
 
 from __future__ import annotations
@@ -11,17 +16,20 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import megatron_patch.megatron_core as sdp4bit_megatron
-from sdp4bit import Config, presets
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpu_support"))
 
-from data import batch, split, stdlib_corpus
-from model import ByteGPT
-from optimizer import ShardedAdamW
+import megatron_gpt as gpt  # noqa: E402  (cpu_support, put on the path above)
+import megatron_patch.megatron_core as sdp4bit_megatron  # noqa: E402
+from sdp4bit import Config, presets  # noqa: E402
+
+from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,9 +46,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr-decay", choices=["constant", "cosine"], default="constant",
+                   help="after warm-up: constant, or cosine decay to --min-lr at the last step "
+                        "(megatron-core's OptimizerParamScheduler)")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--min-lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=1234,
+                   help="initial weights, data order and sdp4bit's random streams")
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    p.add_argument("--val-tokens", type=int, default=65_536,
+                   help="held-out tokens (the end of the corpus) the final validation loss "
+                        "is measured on, each predicted once")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--telemetry-interval", type=int, default=20,
                    help="every N steps, log sdp4bit's quantization error against an exact "
@@ -49,38 +66,21 @@ def parse_args() -> argparse.Namespace:
                    help="Megatron's overlap_param_gather (see the note where the DDP is built)")
     p.add_argument("--bucket-size", type=int, default=40_000,
                    help="elements per DDP bucket (megatron-core's bucket_size)")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--json-out", help="write the loss curve and byte counts here (rank 0)")
+    p.add_argument("--json-out", help="write the loss curve, byte counts and telemetry here "
+                                      "(rank 0)")
     return p.parse_args()
 
 
-def build_ddp(args: argparse.Namespace):
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer import TransformerConfig
+class TelemetryRecorder:
+    """A tensorboard writer for sdp4bit's telemetry that keeps the relative errors."""
 
-    parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = ByteGPT(args.context, args.width, args.layers, args.heads).bfloat16()
-    config = TransformerConfig(num_layers=args.layers, hidden_size=args.width,
-                               num_attention_heads=args.heads, bf16=True,
-                               params_dtype=torch.bfloat16)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-        # Megatron's own asynchronous coalesced all-gather over gloo (the path of uncompressed
-        # rows) crashes on CPU after some hundreds of steps, without sdp4bit too
-        # (bench/results/gloo_coalesced_allgather_crash.md), so by default parameters are
-        # gathered synchronously here; gradients overlap with backward.
-        overlap_grad_reduce=True, overlap_param_gather=args.overlap_param_gather,
-        bucket_size=args.bucket_size,
-    )
-    with sdp4bit_megatron.megatron_on_cpu():
-        return DistributedDataParallel(config, ddp_config, model)
+    def __init__(self) -> None:
+        self.rel_l2 = {"grad": [], "param": []}
 
-
-def loss_of(ddp, inputs, targets) -> torch.Tensor:
-    logits = ddp(inputs).float()
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        _, what, quantity = name.split("/")
+        if quantity == "rel_l2_error":
+            self.rel_l2[what].append(float(value))
 
 
 def mean_over_ranks(value: float) -> float:
@@ -89,40 +89,76 @@ def mean_over_ranks(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
+def validation_loss(ddp, windows: torch.Tensor, rank: int, world: int,
+                    batch_size: int = 64) -> float:
+    """Mean next-byte cross entropy over every token of `windows`, which the ranks share out
+    (each evaluates every world-th window) and sum up."""
+    totals = torch.zeros(2, dtype=torch.float64)  # loss sum, tokens
+    mine = windows[rank::world]
+    with torch.no_grad():
+        for start in range(0, len(mine), batch_size):
+            losses = gpt.token_losses(ddp, mine[start:start + batch_size])
+            totals += torch.tensor([losses.double().sum().item(), losses.numel()])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def replicas_identical(ddp, world: int) -> bool:
+    params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    bits = params.view(torch.int16).to(torch.int32)
+    every = [torch.empty_like(bits) for _ in range(world)]
+    dist.all_gather(every, bits)
+    return all(torch.equal(b, every[0]) for b in every)
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        logging.basicConfig(level=logging.INFO, format="      %(message)s")
-    config = None
+    if rank == 0:  # sdp4bit's notices and telemetry; megatron-core's warnings only
+        logging.basicConfig(level=logging.WARNING, format="      %(message)s")
+        logging.getLogger("sdp4bit").setLevel(logging.INFO)
+    gpt.initialize(args.seed)  # DP = W: every rank is a data-parallel replica
+    config, recorder = None, TelemetryRecorder()
     if args.preset != "megatron":
-        knobs = dict(k.split("=", 1) for k in args.knob)
+        knobs = {"seed": str(args.seed), **dict(k.split("=", 1) for k in args.knob)}
         config = Config.from_knobs(args.preset, knobs)
         sdp4bit_megatron.enable(config, local_world_size=args.ranks_per_node,
-                                telemetry_interval=args.telemetry_interval)
-    train_text, val_text = split(stdlib_corpus(args.corpus_bytes), held_out=0.1)
-    ddp = build_ddp(args)
-    optimizer = ShardedAdamW(ddp, lr=args.lr)
+                                telemetry_interval=args.telemetry_interval,
+                                tensorboard_writer=recorder)
+    train_text, val_text = split(stdlib_corpus(args.corpus_bytes), args.val_tokens + 1)
+    shape = gpt.Shape(args.context, args.width, args.layers, args.heads)
+    # Megatron's own asynchronous coalesced all-gather over gloo (the path of uncompressed
+    # rows) crashes on CPU after some hundreds of steps, without sdp4bit too
+    # (docs/evidence/gloo_coalesced_allgather_crash.md), so by default parameters are gathered
+    # synchronously in the optimizer's step; gradients overlap with backward.
+    ddp = gpt.build_model(shape, args.seed, overlap_grad_reduce=True,
+                          overlap_param_gather=args.overlap_param_gather,
+                          bucket_size=args.bucket_size)
+    optimizer = gpt.build_optimizer([ddp], lr=args.lr, min_lr=args.min_lr)
+    scheduler = gpt.lr_schedule(optimizer, args.lr, args.min_lr, args.warmup_steps, args.steps,
+                                args.lr_decay)
     generator = torch.Generator().manual_seed(args.seed + 1000 + rank)
     if rank == 0:
         params = sum(p.numel() for p in ddp.module.parameters())
-        print(f"byte-level GPT, {params / 1e6:.2f} M params, {world} ranks "
-              f"({world // args.ranks_per_node} nodes x {args.ranks_per_node}), "
-              f"{len(train_text) / 1e6:.1f} MB of stdlib sources")
+        print(f"megatron-core GPTModel (byte-level), {params / 1e6:.2f} M params, "
+              f"DistributedOptimizer, {world} ranks ({world // args.ranks_per_node} nodes x "
+              f"{args.ranks_per_node}), {len(train_text) / 1e6:.1f} MB of stdlib sources")
         print("collectives:", config.describe() if config else "Megatron's own (uncompressed)")
         print(f"{'step':>5} {'loss':>8} {'sent/step':>12} {'uncompressed':>13} {'ratio':>6} "
               f"{'step time':>10}")
-    curve, step_ms, sent_total, baseline_total = [], [], 0, 0
+    curve, step_ms, sent_total, baseline_total, skipped = [], [], 0, 0, 0
     for step in range(args.steps):
         start = time.perf_counter()
-        inputs, targets = batch(train_text, args.batch, args.context, generator)
-        ddp.zero_grad_buffer()
-        loss = loss_of(ddp, inputs, targets)
+        windows = batch(train_text, args.batch, args.context, generator)
+        gpt.zero_grads([ddp], optimizer)
+        loss = gpt.token_losses(ddp, windows).mean()
         loss.backward()
-        ddp.finish_grad_sync()
-        optimizer.step()
+        gpt.finish_grad_sync([ddp])
+        stepped, _ = gpt.optimizer_step(optimizer)
+        scheduler.step(1)
+        skipped += not stepped
         elapsed = time.perf_counter() - start
         sent, baseline = sdp4bit_megatron.wire_bytes(ddp, step)
         sent_total, baseline_total = sent_total + sent, baseline_total + baseline
@@ -133,32 +169,30 @@ def main() -> None:
             ratio = f"{baseline / sent:5.2f}x" if sent else "     -"
             print(f"{step:5d} {train_loss:8.4f} {sent:12,d} {baseline:13,d} {ratio} "
                   f"{elapsed * 1e3:8.1f}ms", flush=True)
-    if ddp.ddp_config.overlap_param_gather:  # the last step's gather
-        for bucket_group in ddp.bucket_groups:
-            bucket_group.finish_param_sync(skip_next_bucket_dispatch=True)
-    with torch.no_grad():
-        eval_gen = torch.Generator().manual_seed(args.seed + 7)  # the same batches on every rank
-        val = [loss_of(ddp, *batch(val_text, args.batch, args.context, eval_gen)).item()
-               for _ in range(args.eval_batches)]
-    val_loss = sum(val) / len(val)
-    params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
-    bits = params.view(torch.int16).to(torch.int32)
-    every = [torch.empty_like(bits) for _ in range(world)]
-    dist.all_gather(every, bits)
-    identical = all(torch.equal(b, every[0]) for b in every)
+    gpt.flush_param_sync([ddp])  # the last step's gather, under overlap_param_gather
+    eval_start = time.perf_counter()
+    held_out = validation_windows(val_text, args.context)
+    val_loss = validation_loss(ddp, held_out, rank, world)
+    eval_seconds = time.perf_counter() - eval_start
+    identical = replicas_identical(ddp, world)
     if rank == 0:
-        print(f"validation loss {val_loss:.4f} (held-out 10%); replicas bit-identical: {identical}")
+        print(f"validation loss {val_loss:.4f} ({held_out.shape[0] * args.context:,d} held-out "
+              f"tokens); skipped steps {skipped}; replicas bit-identical: {identical}")
         if sent_total:
             print(f"bytes sent by rank 0: {sent_total:,d} vs {baseline_total:,d} uncompressed "
                   f"({baseline_total / sent_total:.2f}x less, "
                   f"{(baseline_total - sent_total) / 2**20:.1f} MiB saved)")
         if args.json_out:
             with open(args.json_out, "w") as f:
-                json.dump({"preset": args.preset, "knobs": args.knob, "train_loss": curve,
-                           "step_ms": step_ms,
-                           "val_loss": val_loss, "sent": sent_total,
-                           "uncompressed": baseline_total}, f)
+                json.dump({"preset": args.preset, "knobs": args.knob, "seed": args.seed,
+                           "train_loss": curve, "step_ms": step_ms, "val_loss": val_loss,
+                           "val_tokens": held_out.shape[0] * args.context,
+                           "eval_seconds": eval_seconds, "skipped_steps": skipped,
+                           "sent": sent_total, "uncompressed": baseline_total,
+                           "grad_rel_l2": recorder.rel_l2["grad"],
+                           "param_rel_l2": recorder.rel_l2["param"]}, f)
     sdp4bit_megatron.disable()  # sdp4bit's groups and thread go before the process groups
+    gpt.shutdown()
     dist.destroy_process_group()
     if not identical:
         raise SystemExit("replicas differ")

@@ -2,10 +2,14 @@ import os
 import sys
 from pathlib import Path
 
-HERE = str(Path(__file__).resolve().parent)
+HERE = Path(__file__).resolve().parent
+#: Running megatron-core on CPU (test support kept out of the installed packages).
+CPU_SUPPORT = HERE.parents[1] / "cpu_support"
 
 # Scenario modules are imported by name in the rank processes. Python 3.11's fork server
-# ignores the parent's sys.path, so the directory also goes on PYTHONPATH, which it inherits
+# ignores the parent's sys.path, so the directories also go on PYTHONPATH, which it inherits
 # (see harness.py).
-sys.path.insert(0, HERE)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
+for directory in (str(CPU_SUPPORT), str(HERE)):
+    sys.path.insert(0, directory)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(HERE), str(CPU_SUPPORT), os.environ.get("PYTHONPATH")]))

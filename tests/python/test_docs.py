@@ -92,8 +92,8 @@ EXERCISED = {
     "SDP4BIT_REQUIRE_GPU=1 cargo bench --bench gpu": lambda: (
         _contains(TEST_SH, "bash scripts/bench.sh gpu")
         and _contains("bench/gpu.rs", "SDP4BIT_REQUIRE_GPU")),
-    "bash scripts/bench.sh convergence --steps 1200 --out bench/results": lambda: _contains(
-        TEST_SH, "bash scripts/bench.sh convergence --steps 3"),
+    "bash scripts/bench.sh convergence --out bench/results": lambda: _contains(
+        TEST_SH, "bash scripts/bench.sh convergence --steps 3 --seeds 1,2"),
     "sudo bash scripts/bench.sh cluster --topologies 2x2,4x1 --rates-mbit 1000,10000": lambda: (
         _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster", "--topologies"')),
     # the cost model, run here

@@ -1,0 +1,85 @@
+"""Statistics of the convergence study: means with Student-t 95% intervals over seeds, and
+paired differences (the same seed: the same initial weights, data order and random streams)
+from the baseline row."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+
+def _t_density(x: float, df: int) -> float:
+    log_norm = (math.lgamma((df + 1) / 2) - math.lgamma(df / 2)
+                - 0.5 * math.log(df * math.pi))
+    return math.exp(log_norm - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def _t_cdf_above_zero(x: float, df: int, panels: int = 2000) -> float:
+    """P(0 < T < x) for Student's t with `df` degrees of freedom (Simpson's rule)."""
+    h = x / panels
+    total = _t_density(0.0, df) + _t_density(x, df)
+    for i in range(1, panels):
+        total += (4 if i % 2 else 2) * _t_density(i * h, df)
+    return total * h / 3
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(probability: float, df: int) -> float:
+    """The `probability` quantile (above 0.5) of Student's t with `df` degrees of freedom, by
+    bisection on its distribution function; 12.706 for 0.975 and df = 1."""
+    if not 0.5 < probability < 1 or df < 1:
+        raise ValueError(f"t quantile needs 0.5 < p < 1 and df >= 1, got {probability}, {df}")
+    low, high = 0.0, 1.0
+    while 0.5 + _t_cdf_above_zero(high, df) < probability:
+        low, high = high, high * 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        if 0.5 + _t_cdf_above_zero(mid, df) < probability:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over `n` samples and the half-width of its 95% Student-t interval (NaN with
+    fewer than two samples)."""
+
+    mean: float
+    half_width: float
+    n: int
+
+    @property
+    def low(self) -> float:
+        return self.mean - self.half_width
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half_width
+
+    def format(self, digits: int = 4) -> str:
+        if math.isnan(self.half_width):
+            return f"{self.mean:+.{digits}f}"
+        return f"{self.mean:+.{digits}f} ± {self.half_width:.{digits}f}"
+
+
+def interval(samples: list[float]) -> Interval:
+    """The mean of `samples` with its 95% interval (Student t, n - 1 degrees of freedom)."""
+    n = len(samples)
+    if n == 0:
+        raise ValueError("an interval needs at least one sample")
+    mean = sum(samples) / n
+    if n < 2:
+        return Interval(mean, math.nan, n)
+    variance = sum((x - mean) ** 2 for x in samples) / (n - 1)
+    return Interval(mean, t_quantile(0.975, n - 1) * math.sqrt(variance / n), n)
+
+
+def paired_difference(row: dict[int, float], baseline: dict[int, float]) -> Interval:
+    """The mean over seeds of row - baseline, seed by seed, with its 95% interval; both must
+    hold the same seeds."""
+    if set(row) != set(baseline):
+        raise ValueError(f"seeds differ: {sorted(row)} vs {sorted(baseline)}")
+    return interval([row[seed] - baseline[seed] for seed in sorted(row)])

@@ -1,0 +1,160 @@
+"""megatron-core's GPTModel, DDP and DistributedOptimizer, built and stepped on CPU the way
+Megatron-LM's pretrain_gpt.py does on GPUs (local layer spec: no Transformer Engine, no apex).
+
+Shared by the multi-process tests, the main job (examples/gpt_cpu/train.py) and the
+convergence study; it relies on the shims of :mod:`megatron_cpu`, which :func:`initialize`
+installs. Byte-level language modelling: a vocabulary of 256, tokens are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import megatron_cpu
+
+VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A GPT's size: context length, hidden width, transformer layers, attention heads."""
+
+    context: int = 64
+    width: int = 128
+    layers: int = 2
+    heads: int = 4
+
+
+def initialize(seed: int, tp: int = 1, pp: int = 1) -> None:
+    """After ``torch.distributed.init_process_group``: the CPU shims, megatron-core's model
+    parallel groups (DP = world / (tp * pp)) and its RNG states, seeded as Megatron-LM seeds
+    them."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    megatron_cpu.install()
+    parallel_state.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Destroys megatron-core's process groups (before ``destroy_process_group``)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def transformer_config(shape: Shape):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.width, num_attention_heads=shape.heads,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+
+
+def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process: bool = True,
+                **ddp_options):
+    """A bf16 GPTModel (learned absolute positions, output layer tied to the embedding when
+    one stage holds both) in ``Float16Module`` and megatron-core's DDP with the distributed
+    optimizer's buffers; `ddp_options` go to ``DistributedDataParallelConfig`` (e.g.
+    ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``). The same `seed`
+    gives every data-parallel replica the same initial weights."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    config = transformer_config(shape)
+    torch.manual_seed(seed)
+    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                   max_sequence_length=shape.context, pre_process=pre_process,
+                   post_process=post_process,
+                   share_embeddings_and_output_weights=pre_process and post_process)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, **ddp_options)
+    return DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
+
+
+def build_optimizer(chunks: list, lr: float, min_lr: float | None = None,
+                    weight_decay: float = 0.01, clip_grad: float = 1.0,
+                    betas: tuple[float, float] = (0.9, 0.95)):
+    """megatron-core's DistributedOptimizer (torch Adam underneath, bf16 params, fp32 main
+    params) over the DDP model chunks, with a constant loss scale of 1, so that a NaN or Inf
+    gradient anywhere skips the step through its found-inf check."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=lr, min_lr=lr if min_lr is None else min_lr,
+        weight_decay=weight_decay, adam_beta1=betas[0], adam_beta2=betas[1],
+        clip_grad=clip_grad, bf16=True, loss_scale=1.0, use_distributed_optimizer=True)
+    with megatron_cpu.cuda_as_cpu():
+        return get_megatron_optimizer(config, chunks)
+
+
+def lr_schedule(optimizer, lr: float, min_lr: float, warmup: int, steps: int,
+                decay: str = "cosine", weight_decay: float = 0.01):
+    """megatron-core's OptimizerParamScheduler: linear warm-up over `warmup` steps, then
+    `decay` ("constant", or "cosine" to `min_lr` at `steps`); call its ``step(1)`` after each
+    optimizer step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=steps, lr_decay_style=decay, start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=steps, wd_incr_style="constant")
+
+
+def causal_mask(context: int) -> torch.Tensor:
+    """megatron-core's attention mask convention: True where a position may not attend."""
+    return torch.triu(torch.ones(1, 1, context, context, dtype=torch.bool), diagonal=1)
+
+
+def token_losses(model, windows: torch.Tensor) -> torch.Tensor:
+    """Per-token next-byte cross entropy ([batch, context], fp32) of `model` (a DDP or
+    Float16Module GPT holding both ends) on `windows` ([batch, context + 1] byte ids)."""
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    batch, context = inputs.shape
+    positions = torch.arange(context).unsqueeze(0).expand(batch, context)
+    return model(inputs, positions, causal_mask(context), labels=labels).float()
+
+
+def zero_grads(chunks: list, optimizer) -> None:
+    """The start of a training iteration, as Megatron-LM's train_step begins it."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def finish_grad_sync(chunks: list) -> None:
+    """After backward: completes every chunk's gradient reduce-scatter (what Megatron-LM's
+    finalize_model_grads does for data parallelism; without ``overlap_grad_reduce`` this is
+    where it runs, so call it once per step)."""
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+
+
+def optimizer_step(optimizer) -> tuple[bool, float | None]:
+    """Steps the distributed optimizer, which all-gathers the updated parameters (at once, or
+    from the next forward's hooks with ``overlap_param_gather``). Returns (stepped, gradient
+    norm): not stepped where its found-inf check saw a NaN or Inf gradient on any rank."""
+    with megatron_cpu.cuda_as_cpu():
+        stepped, grad_norm, _ = optimizer.step()
+    return bool(stepped), grad_norm
+
+
+def flush_param_sync(chunks: list) -> None:
+    """Completes the parameter all-gather still pending after the last step under
+    ``overlap_param_gather`` (as Megatron-LM's disable_forward_pre_hook does before a
+    checkpoint or evaluation); nothing to do otherwise."""
+    for chunk in chunks:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
+def bucket_params(chunk) -> list[torch.Tensor]:
+    """Every parameter buffer of a DDP chunk's buckets, in bucket order."""
+    return [bucket.param_data for group in chunk.bucket_groups for bucket in group.buckets]

@@ -1,0 +1,48 @@
+"""The convergence study's statistics (bench/convergence_stats.py) against closed forms."""
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from convergence_stats import interval, paired_difference, t_quantile  # noqa: E402
+
+
+def test_t_quantile_matches_the_closed_forms_for_one_and_two_degrees_of_freedom():
+    for p in (0.9, 0.975, 0.995):
+        # df = 1 is the Cauchy distribution; df = 2 has F^-1(p) = (2p - 1) / sqrt(2p(1 - p)).
+        assert t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-6)
+        assert t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)),
+                                                 rel=1e-6)
+
+
+def test_t_quantile_approaches_the_normal_one_and_refuses_bad_arguments():
+    assert 1.959964 < t_quantile(0.975, 2000) < 1.9612
+    with pytest.raises(ValueError, match="t quantile"):
+        t_quantile(0.4, 3)
+    with pytest.raises(ValueError, match="t quantile"):
+        t_quantile(0.975, 0)
+
+
+def test_interval_covers_the_true_mean_95_percent_of_the_time():
+    rng = random.Random(7)
+    trials, covered = 4000, 0
+    for _ in range(trials):
+        got = interval([rng.gauss(1.5, 0.3) for _ in range(3)])
+        covered += got.low <= 1.5 <= got.high
+    # Binomial(4000, 0.95): standard deviation 0.0034; five of them either side.
+    assert abs(covered / trials - 0.95) < 5 * math.sqrt(0.95 * 0.05 / trials)
+
+
+def test_paired_difference_is_taken_seed_by_seed():
+    base = {1: 2.0, 2: 3.0, 3: 4.0}
+    row = {1: 2.1, 2: 3.1, 3: 4.1}  # far apart across seeds, a constant +0.1 within each
+    diff = paired_difference(row, base)
+    assert diff.mean == pytest.approx(0.1) and diff.half_width == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(interval([1.0]).half_width)
+    with pytest.raises(ValueError, match="seeds differ"):
+        paired_difference({1: 2.0}, base)
