@@ -15,7 +15,7 @@ use sdp4bit::Error;
 use sdp4bit::backend::Backend;
 use sdp4bit::backend::cuda::{Cuda, DeviceSpan, Kernels, Stream};
 
-use super::library::emulation;
+use super::library::{LIBRARY_VAR, emulation};
 
 /// The variable naming the scenario a child process runs.
 const CHILD: &str = "SDP4BIT_EMULATION_FAULT";
@@ -31,6 +31,7 @@ fn run_isolated(test: &str, scenario: impl FnOnce()) -> Option<Output> {
     let output = Command::new(exe)
         .args([&format!("faults::{test}"), "--exact", "--nocapture"])
         .env(CHILD, test)
+        .env(LIBRARY_VAR, emulation().path())
         .output()
         .expect("run the child test process");
     println!(

@@ -35,7 +35,10 @@ fn gpu_suite_executable() -> PathBuf {
 #[test]
 fn gpu_suite_runs_on_the_emulation() {
     let suite = gpu_suite_executable();
-    let library_dir = emulation().dir();
+    let library_dir = emulation()
+        .path()
+        .parent()
+        .expect("the library's directory");
     let path = match std::env::var_os("LD_LIBRARY_PATH") {
         Some(old) => format!("{}:{}", library_dir.display(), old.to_string_lossy()),
         None => library_dir.display().to_string(),

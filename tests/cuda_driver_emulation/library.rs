@@ -8,6 +8,9 @@
 //! `RTLD_GLOBAL`, the loader answers a later `dlopen("libcuda.so")` with it (it matches
 //! loaded objects by soname), so nothing in the product changes and no environment variable
 //! has to be set before the process starts. Only the processes that call [`emulation`] see it.
+//!
+//! A child process of these tests gets the built library's path in [`LIBRARY_VAR`] and loads
+//! that instead of building its own.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
@@ -34,9 +37,12 @@ const CXX_FLAGS: [&str; 13] = [
     "-fvisibility=hidden",
 ];
 
-/// The loaded emulation: its directory (holding `libcuda.so`) and its test-only entry points.
+/// The variable that hands a built library to a child test process.
+pub const LIBRARY_VAR: &str = "SDP4BIT_CUDA_EMULATION_LIBRARY";
+
+/// The loaded emulation: its path and its test-only entry points.
 pub struct Emulation {
-    dir: PathBuf,
+    path: PathBuf,
     library: Library,
 }
 
@@ -55,20 +61,50 @@ fn root() -> &'static Path {
 }
 
 fn build_and_load() -> Result<Emulation, String> {
+    let path = match std::env::var_os(LIBRARY_VAR) {
+        Some(built) => PathBuf::from(built),
+        None => build_in_temp_dir()?,
+    };
+    // SAFETY: the library was built from this repository's sources; its initialisers only
+    // set up static state.
+    let library = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
+        .map_err(|e| format!("load {}: {e}", path.display()))?;
+    Ok(Emulation { path, library })
+}
+
+/// The prefix of the build directories, followed by the building process's id.
+const DIR_PREFIX: &str = "sdp4bit-cuda-driver-";
+
+/// Builds the library in a fresh temporary directory; returns its path. The directory stays
+/// while the process (and its children) may load the library; later runs remove those of
+/// processes that have ended.
+fn build_in_temp_dir() -> Result<PathBuf, String> {
+    remove_stale_dirs();
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let dir = std::env::temp_dir().join(format!(
-        "sdp4bit-cuda-driver-{}-{nanos}",
-        std::process::id()
-    ));
+    let dir = std::env::temp_dir().join(format!("{DIR_PREFIX}{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-    let path = build(&dir)?;
-    // SAFETY: the library was just built from this repository's sources; its initialisers
-    // only set up static state.
-    let library = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
-        .map_err(|e| format!("load {}: {e}", path.display()))?;
-    Ok(Emulation { dir, library })
+    build(&dir)
+}
+
+/// Removes the build directories of processes that no longer run.
+fn remove_stale_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(DIR_PREFIX)
+            .and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Compiles every source in parallel and links `dir/libcuda.so`.
@@ -151,9 +187,9 @@ fn build(dir: &Path) -> Result<PathBuf, String> {
 }
 
 impl Emulation {
-    /// The directory holding `libcuda.so` (for a child process's `LD_LIBRARY_PATH`).
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// The library's path (`<dir>/libcuda.so`).
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     fn symbol<T>(&self, name: &[u8]) -> Symbol<T> {
