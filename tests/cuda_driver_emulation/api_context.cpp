@@ -123,7 +123,7 @@ CUresult cuInit(unsigned flags)
     d.seed = seed != nullptr && *seed != '\0'
         ? std::strtoull(seed, nullptr, 10)
         : static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) | 1;
-    d.max_delay_us = env_unsigned("SDP4BIT_CUDA_EMULATION_MAX_DELAY_US", 200);
+    d.max_delay_us = env_unsigned("SDP4BIT_CUDA_EMULATION_MAX_DELAY_US", 100);
     const unsigned count = env_unsigned("SDP4BIT_CUDA_EMULATION_DEVICES", 2);
     std::fprintf(stderr, "cuda-driver-emulation: %u device(s), seed %llu (SDP4BIT_CUDA_EMULATION_SEED repeats it)\n",
                  count, static_cast<unsigned long long>(d.seed));

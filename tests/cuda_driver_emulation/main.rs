@@ -53,8 +53,8 @@ fn sweep(name: &str, preset: Preset, overrides: &[(&str, &str)]) {
         for (topo_name, topo) in topologies() {
             let w = topo.world();
             let what = format!("{name} P={chunks} {topo_name}");
-            compare_reduce_scatter(&config, &what, &topo, 613 * w, seed);
-            compare_all_gather(&config, &what, &topo, 389 * w, seed ^ 1);
+            compare_reduce_scatter(&config, &what, &topo, 307 * w, seed);
+            compare_all_gather(&config, &what, &topo, 197 * w, seed ^ 1);
         }
     }
     let faults = emulation().take_faults(-1);
