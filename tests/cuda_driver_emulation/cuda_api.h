@@ -28,14 +28,12 @@ typedef enum cudaError_enum {
     CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_PTX = 218,
-    CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_LAUNCH_TIMEOUT = 702,
-    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -64,20 +62,13 @@ constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
 constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED = 78;
 constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED = 115;
 
-constexpr unsigned CU_STREAM_DEFAULT = 0;
 constexpr unsigned CU_STREAM_NON_BLOCKING = 1;
-// The special stream handles: the legacy default stream (also handle 0) and the per-thread one.
+// The legacy default stream's special handle (also handle 0). The per-thread default stream
+// (handle 2) is not emulated: it is refused as not a live stream.
 constexpr uintptr_t CU_STREAM_LEGACY = 1;
-constexpr uintptr_t CU_STREAM_PER_THREAD = 2;
 
 constexpr unsigned CU_EVENT_BLOCKING_SYNC = 1;
 constexpr unsigned CU_EVENT_DISABLE_TIMING = 2;
-constexpr unsigned CU_EVENT_INTERPROCESS = 4;
-
-// The keys of cuLaunchKernel's `extra` list.
-constexpr uintptr_t CU_LAUNCH_PARAM_END = 0;
-constexpr uintptr_t CU_LAUNCH_PARAM_BUFFER_POINTER = 1;
-constexpr uintptr_t CU_LAUNCH_PARAM_BUFFER_SIZE = 2;
 
 #define SDP4BIT_EXPORT __attribute__((visibility("default")))
 

@@ -5,7 +5,8 @@
 //! touching a guard page) or stays in the fault log cannot disturb the other tests; the parent
 //! checks the child's exit status and what it printed, the child checks what the driver
 //! returned and reported. Each scenario also runs its correct variant first, which must
-//! report nothing.
+//! report nothing. The stream and event calls a side-stream design needs are checked the same
+//! way (`streams_and_events_follow_the_driver`).
 
 use std::process::{Command, Output};
 use std::sync::Arc;
@@ -271,6 +272,106 @@ fn fault_freed_buffer_still_in_use() {
             "may still use it",
         ]);
         device.first.synchronize().expect("synchronize");
+    }) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// Counts the host functions that ran (`cuLaunchHostFunc`'s callback).
+extern "C" fn count_call(counter: *mut std::ffi::c_void) {
+    // SAFETY: `counter` points to the AtomicUsize of the test, alive until its stream is
+    // synchronised.
+    let counter = unsafe { &*counter.cast::<std::sync::atomic::AtomicUsize>() };
+    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// The stream and event calls a side-stream design uses, with the driver's semantics: an event
+/// recorded on one stream and waited for by another orders them; `cuEventQuery`,
+/// `cuEventSynchronize`, `cuStreamQuery`, `cuEventElapsedTime` and host functions work; the
+/// legacy default stream waits for a blocking stream but not for a non-blocking one (a
+/// synchronous copy after work on a non-blocking stream, without a wait, is a race).
+#[test]
+fn streams_and_events_follow_the_driver() {
+    use cudarc::driver::result::{self as driver, event, stream};
+    use cudarc::driver::sys;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let Some(output) = run_isolated("streams_and_events_follow_the_driver", || {
+        let device = Device::new();
+        let backend = device.backend(&device.first);
+        let blocking = stream::create(stream::StreamKind::Default).expect("a blocking stream");
+        let non_blocking = device.second.cu_stream();
+        let n = 1 << 16;
+        let x = backend.alloc::<u8>(n).expect("x");
+        let y = backend.alloc::<u8>(n).expect("y");
+        let (x, y) = (Cuda::src(&x).addr(), Cuda::src(&y).addr());
+        let timing = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let (start, written, copied) = (
+            event::create(timing).expect("event"),
+            event::create(timing).expect("event"),
+            event::create(timing).expect("event"),
+        );
+        let calls = AtomicUsize::new(0);
+        let mut host = vec![0u8; n];
+        // SAFETY: x and y are n bytes of device 0, whose context is current; the streams and
+        // events are live; `calls` and `host` outlive the synchronisations below.
+        unsafe {
+            // Written on the blocking stream, copied on the non-blocking one after an event.
+            event::record(start, blocking).expect("record");
+            driver::memset_d8_async(x, 1, n, blocking).expect("memset");
+            event::record(written, blocking).expect("record");
+            stream::wait_event(
+                non_blocking,
+                written,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .expect("wait");
+            driver::memcpy_dtod_async(y, x, n, non_blocking).expect("copy");
+            event::record(copied, non_blocking).expect("record");
+            sys::cuLaunchHostFunc(
+                blocking,
+                Some(count_call),
+                (&raw const calls).cast_mut().cast(),
+            )
+            .result()
+            .expect("host function");
+            event::synchronize(copied).expect("event synchronize");
+            event::query(copied).expect("a completed event");
+            stream::synchronize(blocking).expect("synchronize");
+            sys::cuStreamQuery(blocking)
+                .result()
+                .expect("an idle stream");
+            assert_eq!(
+                calls.load(Ordering::SeqCst),
+                1,
+                "the host function ran once"
+            );
+            let ms = event::elapsed(start, written).expect("elapsed time");
+            assert!(ms >= 0.0, "elapsed {ms} ms");
+            driver::memcpy_dtoh_sync(&mut host, y).expect("download");
+            assert!(
+                host.iter().all(|&b| b == 1),
+                "y was copied before x was written"
+            );
+            // The legacy stream waits for the blocking stream.
+            driver::memset_d8_async(x, 2, n, blocking).expect("memset");
+            driver::memcpy_dtoh_sync(&mut host, x).expect("a copy ordered by the legacy stream");
+            assert!(
+                host.iter().all(|&b| b == 2),
+                "the legacy stream did not wait"
+            );
+            assert_no_faults();
+            // It does not wait for the non-blocking one.
+            driver::memset_d8_async(x, 3, n, non_blocking).expect("memset");
+            driver::memcpy_dtoh_sync(&mut host, x).expect_err("an unordered legacy copy");
+            assert_faults(&["race on allocation", "the legacy default stream"]);
+            stream::synchronize(non_blocking).expect("synchronize");
+            for e in [start, written, copied] {
+                event::destroy(e).expect("destroy the event");
+            }
+            stream::destroy(blocking).expect("destroy the stream");
+        }
     }) else {
         return;
     };
