@@ -11,7 +11,7 @@
 //!
 //! - `end_to_end_*`: every preset and ablation, on 2x2, 1x4, 4x1 and unequal nodes, P = 1 and
 //!   3, three steps with odd sizes and NaN / Inf: the same bytes as `Host`
-//!   ([`end_to_end`]);
+//!   ([`end_to_end`]); `end_to_end_capped_grids`: buckets larger than a capped grid covers;
 //! - `fault_*`: injected faults are caught ([`faults`]);
 //! - `gpu_suite_runs_on_the_emulation`: `tests/cuda_gpu.rs`, unchanged, in a child process
 //!   that finds the emulation as its `libcuda.so` ([`gpu_suite`]).
@@ -121,4 +121,23 @@ fn end_to_end_ablations() {
         Preset::Sdp4bit,
         &[("grad_quant_start_step", "1")],
     );
+}
+
+/// Buckets larger than a capped grid covers at once: rank 0's device has one multiprocessor,
+/// so its launches are capped at 32 blocks (256 groups, or 8192 elements for Global-QSGD) and
+/// the kernels' grid-stride loops run several rounds.
+#[test]
+fn end_to_end_capped_grids() {
+    let seed = data_seed();
+    let topo = sdp4bit::plan::Topology::uniform(1, 2).expect("one node of two");
+    for (name, preset) in [
+        ("sdp4bit large", Preset::Sdp4bit),
+        ("global-qsgd large", Preset::GlobalQsgd),
+    ] {
+        let config = cfg(preset, &[]);
+        compare_reduce_scatter(&config, name, &topo, 2 * 20011, seed);
+        compare_all_gather(&config, name, &topo, 2 * 20011, seed ^ 1);
+    }
+    let faults = emulation().take_faults(-1);
+    assert!(faults.is_empty(), "the emulation reported:\n{faults}");
 }
