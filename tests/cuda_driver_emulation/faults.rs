@@ -130,9 +130,9 @@ fn fault_out_of_bounds_kernel_access() {
             .expect("a launch in bounds");
         device.first.synchronize().expect("synchronize");
         assert_no_faults();
-        // SAFETY (deliberately broken): the span claims 64 Ki elements of a 256-element
-        // buffer; the kernel's reads past the end must be caught.
-        let too_long = unsafe { DeviceSpan::<f32>::from_raw(Cuda::src(&bucket).addr(), 65536) };
+        // SAFETY (deliberately broken): the span claims 1280 elements of a 256-element
+        // buffer, so every read past its end lands in the guard page after it.
+        let too_long = unsafe { DeviceSpan::<f32>::from_raw(Cuda::src(&bucket).addr(), 1280) };
         device
             .kernels
             .global_absmax(stream, too_long, Cuda::dst(&mut word))
@@ -145,7 +145,7 @@ fn fault_out_of_bounds_kernel_access() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(3), "exit status: {stderr}");
     assert!(
-        stderr.contains("SIGSEGV") && stderr.contains("global_absmax"),
+        stderr.contains("SIGSEGV") && stderr.contains("(global_absmax), block"),
         "{stderr}"
     );
     assert!(
