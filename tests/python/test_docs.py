@@ -108,6 +108,10 @@ EXERCISED = {
     "cargo test --release": lambda: _contains(TEST_SH, "cargo test --locked --release"),
     "cargo test --release --test cuda_emulated": lambda: _contains(
         TEST_SH, "cargo test --locked --release\n"),
+    "cargo test --release --test cuda_driver_emulation": lambda: _contains(
+        TEST_SH, "cargo test --locked --release\n"),
+    "cargo test --release --test cuda_gpu --no-run": lambda: _contains(
+        TEST_SH, "cargo test --locked --release\n"),
     ".cache/venv/bin/pytest -q tests/python": lambda: _contains(TEST_SH, "pytest -q -rs tests/python"),
 }
 

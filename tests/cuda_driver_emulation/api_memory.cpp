@@ -1,0 +1,274 @@
+// Device memory: allocation, freeing, copies and memsets. Every device range an entry point is
+// given must lie inside one live allocation of the current context's device, else the call
+// reports a fault and fails. Copies and memsets are stream operations (the synchronous ones
+// on the legacy default stream, then waited for, as the driver does for pageable memory).
+// Freeing memory that an operation the host has not synchronised with still uses is a fault.
+#include "model.h"
+
+#include <cstring>
+
+namespace emu {
+namespace {
+
+// Checks a device range of a call; reports a fault naming the call and argument when it is bad.
+Allocation* device_range(const char* call, const char* argument, CUdeviceptr addr, size_t bytes, const Context* ctx)
+{
+    std::string why;
+    Allocation* a = check_range(addr, bytes, ctx->device, why);
+    if (a == nullptr) {
+        report_fault(ctx->device->ordinal, std::string(call) + ": " + argument + ": " + why);
+    }
+    return a;
+}
+
+Access access_of(Allocation* a, CUdeviceptr addr, size_t bytes, bool write)
+{
+    return Access{a, addr - a->base, addr - a->base + bytes, write};
+}
+
+// Enqueues `op` on the stream `handle` names for `ctx`; with `wait`, returns once it ran.
+CUresult submit(std::unique_lock<std::mutex>& lock, const char* call, Context* ctx, CUstream handle,
+                std::unique_ptr<Op> op, bool wait)
+{
+    Stream* stream = resolve_stream(handle, ctx);
+    if (stream == nullptr) {
+        report_fault(ctx->device->ordinal, std::string(call) + ": not a live stream of the current context");
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    uint64_t seq = 0;
+    if (const CUresult r = enqueue(stream, std::move(op), &seq); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (!wait) {
+        return CUDA_SUCCESS;
+    }
+    if (const CUresult r = wait_for(lock, stream->id, seq, stream->last); r != CUDA_SUCCESS) {
+        return r;
+    }
+    return ctx->sticky;
+}
+
+std::unique_ptr<Op> make_op(const char* kind, std::string what)
+{
+    auto op = std::make_unique<Op>();
+    op->kind = kind;
+    op->what = std::make_shared<const std::string>(std::move(what));
+    return op;
+}
+
+std::string bytes_text(size_t bytes)
+{
+    return " of " + std::to_string(bytes) + " bytes";
+}
+
+CUresult copy_to_device(const char* call, CUdeviceptr dst, const void* src, size_t bytes, CUstream stream,
+                        bool wait)
+{
+    std::unique_lock<std::mutex> lock(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check(call, &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (bytes == 0) {
+        return CUDA_SUCCESS;
+    }
+    Allocation* a = device_range(call, "destination", dst, bytes, ctx);
+    if (a == nullptr || src == nullptr) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    auto op = make_op("copy", std::string(call) + bytes_text(bytes));
+    op->accesses.push_back(access_of(a, dst, bytes, true));
+    auto staged = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(src),
+                                                         static_cast<const uint8_t*>(src) + bytes);
+    op->run = [dst, staged] {
+        std::memcpy(reinterpret_cast<void*>(dst), staged->data(), staged->size());
+        return Outcome{};
+    };
+    return submit(lock, call, ctx, stream, std::move(op), wait);
+}
+
+CUresult copy_to_host(const char* call, void* dst, CUdeviceptr src, size_t bytes, CUstream stream)
+{
+    std::unique_lock<std::mutex> lock(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check(call, &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (bytes == 0) {
+        return CUDA_SUCCESS;
+    }
+    Allocation* a = device_range(call, "source", src, bytes, ctx);
+    if (a == nullptr || dst == nullptr) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    auto op = make_op("copy", std::string(call) + bytes_text(bytes));
+    op->accesses.push_back(access_of(a, src, bytes, false));
+    op->run = [dst, src, bytes] {
+        std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+        return Outcome{};
+    };
+    return submit(lock, call, ctx, stream, std::move(op), true);
+}
+
+CUresult copy_on_device(const char* call, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream, bool wait)
+{
+    std::unique_lock<std::mutex> lock(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check(call, &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (bytes == 0) {
+        return CUDA_SUCCESS;
+    }
+    Allocation* to = device_range(call, "destination", dst, bytes, ctx);
+    Allocation* from = device_range(call, "source", src, bytes, ctx);
+    if (to == nullptr || from == nullptr) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    auto op = make_op("copy", std::string(call) + bytes_text(bytes));
+    op->accesses.push_back(access_of(from, src, bytes, false));
+    op->accesses.push_back(access_of(to, dst, bytes, true));
+    op->run = [dst, src, bytes] {
+        std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+        return Outcome{};
+    };
+    return submit(lock, call, ctx, stream, std::move(op), wait);
+}
+
+// Fills `count` elements of `width` bytes (1 or 4) at `dst` with `value`.
+CUresult memset(const char* call, CUdeviceptr dst, unsigned value, size_t width, size_t count, CUstream stream,
+                bool wait)
+{
+    std::unique_lock<std::mutex> lock(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check(call, &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (count == 0) {
+        return CUDA_SUCCESS;
+    }
+    if (dst % width != 0) {
+        report_fault(ctx->device->ordinal, std::string(call) + ": destination not " + std::to_string(width) +
+                                               "-byte aligned");
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    const size_t bytes = width * count;
+    Allocation* a = device_range(call, "destination", dst, bytes, ctx);
+    if (a == nullptr) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    auto op = make_op("memset", std::string(call) + bytes_text(bytes));
+    op->accesses.push_back(access_of(a, dst, bytes, true));
+    op->run = [dst, value, width, count] {
+        auto* out = reinterpret_cast<uint8_t*>(dst);
+        for (size_t i = 0; i < count; ++i) {
+            std::memcpy(out + i * width, &value, width);
+        }
+        return Outcome{};
+    };
+    return submit(lock, call, ctx, stream, std::move(op), wait);
+}
+
+}  // namespace
+}  // namespace emu
+
+using namespace emu;
+
+extern "C" {
+
+CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t bytes)
+{
+    std::lock_guard<std::mutex> guard(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check("cuMemAlloc", &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (ptr == nullptr || bytes == 0) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    Allocation* a = allocate_device(ctx->device, bytes);
+    if (a == nullptr) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *ptr = a->base;
+    ++driver().completed_by_kind["allocation"];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr ptr)
+{
+    std::lock_guard<std::mutex> guard(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check("cuMemFree", &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    Allocation* a = find_allocation(ptr);
+    if (a == nullptr || a->base != ptr) {
+        report_fault(ctx->device->ordinal, "cuMemFree: " + describe_address(ptr) + ", not the start of a live allocation");
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    std::string why;
+    if (!host_knows_all(*a, why)) {
+        // Kept mapped (never released), so the operation still using it does not fault.
+        report_fault(ctx->device->ordinal, "cuMemFree of " + name_allocation(*a) + " while " + why +
+                                               " may still use it (a missing synchronisation before the free)");
+        retire(a);
+        return CUDA_ERROR_ILLEGAL_STATE;
+    }
+    retire(a);
+    release(a);
+    ++driver().completed_by_kind["free"];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes)
+{
+    return copy_to_device("cuMemcpyHtoD", dst, src, bytes, nullptr, true);
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream)
+{
+    return copy_to_device("cuMemcpyHtoDAsync", dst, src, bytes, stream, false);
+}
+
+CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes)
+{
+    return copy_to_host("cuMemcpyDtoH", dst, src, bytes, nullptr);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream stream)
+{
+    return copy_to_host("cuMemcpyDtoHAsync", dst, src, bytes, stream);
+}
+
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes)
+{
+    return copy_on_device("cuMemcpyDtoD", dst, src, bytes, nullptr, true);
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream)
+{
+    return copy_on_device("cuMemcpyDtoDAsync", dst, src, bytes, stream, false);
+}
+
+CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t count)
+{
+    return memset("cuMemsetD8", dst, value, 1, count, nullptr, true);
+}
+
+CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned value, size_t count)
+{
+    return memset("cuMemsetD32", dst, value, 4, count, nullptr, true);
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count, CUstream stream)
+{
+    return memset("cuMemsetD8Async", dst, value, 1, count, stream, false);
+}
+
+CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned value, size_t count, CUstream stream)
+{
+    return memset("cuMemsetD32Async", dst, value, 4, count, stream, false);
+}
+
+}  // extern "C"

@@ -1,0 +1,190 @@
+//! `Comm<Cuda>` over the emulated driver: every exchange is an operation on the rank's stream
+//! (`sdp4bit_emu_comm_enqueue`), met by the same call of the other ranks on their streams and
+//! matched by call order, as NCCL's collectives are. `all_reduce_max` exchanges a host value
+//! and goes through an in-process host communicator.
+//!
+//! [`EmulatedCluster`] runs one closure per rank on its own thread with its device (rank `r`
+//! on device `r % devices`), a stream of that device's primary context, the `Cuda` backend on
+//! it, and the world / intra-node / inter-node communicators of the topology.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use sdp4bit::backend::cuda::{Cuda, DeviceSpan, Kernels, Stream};
+use sdp4bit::collective::local::LocalCluster;
+use sdp4bit::collective::{Comm, CommGroups, SumElement};
+use sdp4bit::plan::Topology;
+use sdp4bit::{Error, Result};
+
+use super::library::emulation;
+
+/// One communicator of the emulation, shared by its ranks.
+#[derive(Clone, Copy)]
+struct Handle(*mut c_void);
+
+// SAFETY: the communicator is an object of the emulation that its entry points lock.
+unsafe impl Send for Handle {}
+// SAFETY: as for Send.
+unsafe impl Sync for Handle {}
+
+/// One rank's handle on an emulated communicator.
+pub struct EmulatedComm<'a> {
+    comm: Handle,
+    rank: usize,
+    size: usize,
+    stream: *mut c_void,
+    /// The same ranks on the host, for `all_reduce_max`.
+    host: &'a sdp4bit::collective::local::LocalComm,
+}
+
+/// The collective kinds and element types of collectives.cpp.
+const ALL_GATHER: i32 = 0;
+const ALL_TO_ALL: i32 = 1;
+const REDUCE_SCATTER_SUM: i32 = 2;
+
+impl EmulatedComm<'_> {
+    fn enqueue(&self, kind: i32, dtype: i32, send: (u64, usize), recv: (u64, usize)) -> Result<()> {
+        // SAFETY: the handle comes from comm_create; the stream is this rank's live stream and
+        // its context is current on this thread; the driver checks the buffers.
+        let code = unsafe {
+            emulation().comm_enqueue(self.comm.0, self.rank, kind, dtype, send, recv, self.stream)
+        };
+        if code != 0 {
+            return Err(Error::Comm(format!(
+                "emulated collective {kind} on rank {} of {}: CUresult {code}",
+                self.rank, self.size
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn bytes<T>(span: DeviceSpan<T>) -> (u64, usize) {
+    (span.addr(), span.len() * size_of::<T>())
+}
+
+impl Comm<Cuda> for EmulatedComm<'_> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather(&self, send: DeviceSpan<u8>, recv: DeviceSpan<u8>) -> Result<()> {
+        self.enqueue(ALL_GATHER, 0, bytes(send), bytes(recv))
+    }
+
+    fn all_to_all(&self, send: DeviceSpan<u8>, recv: DeviceSpan<u8>) -> Result<()> {
+        self.enqueue(ALL_TO_ALL, 0, bytes(send), bytes(recv))
+    }
+
+    fn all_reduce_max(&self, value: f32) -> Result<f32> {
+        self.host.all_reduce_max(value)
+    }
+
+    fn reduce_scatter_sum<T: SumElement>(
+        &self,
+        send: DeviceSpan<T>,
+        recv: DeviceSpan<T>,
+    ) -> Result<()> {
+        let dtype = match T::DTYPE {
+            "float32" => 0,
+            "int8" => 1,
+            "int16" => 2,
+            other => return Err(Error::Comm(format!("no emulated sum of {other}"))),
+        };
+        self.enqueue(REDUCE_SCATTER_SUM, dtype, bytes(send), bytes(recv))
+    }
+}
+
+/// What a rank's closure gets: its backend and stream, and its communicators.
+pub struct Rank<'a> {
+    pub backend: Cuda,
+    pub stream: Arc<CudaStream>,
+    pub comms: CommGroups<'a, EmulatedComm<'a>>,
+}
+
+/// The communicators of a topology, as [`LocalCluster`] builds them, in the emulation.
+pub struct EmulatedCluster {
+    topology: Topology,
+    world: Handle,
+    intra: Vec<Handle>,
+    inter: Vec<Handle>,
+    host: LocalCluster,
+}
+
+/// Devices the ranks are spread over.
+pub fn device_count() -> usize {
+    sdp4bit::backend::cuda::device_count().expect("the emulated driver counts its devices")
+}
+
+impl EmulatedCluster {
+    pub fn new(topology: &Topology) -> Self {
+        let e = emulation();
+        let (intra, inter) = match topology.per_node() {
+            Some(d) => (
+                (0..topology.nodes())
+                    .map(|_| Handle(e.comm_create(d)))
+                    .collect(),
+                (0..d)
+                    .map(|_| Handle(e.comm_create(topology.nodes())))
+                    .collect(),
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        Self {
+            topology: topology.clone(),
+            world: Handle(e.comm_create(topology.world())),
+            intra,
+            inter,
+            host: LocalCluster::new(topology.clone()),
+        }
+    }
+
+    /// Runs `f` on every rank concurrently and returns the results in rank order.
+    pub fn run<R: Send>(&self, f: impl Fn(&Rank<'_>) -> R + Sync) -> Vec<R> {
+        let t = &self.topology;
+        let devices = device_count();
+        self.host.run(|host| {
+            let me = host.world.rank();
+            let context = CudaContext::new(me % devices).expect("the primary context");
+            context.bind_to_thread().expect("bind the context");
+            // cudarc's event tracking would synchronise the whole context when this rank's
+            // first stream is created, waiting for the collectives of the other ranks on the
+            // same device, which wait for this rank (as a cuCtxSynchronize would with NCCL).
+            // SAFETY: no CudaSlice is used here; the collectives order their own buffers.
+            unsafe { context.disable_event_tracking() };
+            let stream = context.new_stream().expect("a stream");
+            let kernels = Kernels::get(me % devices).expect("the kernels load");
+            // SAFETY: a live stream of the device's primary context, alive while `stream` is.
+            let raw = unsafe { Stream::from_raw(stream.cu_stream() as usize) };
+            let comm = |handle: Handle, rank, size, host| EmulatedComm {
+                comm: handle,
+                rank,
+                size,
+                stream: stream.cu_stream().cast(),
+                host,
+            };
+            let world = comm(self.world, me, t.world(), host.world);
+            let intra = host
+                .intra
+                .map(|h| comm(self.intra[t.node_of(me)], t.local_of(me), h.size(), h));
+            let inter = host
+                .inter
+                .map(|h| comm(self.inter[t.local_of(me)], t.node_of(me), h.size(), h));
+            let rank = Rank {
+                backend: Cuda::new(kernels, raw),
+                stream: Arc::clone(&stream),
+                comms: CommGroups {
+                    world: &world,
+                    intra: intra.as_ref(),
+                    inter: inter.as_ref(),
+                },
+            };
+            f(&rank)
+        })
+    }
+}

@@ -1,0 +1,50 @@
+// What the emulated driver exports beyond the CUDA driver API, for the tests that use it: the
+// faults it detected, the seed of its random delays and orders, and how many operations of each
+// kind it has run (so a test can tell that work really went through it).
+#include "model.h"
+
+#include <cstdlib>
+#include <cstring>
+
+extern "C" {
+
+// The faults reported so far for `device` (all devices when negative), one per line, removed
+// from the log; NULL when there are none. Free the text with sdp4bit_emu_free.
+SDP4BIT_EXPORT char* sdp4bit_emu_take_faults(int device)
+{
+    const std::string taken = emu::take_faults(device);
+    if (taken.empty()) {
+        return nullptr;
+    }
+    char* text = static_cast<char*>(std::malloc(taken.size() + 1));
+    if (text != nullptr) {
+        std::memcpy(text, taken.c_str(), taken.size() + 1);
+    }
+    return text;
+}
+
+SDP4BIT_EXPORT void sdp4bit_emu_free(char* text)
+{
+    std::free(text);
+}
+
+// The seed of the random delays and warp orders (SDP4BIT_CUDA_EMULATION_SEED repeats it); 0
+// before cuInit.
+SDP4BIT_EXPORT uint64_t sdp4bit_emu_seed(void)
+{
+    emu::Driver& d = emu::driver();
+    std::lock_guard<std::mutex> guard(d.mutex);
+    return d.seed;
+}
+
+// Operations of `kind` ("kernel", "copy", "memset", "event record", "event wait",
+// "host function", "allocation", "free") completed so far.
+SDP4BIT_EXPORT uint64_t sdp4bit_emu_completed(const char* kind)
+{
+    emu::Driver& d = emu::driver();
+    std::lock_guard<std::mutex> guard(d.mutex);
+    const auto it = d.completed_by_kind.find(kind);
+    return it == d.completed_by_kind.end() ? 0 : it->second;
+}
+
+}  // extern "C"

@@ -1,0 +1,292 @@
+//! The emulated CUDA driver library: built with g++ once per test process from
+//! `tests/cuda_driver_emulation/*.cpp` and the kernels of `kernels/` (run through
+//! `tests/kernel_emulator/`'s warp scheduler), then loaded so that cudarc and the backend's
+//! probe find it as `libcuda.so`.
+//!
+//! Loading: the library's soname is `libcuda.so`, the first name cudarc (and
+//! `backend::cuda::probe`) asks the dynamic loader for. Once it is loaded by path with
+//! `RTLD_GLOBAL`, the loader answers a later `dlopen("libcuda.so")` with it (it matches
+//! loaded objects by soname), so nothing in the product changes and no environment variable
+//! has to be set before the process starts. Only the processes that call [`emulation`] see it.
+//!
+//! A child process of these tests gets the built library's path in [`LIBRARY_VAR`] and loads
+//! that instead of building its own.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
+
+/// g++ flags of every translation unit: the kernel emulator's (no fused multiply-add),
+/// position-independent, only the driver API exported.
+const CXX_FLAGS: [&str; 11] = [
+    "-std=c++20",
+    "-O1",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wno-unknown-pragmas",
+    "-pthread",
+    "-fPIC",
+    "-fvisibility=hidden",
+];
+
+/// The kernel emulator's UBSan flags (undefined behaviour in a kernel stops the process), for
+/// the kernels and the warp scheduler; the driver's own model is built without them, which
+/// saves a fifth of the build.
+const SANITIZE: [&str; 2] = [
+    "-fsanitize=undefined,float-cast-overflow",
+    "-fno-sanitize-recover=all",
+];
+
+/// Whether `source` runs kernel code (a kernel, or the warp scheduler around it).
+fn runs_kernel_code(source: &Path) -> bool {
+    source.extension().is_some_and(|e| e == "cu") || source.ends_with("kernels.cpp")
+}
+
+/// The variable that hands a built library to a child test process.
+pub const LIBRARY_VAR: &str = "SDP4BIT_CUDA_EMULATION_LIBRARY";
+
+/// The loaded emulation: its path and its test-only entry points.
+pub struct Emulation {
+    path: PathBuf,
+    library: Library,
+}
+
+/// Builds (first call) and loads the emulated driver; every later call returns it. Panics with
+/// the compiler's output when the build fails.
+pub fn emulation() -> &'static Emulation {
+    static EMULATION: OnceLock<Result<Emulation, String>> = OnceLock::new();
+    EMULATION
+        .get_or_init(build_and_load)
+        .as_ref()
+        .unwrap_or_else(|e| panic!("the emulated CUDA driver: {e}"))
+}
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn build_and_load() -> Result<Emulation, String> {
+    let path = match std::env::var_os(LIBRARY_VAR) {
+        Some(built) => PathBuf::from(built),
+        None => build_in_temp_dir()?,
+    };
+    // SAFETY: the library was built from this repository's sources; its initialisers only
+    // set up static state.
+    let library = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
+        .map_err(|e| format!("load {}: {e}", path.display()))?;
+    Ok(Emulation { path, library })
+}
+
+/// The prefix of the build directories, followed by the building process's id.
+const DIR_PREFIX: &str = "sdp4bit-cuda-driver-";
+
+/// Builds the library in a fresh temporary directory; returns its path. The directory stays
+/// while the process (and its children) may load the library; later runs remove those of
+/// processes that have ended.
+fn build_in_temp_dir() -> Result<PathBuf, String> {
+    remove_stale_dirs();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!("{DIR_PREFIX}{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    build(&dir)
+}
+
+/// Removes the build directories of processes that no longer run.
+fn remove_stale_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(DIR_PREFIX)
+            .and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// Compiles every source in parallel and links `dir/libcuda.so`.
+fn build(dir: &Path) -> Result<PathBuf, String> {
+    let kernels = root().join("kernels");
+    let emulation = root().join("tests/cuda_driver_emulation");
+    let shim = root().join("tests/kernel_emulator/cuda_shim.h");
+    let mut sources = Vec::new();
+    for (from, ext) in [(&kernels, "cu"), (&emulation, "cpp")] {
+        let mut found: Vec<PathBuf> = std::fs::read_dir(from)
+            .map_err(|e| format!("{}: {e}", from.display()))?
+            .map(|entry| entry.expect("directory entry").path())
+            .filter(|path| path.extension().is_some_and(|e| e == ext))
+            .collect();
+        found.sort();
+        sources.extend(found);
+    }
+    let compiles: Vec<_> = sources
+        .iter()
+        .enumerate()
+        .map(|(i, source)| {
+            let object = dir.join(format!("{i}.o"));
+            let sanitize: &[&str] = if runs_kernel_code(source) {
+                &SANITIZE
+            } else {
+                &[]
+            };
+            let child = Command::new("g++")
+                .args(CXX_FLAGS)
+                .args(sanitize)
+                .arg("-include")
+                .arg(&shim)
+                .arg("-I")
+                .arg(&kernels)
+                .args(["-x", "c++", "-c"])
+                .arg(source)
+                .arg("-o")
+                .arg(&object)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("start g++ (required for the CUDA driver emulation): {e}"));
+            (source, object, child)
+        })
+        .collect();
+    let mut objects = Vec::new();
+    let mut errors = String::new();
+    for (source, object, child) in compiles {
+        let out = child?
+            .wait_with_output()
+            .map_err(|e| format!("wait for g++: {e}"))?;
+        if !out.status.success() {
+            errors += &format!(
+                "g++ failed on {}:\n{}{}\n",
+                source.display(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        objects.push(object);
+    }
+    if !errors.is_empty() {
+        return Err(format!(
+            "building it failed (warnings are errors):\n{errors}"
+        ));
+    }
+    let library = dir.join("libcuda.so");
+    let out = Command::new("g++")
+        .args(["-shared", "-pthread", "-fsanitize=undefined"])
+        .args(["-Wl,-soname,libcuda.so", "-Wl,--no-undefined"])
+        .args(&objects)
+        .arg("-o")
+        .arg(&library)
+        .output()
+        .map_err(|e| format!("run g++ to link: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "linking it failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    for object in objects {
+        let _ = std::fs::remove_file(object);
+    }
+    Ok(library)
+}
+
+impl Emulation {
+    /// The library's path (`<dir>/libcuda.so`).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn symbol<T>(&self, name: &[u8]) -> Symbol<T> {
+        // SAFETY: every name looked up here is an entry point of extension.cpp or
+        // collectives.cpp, and `T` is its exact C signature.
+        unsafe { self.library.get(name) }.unwrap_or_else(|e| panic!("emulation symbol: {e}"))
+    }
+
+    /// Takes (removes) the faults the emulation reported for `device` (all when negative), one
+    /// per line; empty when there are none.
+    pub fn take_faults(&self, device: i32) -> String {
+        let take =
+            self.symbol::<unsafe extern "C" fn(c_int) -> *mut c_char>(b"sdp4bit_emu_take_faults\0");
+        let free = self.symbol::<unsafe extern "C" fn(*mut c_char)>(b"sdp4bit_emu_free\0");
+        // SAFETY: the function returns NULL or a NUL-terminated string the caller frees with
+        // sdp4bit_emu_free, done here once it is copied.
+        unsafe {
+            let text = take(device);
+            if text.is_null() {
+                return String::new();
+            }
+            let taken = CStr::from_ptr(text).to_string_lossy().into_owned();
+            free(text);
+            taken
+        }
+    }
+
+    /// Operations of `kind` ("kernel", "copy", "memset", "collective", ...) completed so far.
+    pub fn completed(&self, kind: &CStr) -> u64 {
+        let completed =
+            self.symbol::<unsafe extern "C" fn(*const c_char) -> u64>(b"sdp4bit_emu_completed\0");
+        // SAFETY: `kind` is a NUL-terminated string that outlives the call.
+        unsafe { completed(kind.as_ptr()) }
+    }
+
+    /// A new communicator of `size` ranks (see collectives.cpp).
+    pub fn comm_create(&self, size: usize) -> *mut c_void {
+        let create =
+            self.symbol::<unsafe extern "C" fn(c_int) -> *mut c_void>(b"sdp4bit_emu_comm_create\0");
+        let size = c_int::try_from(size).expect("communicator size");
+        // SAFETY: plain value arguments; the result is an opaque handle or NULL.
+        let comm = unsafe { create(size) };
+        assert!(!comm.is_null(), "sdp4bit_emu_comm_create({size})");
+        comm
+    }
+
+    /// Enqueues one rank's part of a collective (see collectives.cpp); the CUresult as an int.
+    ///
+    /// # Safety
+    /// `comm` comes from [`Emulation::comm_create`]; `stream` is a live stream of the current
+    /// context; the buffers are device memory of its device (the driver checks).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn comm_enqueue(
+        &self,
+        comm: *mut c_void,
+        rank: usize,
+        kind: i32,
+        dtype: i32,
+        send: (u64, usize),
+        recv: (u64, usize),
+        stream: *mut c_void,
+    ) -> i32 {
+        type Enqueue = unsafe extern "C" fn(
+            *mut c_void,
+            c_int,
+            c_int,
+            c_int,
+            u64,
+            usize,
+            u64,
+            usize,
+            *mut c_void,
+        ) -> c_int;
+        let enqueue = self.symbol::<Enqueue>(b"sdp4bit_emu_comm_enqueue\0");
+        let rank = c_int::try_from(rank).expect("rank");
+        // SAFETY: per this function's contract.
+        unsafe {
+            enqueue(
+                comm, rank, kind, dtype, send.0, send.1, recv.0, recv.1, stream,
+            )
+        }
+    }
+}
