@@ -2,23 +2,27 @@
 
 Trains megatron-core's GPTModel with its real DistributedOptimizer (examples/gpt_cpu/train.py)
 on W = 4 gloo ranks as 2 nodes x 2 ranks on CPU, once per row and seed: baseline, qW, qWD,
-TLq, TLq-HS, SDP4Bit, QSDP, Global-QSGD, ZeRO++-style. Every row runs every seed, and a seed
-fixes the initial weights, the data order and sdp4bit's random streams, so each row's
-difference from the baseline is taken seed by seed (paired). Writes, to --out:
-convergence.md (each row's mean final validation loss over held-out tokens, its paired
-difference from the baseline with a 95% interval, the relative error of the gradient
-reduce-scatter and of the weight all-gather from sdp4bit's telemetry, bytes sent),
-convergence.json (every run) and convergence.png (loss curves and paired differences with
-their intervals).
+TLq, TLq-HS, SDP4Bit, QSDP, Global-QSGD, ZeRO++-style; and a byte-level GPT under PyTorch
+FSDP2 (examples/fsdp2/train.py, sdp4bit.fsdp) with FSDP's own numerics (FSDP2) and with QSDP's
+weight and gradient codecs (FSDP2 QSDP). Every row runs every seed, and a seed fixes the
+initial weights, the data order and sdp4bit's random streams, so each row's difference from
+its reference row (a baseline trained by the same script: baseline for the Megatron rows,
+FSDP2 for the FSDP2 rows) is taken seed by seed (paired). Writes, to --out: convergence.md
+(each row's mean final validation loss over held-out tokens, its paired difference from its
+reference with a 95% interval, the relative error of the gradient reduce-scatter and of the
+weight all-gather from sdp4bit's telemetry, bytes sent), convergence.json (every run) and
+convergence.png (loss curves and paired differences with their intervals).
 
-    bash scripts/bench.sh convergence --out bench/results        # the full study (~86 min)
+    bash scripts/bench.sh convergence --out bench/results        # the full study (~106 min)
     bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows baseline,SDP4Bit \\
         --val-tokens 8192 --out /tmp/smoke                        # the test command's smoke run
 
 Rows are :class:`Row` entries of ROWS: a training script and its arguments. Any script that
 takes ``--seed``, ``--steps``, ``--json-out`` and the common arguments below, and writes the
 same JSON as examples/gpt_cpu/train.py (``train_loss``, ``val_loss``, ``step_ms``, ``sent``,
-``uncompressed``, ``grad_rel_l2``, ``param_rel_l2``), can be a row.
+``uncompressed``, ``grad_rel_l2``, ``param_rel_l2``), can be a row; its ``reference`` names the
+row it is differenced against, which must run the same script (the same model), or is its own
+name for a reference row.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -42,16 +47,26 @@ from convergence_stats import interval, paired_difference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
+FSDP_TRAIN = ROOT / "examples" / "fsdp2" / "train.py"
 BASELINE = "baseline"
+FSDP_BASELINE = "FSDP2"
 
 
 @dataclass(frozen=True)
 class Row:
-    """One configuration of the study: `script` run with `args` (its collectives)."""
+    """One configuration of the study: `script` run with `args` (its collectives), differenced
+    seed by seed against the row named `reference`, a row of the same script; a row whose
+    reference is itself is a reference row (its difference is zero)."""
 
     name: str
     args: tuple[str, ...]
     script: Path = TRAIN
+    reference: str = BASELINE
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether this row is a reference (the baseline of its script's rows)."""
+        return self.reference == self.name
 
     def command(self, seed: int, steps: int, common: list[str], json_out: Path) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -78,17 +93,49 @@ ROWS = {row.name: row for row in (
     Row("QSDP", _preset("qsdp")),
     Row("Global-QSGD", _preset("global-qsgd")),
     Row("ZeRO++-style", _preset("zeropp")),
+    # A different model (FSDP2's byte-level GPT), so differenced against its own baseline:
+    # FSDP's own numerics through sdp4bit.fsdp's uncompressed path, then QSDP's codecs.
+    Row(FSDP_BASELINE, _preset("baseline"), FSDP_TRAIN, reference=FSDP_BASELINE),
+    Row("FSDP2 QSDP", _preset("qsdp"), FSDP_TRAIN, reference=FSDP_BASELINE),
 )}
 
+
+def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[Row]:
+    """The rows `names` of `table` (default ROWS), in that order; raises ValueError for an
+    unknown or repeated name, a row whose reference is not among `names`, or a reference that
+    is not a reference row of the same script."""
+    table = ROWS if table is None else table
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}: rows are among {', '.join(table)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"rows repeat: {names}")
+    rows = [table[n] for n in names]
+    for row in rows:
+        if row.reference not in names:
+            raise ValueError(f"row {row.name!r} is differenced against {row.reference!r}: "
+                             f"add {row.reference!r} to --rows")
+        ref = table[row.reference]
+        if not ref.is_reference or ref.script != row.script:
+            raise ValueError(f"row {row.name!r}: its reference {ref.name!r} must be a reference "
+                             f"row of the same script ({_shown_path(row.script)})")
+    return rows
+
 #: The full study's size, from runs of this script on the 2-core machine shared with other
-#: jobs (load average 4-8): a run took 46 s at 60 steps and 121 s at 600 steps (means over
-#: its rows and seeds), so about 38 s of start-up and evaluation of 1,048,576 held-out tokens
-#: plus 0.139 s per training step; 9 rows x 5 seeds = 45 runs of 550 steps take about
-#: 45 x (38 + 550 x 0.139) s = 86 minutes. The interval's half-width is t(0.975, n - 1) /
+#: jobs. Megatron rows (load average 4-8): a run took 46 s at 60 steps and 121 s at 600 steps
+#: (means over its rows and seeds), so about 38 s of start-up and evaluation of 1,048,576
+#: held-out tokens plus 0.139 s per training step; 9 rows x 5 seeds = 45 runs of 550 steps take
+#: about 45 x (38 + 550 x 0.139) s = 86 minutes. FSDP2 rows, measured with `--steps 60
+#: --seeds 1 --rows FSDP2,"FSDP2 QSDP"` and the default 1,048,576 held-out tokens (load
+#: average 11-12): 34 s and 38 s a run, median step 0.171 s (from step 5), so about
+#: 36 - 60 x 0.171 = 26 s of start-up and evaluation (11 s of it evaluation); 2 rows x 5 seeds
+#: = 10 runs of 550 steps take about 10 x (26 + 550 x 0.171) s = 20 minutes. In all about
+#: ESTIMATED_MINUTES = 86 + 20 = 106 minutes. The interval's half-width is t(0.975, n - 1) /
 #: sqrt(n) times the spread of the paired differences: 2.48 for n = 3, 1.24 for n = 5. The
 #: spread measured at 600 steps (baseline and SDP4Bit, 3 seeds) was 0.0051 of a loss of
 #: 1.711, so 5 seeds give about +-0.37% of the loss (bench/results/convergence.md, "Sizing").
 STEPS = 550
+ESTIMATED_MINUTES = 106
 SEEDS = "1,2,3,4,5"
 VAL_TOKENS = 1_048_576
 COMMON = ["--lr", "3e-3", "--lr-decay", "cosine", "--warmup-steps", "{warmup}",
@@ -135,17 +182,19 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(runs: dict[str, dict[int, dict]]) -> dict[str, dict]:
-    """Per row: validation loss over seeds, paired difference from the baseline (absolute and
-    relative to the baseline's mean), telemetry errors, bytes."""
-    base = {seed: r["val_loss"] for seed, r in runs[BASELINE].items()}
-    base_mean = statistics.fmean(base.values())
+def summarize(rows: list[Row], runs: dict[str, dict[int, dict]]) -> dict[str, dict]:
+    """Per row: validation loss over seeds, paired difference from its reference row (absolute
+    and relative to the reference's mean), telemetry errors, bytes."""
     summary = {}
-    for name, by_seed in runs.items():
+    for row in rows:
+        name, by_seed = row.name, runs[row.name]
+        base = {seed: r["val_loss"] for seed, r in runs[row.reference].items()}
+        base_mean = statistics.fmean(base.values())
         losses = {seed: r["val_loss"] for seed, r in by_seed.items()}
         diff = paired_difference(losses, base)
         first = next(iter(by_seed.values()))
         summary[name] = {
+            "reference": row.reference,
             "val_loss": asdict(interval(list(losses.values()))),
             "difference": asdict(diff),
             "relative_difference": {"mean": diff.mean / base_mean,
@@ -160,21 +209,23 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict[str, dict]:
     return summary
 
 
-def difference_curves(runs: dict[str, dict[int, dict]], window: int) -> dict[str, list]:
-    """Per row and step: the paired difference of the smoothed training loss from the
-    baseline's, as (mean, half-width of the 95% interval) over seeds."""
-    base = {seed: smooth(r["train_loss"], window) for seed, r in runs[BASELINE].items()}
+def difference_curves(rows: list[Row], runs: dict[str, dict[int, dict]],
+                      window: int) -> dict[str, list]:
+    """Per row and step: the paired difference of the smoothed training loss from its
+    reference row's, as (mean, half-width of the 95% interval) over seeds."""
     curves = {}
-    for name, by_seed in runs.items():
-        rows = {seed: smooth(r["train_loss"], window) for seed, r in by_seed.items()}
-        steps = len(next(iter(rows.values())))
-        curves[name] = [paired_difference({s: rows[s][i] for s in rows},
-                                          {s: base[s][i] for s in rows}) for i in range(steps)]
+    for row in rows:
+        base = {seed: smooth(r["train_loss"], window) for seed, r in runs[row.reference].items()}
+        mine = {seed: smooth(r["train_loss"], window) for seed, r in runs[row.name].items()}
+        steps = len(next(iter(mine.values())))
+        curves[row.name] = [paired_difference({s: mine[s][i] for s in mine},
+                                              {s: base[s][i] for s in mine})
+                            for i in range(steps)]
     return curves
 
 
-def plot(runs: dict[str, dict[int, dict]], summary: dict[str, dict], path: Path,
-         steps: int) -> None:
+def plot(rows: list[Row], runs: dict[str, dict[int, dict]], summary: dict[str, dict],
+         path: Path, steps: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,35 +233,40 @@ def plot(runs: dict[str, dict[int, dict]], summary: dict[str, dict], path: Path,
 
     window = max(steps // 30, 1)
     fig, (curves_ax, diff_ax) = plt.subplots(1, 2, figsize=(14, 5.5))
-    differences = difference_curves(runs, window)
-    for name, by_seed in runs.items():
+    differences = difference_curves(rows, runs, window)
+    for row in rows:
+        name, by_seed = row.name, runs[row.name]
         smoothed = [smooth(r["train_loss"], window) for r in by_seed.values()]
         average = [sum(v) / len(v) for v in zip(*smoothed)]
         label = f"{name} ({summary[name]['val_loss']['mean']:.4f})"
         line, = curves_ax.plot(average, label=label, linewidth=1.1)
-        if name == BASELINE:
+        if row.is_reference:
             continue
         diff = differences[name]
         centre = [d.mean for d in diff]
-        diff_ax.plot(centre, color=line.get_color(), linewidth=1.1, label=name)
+        diff_ax.plot(centre, color=line.get_color(), linewidth=1.1,
+                     label=f"{name} - {row.reference}")
         if len(by_seed) > 1:
             diff_ax.fill_between(range(len(diff)), [d.low for d in diff], [d.high for d in diff],
                                  color=line.get_color(), alpha=0.15)
     curves_ax.set_xlabel("step")
     curves_ax.set_ylabel(f"training loss (mean over ranks and seeds, moving average of {window})")
-    curves_ax.set_title("W = 4 (2 x 2), megatron-core GPTModel + DistributedOptimizer, CPU;\n"
+    models = [label for script, label in (
+        (TRAIN, "megatron-core GPTModel + DistributedOptimizer"),
+        (FSDP_TRAIN, "FSDP2 byte-level GPT")) if any(r.script == script for r in rows)]
+    curves_ax.set_title(f"W = 4 (2 x 2), {' and '.join(models)}, CPU;\n"
                         "mean final validation loss in ()", fontsize=10)
     curves_ax.set_ylim(top=min(4.0, curves_ax.get_ylim()[1]))
     diff_ax.axhline(0.0, color="black", linewidth=0.8)
-    settled = [d for name in runs if name != BASELINE
-               for d in differences[name][len(differences[name]) // 2:]]
+    settled = [d for row in rows if not row.is_reference
+               for d in differences[row.name][len(differences[row.name]) // 2:]]
     if settled:  # the early, large swings would hide the end, which the table is about
         bounds = [b for d in settled for b in (d.low, d.high) if b == b] or [0.0]
         margin = 0.1 * (max(bounds) - min(bounds) or 1.0)
         diff_ax.set_ylim(min(bounds) - margin, max(bounds) + margin)
     diff_ax.set_xlabel("step")
-    diff_ax.set_ylabel("paired difference from baseline (smoothed training loss)")
-    diff_ax.set_title("difference from baseline, seed by seed: mean and 95% interval",
+    diff_ax.set_ylabel("paired difference from the reference row (smoothed training loss)")
+    diff_ax.set_title("row - reference row (same script), seed by seed: mean and 95% interval",
                       fontsize=10)
     for ax in (curves_ax, diff_ax):
         ax.grid(alpha=0.3)
@@ -243,52 +299,68 @@ def report(args, rows: list[Row], seeds: list[int], summary: dict[str, dict],
 
     full = "bash scripts/bench.sh convergence --out bench/results"
     shown = (f"bash scripts/bench.sh convergence --steps {args.steps} --seeds {args.seeds} "
-             f"--val-tokens {args.val_tokens} --rows {','.join(r.name for r in rows)} "
+             f"--val-tokens {args.val_tokens} --rows {shlex.quote(','.join(r.name for r in rows))} "
              f"--out {_shown_path(args.out)}")
     runs_per_row = len(seeds)
     per_run = statistics.fmean(s["mean_run_seconds"] for s in summary.values())
-    base = summary[BASELINE]["val_loss"]["mean"]
+    models = []
+    if any(row.script == TRAIN for row in rows):
+        models.append(
+            "- model (rows against baseline): megatron-core GPTModel (byte-level, 0.44 M params, "
+            "context 64, width 128, 2 layers, local layer spec), DDP + DistributedOptimizer "
+            "(torch Adam, bf16 params, fp32 main params and gradients, clip 1.0)")
+    if any(row.script == FSDP_TRAIN for row in rows):
+        models.append(
+            f"- model (rows against {FSDP_BASELINE}): examples/fsdp2/train.py's byte-level GPT "
+            "(0.44 M params, context 64, width 128, 2 torch TransformerEncoderLayer blocks, tied "
+            "head) under FSDP2's fully_shard per block (bf16 params, fp32 gradient reduction), "
+            "torch AdamW, clip 1.0, through sdp4bit.fsdp (docs/fsdp.md)")
     lines = [
         "# Convergence study (small-scale ablation)",
         "",
         f"- the full study: `{full}` (defaults: {STEPS} steps, seeds {SEEDS}, every row, "
-        f"{VAL_TOKENS:,d} held-out tokens; about 86 min on 2 cores, sized in bench/convergence.py)",
+        f"{VAL_TOKENS:,d} held-out tokens; about {ESTIMATED_MINUTES} min on 2 cores, sized in "
+        "bench/convergence.py)",
         f"- this run: `{shown}`",
         f"- machine: {os.cpu_count()} cores, {cpu_model()}, Python {platform.python_version()}, "
         f"megatron-core {megatron.core.__version__}",
         f"- date: {started:%Y-%m-%d %H:%M} UTC; {elapsed / 60:.1f} min for "
         f"{len(rows) * runs_per_row} runs ({per_run:.0f} s each on average)",
-        "- model: megatron-core GPTModel (byte-level, 0.44 M params, context 64, width 128, "
-        "2 layers, local layer spec), DDP + DistributedOptimizer (torch Adam, bf16 params, "
-        "fp32 main params and gradients, clip 1.0), lr 3e-3 with warm-up and cosine decay to "
-        "3e-4, 8 sequences per rank per step, W = 4 gloo ranks as 2 nodes x 2 ranks",
+        *models,
+        "- training: lr 3e-3 with warm-up and cosine decay to 3e-4, 8 sequences per rank per "
+        "step, W = 4 gloo ranks as 2 nodes x 2 ranks",
         f"- validation: the last {args.val_tokens:,d} bytes of the corpus (held out), every "
-        "token predicted once; differences are paired by seed (same initial weights, data "
-        "order and random streams); intervals are 95% Student t over the seeds",
-        "- errors: relative L2 error of each collective against Megatron's exact one, from "
-        "sdp4bit's telemetry (mean over its reports); '-' where nothing is compressed",
+        "token predicted once; each row's difference is from its reference row (a baseline "
+        "trained by the same script, named in the table), paired by seed (same initial "
+        "weights, data order and random streams); intervals are 95% Student t over the seeds",
+        "- errors: relative L2 error of each collective against the framework's exact one "
+        "(Megatron's, FSDP's), from sdp4bit's telemetry (mean over its reports); '-' where "
+        "nothing is compressed",
         "",
-        "| row | final validation loss | difference from baseline | relative | "
+        "| row | final validation loss | reference | difference from reference | relative | "
         "grad RS rel. error | weight AG rel. error | bytes sent / uncompressed | step |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         s = summary[row.name]
         val = s["val_loss"]
         diff = s["difference"]
         rel = s["relative_difference"]
-        ratio = f"{s['bytes_ratio']:.3f}" if s["bytes_ratio"] is not None else "1 (Megatron's)"
+        own = "1 (Megatron's)" if row.script == TRAIN else "1 (FSDP's)"
+        ratio = f"{s['bytes_ratio']:.3f}" if s["bytes_ratio"] is not None else own
         val_text = (f"{val['mean']:.4f} ± {val['half_width']:.4f}"
                     if runs_per_row > 1 else f"{val['mean']:.4f}")
         diff_text = (f"{diff['mean']:+.4f} ± {diff['half_width']:.4f}"
                      if runs_per_row > 1 else f"{diff['mean']:+.4f}")
         rel_text = (f"{100 * rel['mean']:+.2f}% ± {100 * rel['half_width']:.2f}%"
                     if runs_per_row > 1 else f"{100 * rel['mean']:+.2f}%")
-        lines.append(f"| {row.name} | {val_text} | {diff_text} | {rel_text} | "
+        lines.append(f"| {row.name} | {val_text} | {row.reference} | {diff_text} | "
+                     f"{rel_text} | "
                      f"{_error(s['grad_rel_l2'])} | {_error(s['param_rel_l2'])} | {ratio} | "
                      f"{s['median_step_ms']:.0f} ms |")
     if "SDP4Bit" in summary and runs_per_row > 1:
         half = summary["SDP4Bit"]["difference"]["half_width"]
+        base = summary[summary["SDP4Bit"]["reference"]]["val_loss"]["mean"]
         verdict = {True: "under", False: "NOT under"}
         lines += ["", f"SDP4Bit's interval is ±{half:.4f}, ±{100 * half / base:.2f}% of the "
                       f"baseline's loss ({base:.4f}): half-width {verdict[half < 0.005 * base]} "
@@ -302,7 +374,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--seeds", default=SEEDS, help="comma-separated seeds, shared by all rows")
     p.add_argument("--rows", default=",".join(ROWS),
-                   help=f"comma-separated row names, {BASELINE} among them")
+                   help="comma-separated row names, each row's reference row among them")
     p.add_argument("--val-tokens", type=int, default=VAL_TOKENS)
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args()
@@ -312,13 +384,13 @@ def main() -> None:
     args = parse_args()
     args.out = args.out.resolve()
     names = [r.strip() for r in args.rows.split(",")]
-    unknown = [r for r in names if r not in ROWS]
-    if unknown or BASELINE not in names:
-        sys.exit(f"rows must be among {', '.join(ROWS)} and include {BASELINE}; got {names}")
+    try:
+        rows = select_rows(names)
+    except ValueError as e:
+        sys.exit(f"--rows: {e}")
     seeds = [int(s) for s in args.seeds.split(",")]
     if len(set(seeds)) != len(seeds):
         sys.exit(f"seeds repeat: {seeds}")
-    rows = [ROWS[name] for name in names]
     args.out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     clock = time.monotonic()
@@ -326,11 +398,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         runs = {row.name: {seed: run(row, seed, args.steps, common, Path(scratch))
                            for seed in seeds} for row in rows}
-    summary = summarize(runs)
+    summary = summarize(rows, runs)
     text = report(args, rows, seeds, summary, started, time.monotonic() - clock)
     (args.out / "convergence.md").write_text(text)
     (args.out / "convergence.json").write_text(json.dumps({"summary": summary, "runs": runs}))
-    plot(runs, summary, args.out / "convergence.png", args.steps)
+    plot(rows, runs, summary, args.out / "convergence.png", args.steps)
     print(text)
 
 

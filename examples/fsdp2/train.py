@@ -5,8 +5,11 @@ whose norm is not finite is skipped on every rank).
 
     torchrun --standalone --nproc-per-node 4 examples/fsdp2/train.py --ranks-per-node 2
 
-Writes, with --json-out, the loss curve, the validation loss on held-out data, the bytes sent
-against FSDP's own collectives and the telemetry's quantization errors.
+Writes, with --json-out, the loss curve, the validation loss on the held-out end of the
+corpus, the bytes sent against FSDP's own collectives and the telemetry's quantization errors,
+as the bench/convergence.py study reads them (its FSDP2 rows run this script). The data (the
+standard library's sources, held-out split, validation windows) and the learning-rate schedule
+are those of examples/gpt_cpu/train.py.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
-import sysconfig
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +30,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import sdp4bit.fsdp
 from sdp4bit import presets
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt_cpu"))
+
+from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402  (gpt_cpu's)
 
 OWN = "fsdp"  # --preset value for FSDP's own collectives
 
@@ -46,15 +54,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr-decay", choices=["constant", "cosine"], default="constant",
+                   help="after warm-up: constant, or cosine decay to --min-lr at the last step "
+                        "(megatron-core's OptimizerParamScheduler, as examples/gpt_cpu)")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--min-lr", type=float, default=3e-4)
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm")
-    p.add_argument("--seed", type=int, default=1234, help="initial weights and data order")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="initial weights, data order and sdp4bit's random streams")
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    p.add_argument("--val-tokens", type=int, default=65_536,
+                   help="held-out tokens (the end of the corpus) the final validation loss "
+                        "is measured on, each predicted once")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--telemetry-interval", type=int, default=20,
                    help="every N steps, measure the quantization error against FSDP's exact "
                         "collectives (0 = off)")
-    p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--json-out", help="write the results here (rank 0)")
     return p.parse_args()
 
@@ -83,27 +99,47 @@ class ByteGPT(nn.Module):
         return self.norm(x) @ self.tokens.weight.t()
 
 
-def stdlib_corpus(max_bytes: int) -> torch.Tensor:
-    """The first `max_bytes` bytes of the standard library's .py files, in sorted order."""
-    chunks, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        chunks.append(path.read_bytes())
-        total += len(chunks[-1])
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
-
-
-def batch(text: torch.Tensor, size: int, context: int, generator: torch.Generator):
-    """`size` random windows of `context` + 1 bytes: (inputs, next-byte targets)."""
-    starts = torch.randint(0, len(text) - context - 1, (size,), generator=generator).tolist()
-    windows = torch.stack([text[s:s + context + 1] for s in starts])
-    return windows[:, :-1], windows[:, 1:]
-
-
-def loss_of(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_losses(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Per-token next-byte cross entropy ([batch, context], fp32) on `windows` ([batch,
+    context + 1] byte ids)."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
     logits = model(inputs).float()
-    return nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+    return nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1),
+                                       reduction="none").reshape(targets.shape)
+
+
+def learning_rate(step: int, lr: float, min_lr: float, warmup: int, steps: int,
+                  decay: str) -> float:
+    """The learning rate of optimizer step `step` (0-based) as megatron-core's
+    OptimizerParamScheduler gives it to examples/gpt_cpu/train.py (initial 0): linear warm-up
+    over `warmup` steps, then `decay` ("constant", or "cosine" to `min_lr` at `steps`)."""
+    if warmup > 0 and step <= warmup:
+        return lr * step / warmup
+    if decay == "constant":
+        return lr
+    if step > steps:
+        return min_lr
+    ratio = (step - warmup) / (steps - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - min_lr)
+
+
+def validation_loss(model: nn.Module, windows: torch.Tensor, rank: int, world: int,
+                    batch_size: int = 64) -> float:
+    """Mean next-byte cross entropy over every token of `windows`, which the ranks share out
+    (each evaluates every world-th window) and sum up. Every rank runs the same number of
+    forward passes, as FSDP's all-gathers need; a rank out of windows runs its first one and
+    counts nothing."""
+    totals = torch.zeros(2, dtype=torch.float64)  # loss sum, tokens
+    mine = windows[rank::world]
+    passes = math.ceil(math.ceil(len(windows) / world) / batch_size)
+    with torch.no_grad():
+        for start in range(0, passes * batch_size, batch_size):
+            chunk = mine[start:start + batch_size]
+            losses = token_losses(model, chunk if len(chunk) else windows[:1])
+            if len(chunk):
+                totals += torch.tensor([losses.double().sum().item(), losses.numel()])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
 
 
 def mean_over_ranks(value: float) -> float:
@@ -148,14 +184,13 @@ def main() -> None:
     record = TelemetryRecord()
     config = None
     if args.preset != OWN:
-        config = sdp4bit.fsdp.preset_config(args.preset, dict(k.split("=", 1) for k in args.knob))
+        knobs = {"seed": str(args.seed), **dict(k.split("=", 1) for k in args.knob)}
+        config = sdp4bit.fsdp.preset_config(args.preset, knobs)
         sdp4bit.fsdp.enable(model, config, local_world_size=args.ranks_per_node,
                             telemetry_interval=args.telemetry_interval,
                             tensorboard_writer=record)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    corpus = stdlib_corpus(args.corpus_bytes)
-    cut = int(len(corpus) * 0.9)
-    train_text, val_text = corpus[:cut], corpus[cut:]  # the last 10% is held out
+    train_text, val_text = split(stdlib_corpus(args.corpus_bytes), args.val_tokens + 1)
     generator = torch.Generator().manual_seed(args.seed + 1000 + rank)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
@@ -167,8 +202,10 @@ def main() -> None:
     curve, step_ms, skipped, last = [], [], [], (0, 0)
     for step in range(args.steps):
         start = time.perf_counter()
-        inputs, targets = batch(train_text, args.batch, args.context, generator)
-        loss = loss_of(model, inputs, targets)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.lr, args.min_lr, args.warmup_steps,
+                                        args.steps, args.lr_decay)
+        loss = token_losses(model, batch(train_text, args.batch, args.context, generator)).mean()
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_norm).full_tensor()
         if torch.isfinite(grad_norm):
@@ -184,25 +221,30 @@ def main() -> None:
                   f"{sent - last[0]:12,d} {uncompressed - last[1]:13,d} "
                   f"{step_ms[-1]:8.1f}ms", flush=True)
             last = (sent, uncompressed)
-    with torch.no_grad():
-        eval_generator = torch.Generator().manual_seed(args.seed + 7)  # the same on every rank
-        val = [loss_of(model, *batch(val_text, args.batch, args.context, eval_generator)).item()
-               for _ in range(args.eval_batches)]
-    val_loss = sum(val) / len(val)
+    eval_start = time.perf_counter()
+    held_out = validation_windows(val_text, args.context)
+    val_loss = validation_loss(model, held_out, rank, world)
+    eval_seconds = time.perf_counter() - eval_start
     sent, uncompressed = sdp4bit.fsdp.wire_bytes(model)
     if rank == 0:
-        print(f"validation loss {val_loss:.4f} (held-out 10%); skipped steps: {skipped}")
+        print(f"validation loss {val_loss:.4f} ({held_out.shape[0] * args.context:,d} held-out "
+              f"tokens); skipped steps: {skipped}")
         if sent:
             print(f"bytes sent by rank 0: {sent:,d} vs {uncompressed:,d} with FSDP's own "
                   f"collectives ({uncompressed / sent:.2f}x less)")
         if args.json_out:
+            telemetry = record.as_dict()
             with open(args.json_out, "w") as f:
                 json.dump({"preset": args.preset, "knobs": args.knob, "seed": args.seed,
                            "codecs": list(config.codecs()) if config else None,
                            "world": world, "ranks_per_node": args.ranks_per_node,
                            "train_loss": curve, "step_ms": step_ms, "val_loss": val_loss,
-                           "skipped_steps": skipped, "sent": sent, "uncompressed": uncompressed,
-                           "telemetry": record.as_dict()}, f)
+                           "val_tokens": held_out.shape[0] * args.context,
+                           "eval_seconds": eval_seconds, "skipped_steps": skipped,
+                           "sent": sent, "uncompressed": uncompressed,
+                           "grad_rel_l2": [e["rel_l2_error"] for e in telemetry["grad"]],
+                           "param_rel_l2": [e["rel_l2_error"] for e in telemetry["param"]],
+                           "telemetry": telemetry}, f)
     sdp4bit.fsdp.disable(model)  # sdp4bit's groups and thread go before the process groups
     dist.destroy_process_group()
 

@@ -193,17 +193,42 @@ def test_the_example_trains_and_writes_its_results(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          str(ROOT / "examples/fsdp2/train.py"), "--ranks-per-node", "2", "--steps", "4",
          "--width", "64", "--corpus-bytes", "300000",
-         "--telemetry-interval", "2", "--eval-batches", "2", "--json-out", str(out)],
+         "--telemetry-interval", "2", "--val-tokens", "16448", "--lr-decay", "cosine",
+         "--warmup-steps", "1", "--json-out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["preset"] == "sdp4bit" and result["codecs"] == ["qsdp", "tlq-hs"]
     assert len(result["train_loss"]) == 4 and all(map(math.isfinite, result["train_loss"]))
-    assert math.isfinite(result["val_loss"])
+    # 257 validation windows of 64 tokens: rank 0 evaluates 65 (two passes of 64), the others
+    # 64, and run a second, uncounted pass so that FSDP's all-gathers match.
+    assert math.isfinite(result["val_loss"]) and result["val_tokens"] == 16448
     assert 0 < result["sent"] < result["uncompressed"] / 2
     # Gradients at steps 0 and 2; weights also at 4, gathered for the validation loss.
     for kind, steps in (("grad", [0, 2]), ("param", [0, 2, 4])):
         errors = result["telemetry"][kind]
         assert [e["step"] for e in errors] == steps
         assert all(0 < e["rel_l2_error"] < 1 and e["nonfinite"] == 0 for e in errors)
+        assert result[f"{kind}_rel_l2"] == [e["rel_l2_error"] for e in errors]
+
+
+def test_the_example_follows_megatron_cores_learning_rate_schedule():
+    # The convergence study gives both examples the same --lr-decay/--warmup-steps/--min-lr.
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    spec = spec_from_file_location("fsdp2_train", ROOT / "examples/fsdp2/train.py")
+    example = module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for decay, warmup in (("cosine", 5), ("cosine", 0), ("constant", 3)):
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=warmup,
+            lr_decay_steps=40, lr_decay_style=decay, start_wd=0.01, end_wd=0.01,
+            wd_incr_steps=40, wd_incr_style="constant")
+        for step in range(42):
+            got = example.learning_rate(step, 3e-3, 3e-4, warmup, 40, decay)
+            assert got == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12, abs=1e-15)
+            scheduler.step(1)

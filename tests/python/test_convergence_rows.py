@@ -1,0 +1,81 @@
+"""The convergence study's rows (bench/convergence.py): each row is paired with its reference
+row, a baseline trained by the same script, without training anything."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import convergence  # noqa: E402
+from convergence import BASELINE, FSDP_BASELINE, ROWS, Row, select_rows  # noqa: E402
+
+
+def test_every_row_is_differenced_against_a_reference_row_of_its_own_script():
+    for row in ROWS.values():
+        reference = ROWS[row.reference]
+        assert reference.is_reference and reference.script == row.script, row.name
+    assert ROWS["SDP4Bit"].reference == BASELINE and ROWS[BASELINE].is_reference
+    fsdp = [row for row in ROWS.values() if row.script == convergence.FSDP_TRAIN]
+    assert {row.name for row in fsdp} == {FSDP_BASELINE, "FSDP2 QSDP"}
+    assert all(row.reference == FSDP_BASELINE for row in fsdp)
+    assert ROWS[FSDP_BASELINE].args == ("--preset", "baseline")
+    assert ROWS["FSDP2 QSDP"].args == ("--preset", "qsdp")
+
+
+def test_a_row_needs_its_reference_among_the_selected_rows():
+    assert [r.name for r in select_rows(["FSDP2 QSDP", FSDP_BASELINE])] == ["FSDP2 QSDP",
+                                                                           FSDP_BASELINE]
+    assert [r.name for r in select_rows([FSDP_BASELINE])] == [FSDP_BASELINE]
+    with pytest.raises(ValueError, match="'FSDP2 QSDP' is differenced against 'FSDP2'"):
+        select_rows([BASELINE, "FSDP2 QSDP"])
+    with pytest.raises(ValueError, match="'SDP4Bit' is differenced against 'baseline'"):
+        select_rows([FSDP_BASELINE, "SDP4Bit"])
+    with pytest.raises(ValueError, match="unknown rows"):
+        select_rows([BASELINE, "nope"])
+    with pytest.raises(ValueError, match="rows repeat"):
+        select_rows([BASELINE, BASELINE])
+
+
+def test_a_reference_must_be_a_reference_row_of_the_same_script():
+    table = {"a": Row("a", (), reference="a"), "b": Row("b", (), reference="a"),
+             "c": Row("c", (), convergence.FSDP_TRAIN, reference="a"),
+             "d": Row("d", (), reference="b")}
+    assert [r.name for r in select_rows(["a", "b"], table)] == ["a", "b"]
+    with pytest.raises(ValueError, match="must be a reference row of the same script"):
+        select_rows(["a", "c"], table)
+    with pytest.raises(ValueError, match="must be a reference row of the same script"):
+        select_rows(["a", "b", "d"], table)
+
+
+def _run(val_loss: float, train_loss: list[float], sent: int = 0) -> dict:
+    return {"val_loss": val_loss, "train_loss": train_loss, "step_ms": [1.0] * len(train_loss),
+            "sent": sent, "uncompressed": 4 * sent, "grad_rel_l2": [], "param_rel_l2": [],
+            "seconds": 1.0}
+
+
+def test_each_row_is_differenced_seed_by_seed_from_its_own_reference():
+    # Two scripts' losses far apart; within each, a constant difference per seed.
+    runs = {
+        BASELINE: {1: _run(2.0, [3.0, 2.0]), 2: _run(2.2, [3.2, 2.2])},
+        "SDP4Bit": {1: _run(2.01, [3.0, 2.01], 10), 2: _run(2.21, [3.2, 2.21], 10)},
+        FSDP_BASELINE: {1: _run(3.0, [4.0, 3.0]), 2: _run(3.4, [4.4, 3.4])},
+        "FSDP2 QSDP": {1: _run(3.03, [4.1, 3.03], 10), 2: _run(3.43, [4.5, 3.43], 10)},
+    }
+    rows = select_rows(list(runs))
+    summary = convergence.summarize(rows, runs)
+    assert summary["SDP4Bit"]["reference"] == BASELINE
+    assert summary["SDP4Bit"]["difference"]["mean"] == pytest.approx(0.01)
+    assert summary["SDP4Bit"]["difference"]["half_width"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["SDP4Bit"]["relative_difference"]["mean"] == pytest.approx(0.01 / 2.1)
+    fsdp = summary["FSDP2 QSDP"]
+    assert fsdp["reference"] == FSDP_BASELINE  # not +1.03 against the Megatron baseline
+    assert fsdp["difference"]["mean"] == pytest.approx(0.03)
+    assert fsdp["relative_difference"]["mean"] == pytest.approx(0.03 / 3.2)
+    assert fsdp["bytes_ratio"] == pytest.approx(0.25)
+    for name in (BASELINE, FSDP_BASELINE):
+        assert summary[name]["difference"]["mean"] == 0.0
+    curves = convergence.difference_curves(rows, runs, window=1)
+    assert [d.mean for d in curves["FSDP2 QSDP"]] == pytest.approx([0.1, 0.03])
+    assert [d.mean for d in curves["SDP4Bit"]] == pytest.approx([0.0, 0.01])
