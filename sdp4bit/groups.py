@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from . import _native
-from .errors import translated_errors
+from .errors import Sdp4bitError, translated_errors
+
+logger = logging.getLogger("sdp4bit")
+
+# Every ProcessGroups not yet closed, held until closed: its background thread and its
+# collectives in flight outlive the Python object (a collective keeps its groups alive).
+_OPEN: dict[int, ProcessGroups] = {}
+
+
+@atexit.register
+def _close_open_groups() -> None:
+    """Closes the groups still open when the interpreter exits. atexit handlers run before
+    the interpreter starts shutting down: the collectives in flight complete and the
+    background threads are joined while every Python thread waiting on one of them can still
+    take the GIL back (a thread that needs it during shutdown is ended or parked, never
+    resumed); a rank never exits under a collective its peers are still running. Like
+    :meth:`ProcessGroups.close`, this waits for those collectives (at most the groups'
+    timeout). Registered after torch's import, so it runs before any exit hook of torch's."""
+    for groups in list(_OPEN.values()):
+        try:
+            groups.close()
+        except Sdp4bitError as e:
+            logger.warning("sdp4bit: closing process groups at exit failed: %s", e)
 
 
 def node_labels_from_local_world_size(global_ranks: list[int], local_world_size: int) -> list[int]:
@@ -120,15 +144,19 @@ class ProcessGroups:
                 intra.group_name if intra is not None else "",
                 inter.group_name if inter is not None else "",
             )
-        return cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native)
+        groups = cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native)
+        _OPEN[id(groups)] = groups
+        return groups
 
     def close(self) -> None:
         """Completes the collectives already started, stops the background thread and
         releases the private groups. Call it before ``dist.destroy_process_group()`` (process
         exit then has nothing of sdp4bit's left to tear down); collectives started afterwards
-        raise :class:`Sdp4bitError`. Idempotent."""
+        raise :class:`Sdp4bitError`. Idempotent; groups still open when the interpreter
+        exits are closed then, before it shuts down."""
         with translated_errors():
             self.native.close()
+        _OPEN.pop(id(self), None)
 
     @property
     def size(self) -> int:
