@@ -164,9 +164,11 @@ bool interpreter_finalizing() {
 // than the finalizing one that asks for the GIL after shutdown began is ended with
 // pthread_exit(), whose forced unwinding through this noexcept destructor would call
 // std::terminate ("terminate called without an active exception"). Such a thread is parked
-// instead (as Python 3.14 itself does); the process is exiting, which ends it. sdp4bit's
-// exit hook (sdp4bit/groups.py) closes every open ProcessGroups before shutdown begins, so
-// only a wait that outlives that hook can get here.
+// instead (as Python 3.14 itself does); the process is exiting, which ends it. Methods
+// called from Python run without the GIL already (torch gives it up around the call and takes
+// it back itself, so sdp4bit's exit hook in sdp4bit/groups.py closes every open ProcessGroups
+// and waits for the threads in a wait() before shutdown begins); this guard covers the calls
+// made with the GIL held, such as a Work freed by the garbage collector.
 class WithoutGil {
  public:
   WithoutGil() {

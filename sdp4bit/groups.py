@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -18,6 +21,32 @@ logger = logging.getLogger("sdp4bit")
 # Every ProcessGroups not yet closed, held until closed: its background thread and its
 # collectives in flight outlive the Python object (a collective keeps its groups alive).
 _OPEN: dict[int, ProcessGroups] = {}
+# How long the exit hook gives woken threads to take the GIL back, seconds.
+_EXIT_GIL_WAIT_S = 10.0
+# Threads inside a collective's wait(): torch gives up the GIL for the call and takes it back
+# after it, which ends the thread (and, unwinding through torch, aborts the process with
+# "terminate called without an active exception") if the interpreter began shutting down
+# meanwhile; the exit hook waits for none to be left.
+_WAITING = [0]
+_WAITING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def counted_wait():
+    """Counts the calling thread as waiting on a collective while the block runs."""
+    with _WAITING_LOCK:
+        _WAITING[0] += 1
+    try:
+        yield
+    finally:
+        with _WAITING_LOCK:
+            _WAITING[0] -= 1
+
+
+def threads_in_wait() -> int:
+    """Threads waiting on a collective now."""
+    with _WAITING_LOCK:
+        return _WAITING[0]
 
 
 @atexit.register
@@ -34,6 +63,12 @@ def _close_open_groups() -> None:
             groups.close()
         except Sdp4bitError as e:
             logger.warning("sdp4bit: closing process groups at exit failed: %s", e)
+    # The threads those collectives woke take the GIL back now, while they still may
+    # (sleeping hands it to them); bounded, so that exit never hangs on a thread that waits
+    # for something else.
+    deadline = time.monotonic() + _EXIT_GIL_WAIT_S
+    while threads_in_wait() > 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def node_labels_from_local_world_size(global_ranks: list[int], local_world_size: int) -> list[int]:
