@@ -75,18 +75,40 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
             rows.append({
                 "topology": topology, "rate_mbit": rate, "delay_ms": args.delay_ms,
                 "preset": preset, "bucket_numel": collectives["numel"],
-                "rs_ms": preset_row["rs_s"] * 1e3, "ag_ms": preset_row["ag_s"] * 1e3,
+                **{f"{k}_ms": preset_row[k]["median"] * 1e3 for k in ("rs", "ag", "comm")},
+                "comm_min_ms": preset_row["comm"]["min"] * 1e3,
+                "comm_max_ms": preset_row["comm"]["max"] * 1e3,
                 "bucket_bytes": preset_row["rs_bytes"] + preset_row["ag_bytes"],
+                "link_ms": link_ms(preset, collectives["numel"], nodes, per_node, rate),
                 "step_ms": steady[len(steady) // 2],
                 "step_bytes": trained["sent"] // args.steps if trained["sent"] else None,
             })
+            if preset == "baseline":
+                rows[-1].update(rs_a2a_ms=preset_row["rs_a2a"]["median"] * 1e3,
+                                comm_a2a_ms=preset_row["comm_a2a"]["median"] * 1e3,
+                                comm_a2a_min_ms=preset_row["comm_a2a"]["min"] * 1e3,
+                                comm_a2a_max_ms=preset_row["comm_a2a"]["max"] * 1e3)
     base = {(r["topology"], r["rate_mbit"]): r for r in rows if r["preset"] == "baseline"}
     for r in rows:
         b = base[(r["topology"], r["rate_mbit"])]
-        r["comm_speedup"] = (b["rs_ms"] + b["ag_ms"]) / (r["rs_ms"] + r["ag_ms"])
+        r["link_fraction"] = r["link_ms"] / r["comm_ms"]
+        r["comm_speedup"] = b["comm_ms"] / r["comm_ms"]
+        r["best_uncompressed_ms"] = min(b["comm_ms"], b["comm_a2a_ms"])
+        r["best_speedup"] = r["best_uncompressed_ms"] / r["comm_ms"]
         r["ideal_speedup"] = b["bucket_bytes"] / r["bucket_bytes"]
         r["step_speedup"] = b["step_ms"] / r["step_ms"]
     return rows
+
+
+def link_ms(preset: str, numel: int, nodes: int, per_node: int, rate_mbit: float) -> float:
+    """Milliseconds the busiest node link needs, at `rate_mbit` per direction, for the bytes
+    one bucket's reduce-scatter and all-gather send between nodes: every rank of a node sends
+    the inter-node bytes the core plans for it (uncompressed: each byte sent once, as a direct
+    send does) through the node's one link."""
+    from sdp4bit import plan
+
+    b, _ = plan.step_bytes(preset, numel, nodes * per_node, per_node)
+    return per_node * (b.grad[1] + b.weight[1]) * 8 / (rate_mbit * 1e6) * 1e3
 
 
 def add_predictions(rows: list[dict]) -> None:
@@ -110,11 +132,11 @@ def add_predictions(rows: list[dict]) -> None:
                 return inter_bits / (rate * 1e6) * 1e3
 
             calibration = measured[fastest]
-            fixed = calibration["rs_ms"] + calibration["ag_ms"] - wire_ms(fastest)
+            fixed = calibration["comm_ms"] - wire_ms(fastest)
             for rate, r in measured.items():
                 r["predicted_ms"] = fixed + wire_ms(rate)
                 r["prediction_error"] = (None if rate == fastest else
-                                         r["predicted_ms"] / (r["rs_ms"] + r["ag_ms"]) - 1)
+                                         r["predicted_ms"] / r["comm_ms"] - 1)
 
 
 def write_results(rows: list[dict], args, out_dir: Path) -> None:
@@ -129,22 +151,38 @@ def write_results(rows: list[dict], args, out_dir: Path) -> None:
         f"Bucket: {rows[0]['bucket_numel']:,} elements (fp32 gradients, bf16 parameters); "
         f"links shaped with tc (tbf rate; {args.delay_ms} ms added one-way delay); training: "
         f"`examples/gpt_cpu/train.py {args.model}`, median step after {args.warmup_steps} "
-        "warm-up steps. Times are the slowest rank's; comm = reduce-scatter + all-gather. "
+        "warm-up steps. Times are the slowest rank's, median of --reps runs "
+        f"({args.reps}) with [min-max]; comm = reduce-scatter then all-gather, timed together. "
+        "link ms = the bytes one bucket's two collectives send over the busiest node link "
+        "(the core's plan; uncompressed: each byte sent once) at the link rate; link/measured "
+        "= how close the measurement comes to the link's limit. Uncompressed: gloo's "
+        "reduce-scatter and all-gather (baseline); best = the faster of that and a "
+        "reduce-scatter made of an all-to-all and a local sum (each byte sent once). "
         "Model: sdp4bit.plan's inter-node bytes over each node's link, its fixed part "
         "calibrated per preset at the fastest link (marked), predicted at the others.", "",
-        "| topology | link | preset | RS ms | AG ms | bytes sent/rank | comm speedup | ideal "
-        "(byte ratio) | measured/ideal | model ms | model error | step ms | step speedup |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| topology | link | preset | RS ms | AG ms | comm ms [min-max] | link ms | "
+        "link/measured | bytes sent/rank | speedup vs gloo | speedup vs best uncompressed | "
+        "ideal (byte ratio) | model ms | model error | step ms | step speedup |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['topology']} | {r['rate_mbit'] / 1000:g} Gbit/s | {r['preset']} | "
-            f"{r['rs_ms']:.1f} | {r['ag_ms']:.1f} | {r['bucket_bytes']:,} | "
-            f"{r['comm_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
-            f"{r['comm_speedup'] / r['ideal_speedup']:.2f} | {r['predicted_ms']:.1f} | "
+            f"{r['rs_ms']:.1f} | {r['ag_ms']:.1f} | {r['comm_ms']:.1f} "
+            f"[{r['comm_min_ms']:.1f}-{r['comm_max_ms']:.1f}] | {r['link_ms']:.1f} | "
+            f"{r['link_fraction']:.2f} | {r['bucket_bytes']:,} | {r['comm_speedup']:.2f}x | "
+            f"{r['best_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['predicted_ms']:.1f} | "
             + ("calibration" if r["prediction_error"] is None
                else f"{100 * r['prediction_error']:+.0f}%")
             + f" | {r['step_ms']:.0f} | {r['step_speedup']:.2f}x |")
+        if r["preset"] == "baseline":
+            lines.append(
+                f"| {r['topology']} | {r['rate_mbit'] / 1000:g} Gbit/s | uncompressed, RS by "
+                f"all-to-all + sum | {r['rs_a2a_ms']:.1f} | {r['ag_ms']:.1f} | "
+                f"{r['comm_a2a_ms']:.1f} [{r['comm_a2a_min_ms']:.1f}-{r['comm_a2a_max_ms']:.1f}]"
+                f" | {r['link_ms']:.1f} | {r['link_ms'] / r['comm_a2a_ms']:.2f} | "
+                f"{r['bucket_bytes']:,} | {r['comm_ms'] / r['comm_a2a_ms']:.2f}x | "
+                f"{r['best_uncompressed_ms'] / r['comm_a2a_ms']:.2f}x | 1.00x | - | - | - | - |")
     (out_dir / "cluster.md").write_text("\n".join(lines) + "\n")
     plot(rows, out_dir / "cluster.png")
 
@@ -181,7 +219,8 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="one-way link delay (needs the kernel's netem)")
     p.add_argument("--numel", type=int, default=1 << 22, help="bucket elements")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5,
+                   help="timed runs per measurement (after one warm-up)")
     p.add_argument("--presets", default="sdp4bit,qsdp,global-qsgd,zeropp",
                    help="compared with the uncompressed baseline")
     p.add_argument("--steps", type=int, default=8)

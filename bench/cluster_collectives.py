@@ -1,5 +1,6 @@
 """Rank code of bench/cluster.py: times one bucket's gradient reduce-scatter and parameter
-all-gather for each preset, and the uncompressed torch.distributed collectives, over the
+all-gather for each preset, and the uncompressed torch.distributed collectives (gloo's
+reduce-scatter, and one built from an all-to-all and a local sum), over the
 gloo group of the emulated cluster (launched with RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set). Rank 0 writes a JSON list of rows to --out."""
 
@@ -23,8 +24,9 @@ def slowest(seconds: float) -> float:
     return t.item()
 
 
-def timed(run, reps: int) -> float:
-    """Median over `reps` of the slowest rank's time of `run()`, after one warm-up."""
+def timed(run, reps: int) -> dict:
+    """The slowest rank's time of `run()` over `reps` runs after one warm-up: median, min and
+    max in seconds."""
     run()
     times = []
     for _ in range(reps):
@@ -32,13 +34,23 @@ def timed(run, reps: int) -> float:
         start = time.perf_counter()
         run()
         times.append(slowest(time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+    times.sort()
+    return {"median": times[len(times) // 2], "min": times[0], "max": times[-1]}
+
+
+def reduce_scatter_by_all_to_all(shard: torch.Tensor, grads: torch.Tensor) -> None:
+    """An uncompressed reduce-scatter that sends each byte once (direct send): an all-to-all
+    of the W blocks, then this rank's sum of the W blocks it received."""
+    world = dist.get_world_size()
+    blocks = torch.empty_like(grads)
+    dist.all_to_all_single(blocks, grads)
+    torch.sum(blocks.view(world, -1), dim=0, out=shard)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--numel", type=int, default=1 << 22)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--presets", default="sdp4bit,qsdp,global-qsgd,zeropp")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -57,11 +69,22 @@ def main() -> None:
     bits = params.view(torch.int16)
     words = bits.view(torch.int32)  # gloo has no 16-bit collectives: the same bytes as int32
     mine = words[rank * shard_len // 2:(rank + 1) * shard_len // 2].clone()
-    rs_s = timed(lambda: dist.reduce_scatter_tensor(shard, grads.clone()), args.reps)
-    ag_s = timed(lambda: dist.all_gather_into_tensor(words, mine), args.reps)
+    def gloo_rs():
+        dist.reduce_scatter_tensor(shard, grads.clone())
+
+    def gloo_ag():
+        dist.all_gather_into_tensor(words, mine)
+
+    def a2a_rs():
+        reduce_scatter_by_all_to_all(shard, grads.clone())
+
     # The uncompressed bytes as the core counts them (fp32 reduce-scatter, bf16 all-gather).
     uncompressed = Config("baseline")
-    rows.append({"preset": "baseline", "rs_s": rs_s, "ag_s": ag_s,
+    rows.append({"preset": "baseline", "rs": timed(gloo_rs, args.reps),
+                 "ag": timed(gloo_ag, args.reps),
+                 "comm": timed(lambda: (gloo_rs(), gloo_ag()), args.reps),
+                 "rs_a2a": timed(a2a_rs, args.reps),
+                 "comm_a2a": timed(lambda: (a2a_rs(), gloo_ag()), args.reps),
                  "rs_bytes": GradReduceScatter(groups, uncompressed, numel, 4000)
                  .baseline_wire_bytes().total,
                  "ag_bytes": WeightAllGather(groups, uncompressed, params.clone(), 4000)
@@ -83,9 +106,9 @@ def main() -> None:
             ag.start(local_params, step[0]).wait()
             step[0] += 1
 
-        rs_s = timed(reduce_scatter, args.reps)
-        ag_s = timed(all_gather, args.reps)
-        rows.append({"preset": preset, "rs_s": rs_s, "ag_s": ag_s,
+        rows.append({"preset": preset, "rs": timed(reduce_scatter, args.reps),
+                     "ag": timed(all_gather, args.reps),
+                     "comm": timed(lambda: (reduce_scatter(), all_gather()), args.reps),
                      "rs_bytes": rs.wire_bytes(1).total, "ag_bytes": ag.wire_bytes().total})
     groups.close()
     if rank == 0:

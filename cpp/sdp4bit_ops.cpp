@@ -35,6 +35,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "executor.h"
@@ -147,22 +148,61 @@ std::vector<uint64_t> checked_labels(const std::vector<int64_t>& labels) {
   return out;
 }
 
+// Whether the interpreter is shutting down (Py_IsFinalizing() from Python 3.13 on).
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // Releases the GIL (when this thread holds it) while blocking on the executor, so the
 // executor and other Python threads never wait for a thread that waits for them.
+//
+// Taking the GIL back is where interpreter shutdown bites: before Python 3.14, a thread other
+// than the finalizing one that asks for the GIL after shutdown began is ended with
+// pthread_exit(), whose forced unwinding through this noexcept destructor would call
+// std::terminate ("terminate called without an active exception"). Such a thread is parked
+// instead (as Python 3.14 itself does); the process is exiting, which ends it. Methods
+// called from Python run without the GIL already (torch gives it up around the call and takes
+// it back itself, so sdp4bit's exit hook in sdp4bit/groups.py closes every open ProcessGroups
+// and waits for the threads in a wait() before shutdown begins); this guard covers the calls
+// made with the GIL held, such as a Work freed by the garbage collector.
 class WithoutGil {
  public:
   WithoutGil() {
-    if (Py_IsInitialized() && PyGILState_Check()) state_ = PyEval_SaveThread();
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      // A thread that holds the GIL after shutdown began is the finalizing thread itself,
+      // which may always take it back.
+      finalizing_thread_ = interpreter_finalizing();
+      state_ = PyEval_SaveThread();
+    }
   }
   ~WithoutGil() {
-    if (state_ != nullptr) PyEval_RestoreThread(state_);
+    if (state_ == nullptr) return;
+    if (!finalizing_thread_ && interpreter_finalizing()) park_forever();
+    PyEval_RestoreThread(state_);
   }
   WithoutGil(const WithoutGil&) = delete;
   WithoutGil& operator=(const WithoutGil&) = delete;
 
  private:
+  [[noreturn]] static void park_forever() {
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+
   PyThreadState* state_ = nullptr;
+  bool finalizing_thread_ = false;
 };
+
+// Blocks until `done` is ready, without the GIL only when it has to wait: a collective that
+// already completed returns without giving up and retaking the GIL.
+void wait_for(const std::shared_future<void>& done) {
+  if (done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return;
+  WithoutGil unlocked;
+  done.wait();
+}
 
 // A tensor's memory as the executor thread sees it. Jobs never hold at::Tensor handles:
 // changing a tensor's reference count off the Python thread can need the GIL. The Work
@@ -248,10 +288,7 @@ class ProcessGroups : public torch::CustomClassHolder {
     using R = decltype(job());
     std::optional<R> result;
     auto done = submit([&] { result.emplace(job()); });
-    {
-      WithoutGil unlocked;
-      done.wait();
-    }
+    wait_for(done);
     rethrow_as_torch_error([&] { done.get(); });
     return std::move(*result);
   }
@@ -277,17 +314,11 @@ class Work : public torch::CustomClassHolder {
       : done_(std::move(done)), keep_alive_(std::move(keep_alive)), owner_(std::move(owner)) {}
 
   ~Work() override {
-    if (done_.valid()) {
-      WithoutGil unlocked;
-      done_.wait();
-    }
+    if (done_.valid()) wait_for(done_);
   }
 
   void wait() {
-    {
-      WithoutGil unlocked;
-      done_.wait();
-    }
+    wait_for(done_);
     rethrow_as_torch_error([&] { done_.get(); });
   }
 

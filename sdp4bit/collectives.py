@@ -10,7 +10,7 @@ import torch
 from . import _native
 from .config import Config
 from .errors import translated_errors
-from .groups import ProcessGroups
+from .groups import ProcessGroups, counted_wait
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Handle:
         self._work = work
 
     def wait(self) -> None:
-        with translated_errors():
+        with counted_wait(), translated_errors():
             self._work.wait()
 
     def is_completed(self) -> bool:

@@ -2,14 +2,73 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from . import _native
-from .errors import translated_errors
+from .errors import Sdp4bitError, translated_errors
+
+logger = logging.getLogger("sdp4bit")
+
+# Every ProcessGroups not yet closed, held until closed: its background thread and its
+# collectives in flight outlive the Python object (a collective keeps its groups alive).
+_OPEN: dict[int, ProcessGroups] = {}
+# How long the exit hook gives woken threads to take the GIL back, seconds.
+_EXIT_GIL_WAIT_S = 10.0
+# Threads inside a collective's wait(): torch gives up the GIL for the call and takes it back
+# after it, which ends the thread (and, unwinding through torch, aborts the process with
+# "terminate called without an active exception") if the interpreter began shutting down
+# meanwhile; the exit hook waits for none to be left.
+_WAITING = [0]
+_WAITING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def counted_wait():
+    """Counts the calling thread as waiting on a collective while the block runs."""
+    with _WAITING_LOCK:
+        _WAITING[0] += 1
+    try:
+        yield
+    finally:
+        with _WAITING_LOCK:
+            _WAITING[0] -= 1
+
+
+def threads_in_wait() -> int:
+    """Threads waiting on a collective now."""
+    with _WAITING_LOCK:
+        return _WAITING[0]
+
+
+@atexit.register
+def _close_open_groups() -> None:
+    """Closes the groups still open when the interpreter exits. atexit handlers run before
+    the interpreter starts shutting down: the collectives in flight complete and the
+    background threads are joined while every Python thread waiting on one of them can still
+    take the GIL back (a thread that needs it during shutdown is ended or parked, never
+    resumed); a rank never exits under a collective its peers are still running. Like
+    :meth:`ProcessGroups.close`, this waits for those collectives (at most the groups'
+    timeout). Registered after torch's import, so it runs before any exit hook of torch's."""
+    for groups in list(_OPEN.values()):
+        try:
+            groups.close()
+        except Sdp4bitError as e:
+            logger.warning("sdp4bit: closing process groups at exit failed: %s", e)
+    # The threads those collectives woke take the GIL back now, while they still may
+    # (sleeping hands it to them); bounded, so that exit never hangs on a thread that waits
+    # for something else.
+    deadline = time.monotonic() + _EXIT_GIL_WAIT_S
+    while threads_in_wait() > 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def node_labels_from_local_world_size(global_ranks: list[int], local_world_size: int) -> list[int]:
@@ -120,15 +179,19 @@ class ProcessGroups:
                 intra.group_name if intra is not None else "",
                 inter.group_name if inter is not None else "",
             )
-        return cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native)
+        groups = cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native)
+        _OPEN[id(groups)] = groups
+        return groups
 
     def close(self) -> None:
         """Completes the collectives already started, stops the background thread and
         releases the private groups. Call it before ``dist.destroy_process_group()`` (process
         exit then has nothing of sdp4bit's left to tear down); collectives started afterwards
-        raise :class:`Sdp4bitError`. Idempotent."""
+        raise :class:`Sdp4bitError`. Idempotent; groups still open when the interpreter
+        exits are closed then, before it shuts down."""
         with translated_errors():
             self.native.close()
+        _OPEN.pop(id(self), None)
 
     @property
     def size(self) -> int:

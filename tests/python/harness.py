@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,7 +55,7 @@ def run_ranks(world: int, scenario, *args, env: dict[str, str] | None = None,
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rank_preload"])
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     env = {"LOCAL_WORLD_SIZE": str(world), **(env or {})}
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, env, backend, scenario, args, results))
