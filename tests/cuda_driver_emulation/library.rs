@@ -12,12 +12,13 @@
 //! A child process of these tests gets the built library's path in [`LIBRARY_VAR`] and loads
 //! that instead of building its own.
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{CStr, OsString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
+use sdp4bit_test_support::gxx::compile_in_parallel;
 
 /// g++ flags of every translation unit: the kernel emulator's (no fused multiply-add),
 /// position-independent, only the driver API exported.
@@ -133,55 +134,20 @@ fn build(dir: &Path) -> Result<PathBuf, String> {
         found.sort();
         sources.extend(found);
     }
-    let compiles: Vec<_> = sources
-        .iter()
-        .enumerate()
-        .map(|(i, source)| {
-            let object = dir.join(format!("{i}.o"));
-            let sanitize: &[&str] = if runs_kernel_code(source) {
-                &SANITIZE
-            } else {
-                &[]
-            };
-            let child = Command::new("g++")
-                .args(CXX_FLAGS)
-                .args(sanitize)
-                .arg("-include")
-                .arg(&shim)
-                .arg("-I")
-                .arg(&kernels)
-                .args(["-x", "c++", "-c"])
-                .arg(source)
-                .arg("-o")
-                .arg(&object)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|e| format!("start g++ (required for the CUDA driver emulation): {e}"));
-            (source, object, child)
-        })
-        .collect();
-    let mut objects = Vec::new();
-    let mut errors = String::new();
-    for (source, object, child) in compiles {
-        let out = child?
-            .wait_with_output()
-            .map_err(|e| format!("wait for g++: {e}"))?;
-        if !out.status.success() {
-            errors += &format!(
-                "g++ failed on {}:\n{}{}\n",
-                source.display(),
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+    let objects = compile_in_parallel(&sources, dir, |source| {
+        let mut flags: Vec<OsString> = CXX_FLAGS.iter().map(OsString::from).collect();
+        if runs_kernel_code(source) {
+            flags.extend(SANITIZE.iter().map(OsString::from));
         }
-        objects.push(object);
-    }
-    if !errors.is_empty() {
-        return Err(format!(
-            "building it failed (warnings are errors):\n{errors}"
-        ));
-    }
+        flags.extend([
+            "-include".into(),
+            shim.clone().into(),
+            "-I".into(),
+            kernels.clone().into(),
+        ]);
+        flags
+    })
+    .map_err(|e| format!("building it failed (g++ is required; warnings are errors):\n{e}"))?;
     let library = dir.join("libcuda.so");
     let out = Command::new("g++")
         .args(["-shared", "-pthread", "-fsanitize=undefined"])

@@ -2,9 +2,12 @@
 //! `tests/kernel_emulator/emulator.cpp`, compiled in parallel and linked once per test process
 //! (every test that emulates kernels shares it).
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
+
+use sdp4bit_test_support::gxx::compile_in_parallel;
 
 /// g++ flags of every translation unit. `-ffp-contract=off`: no fused multiply-add, as NVRTC's
 /// `--fmad=false`. CUDA's `#pragma unroll` means nothing to g++, hence `-Wno-unknown-pragmas`.
@@ -90,47 +93,18 @@ fn build(kernels: &Path, dir: &Path) -> Result<PathBuf, String> {
     }
     sources.push(harness.join("emulator.cpp"));
 
-    let compiles: Vec<_> = sources
-        .iter()
-        .map(|source| {
-            let stem = source.file_stem().expect("file name").to_string_lossy();
-            let object = dir.join(format!("{stem}.o"));
-            let child = Command::new("g++")
-                .args(CXX_FLAGS)
-                .arg("-include")
-                .arg(harness.join("cuda_shim.h"))
-                .arg("-I")
-                .arg(kernels)
-                .args(["-x", "c++", "-c"])
-                .arg(source)
-                .arg("-o")
-                .arg(&object)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("start g++");
-            (source, object, child)
-        })
-        .collect();
-    let mut objects = Vec::new();
-    let mut errors = String::new();
-    for (source, object, child) in compiles {
-        let out = child.wait_with_output().expect("wait for g++");
-        if !out.status.success() {
-            errors += &format!(
-                "g++ failed on {}:\n{}{}\n",
-                source.display(),
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        objects.push(object);
-    }
-    if !errors.is_empty() {
-        return Err(format!(
-            "building the kernel emulator failed (warnings are errors):\n{errors}"
-        ));
-    }
+    let shim = harness.join("cuda_shim.h");
+    let objects = compile_in_parallel(&sources, dir, |_| {
+        let mut flags: Vec<OsString> = CXX_FLAGS.iter().map(OsString::from).collect();
+        flags.extend([
+            "-include".into(),
+            shim.clone().into(),
+            "-I".into(),
+            kernels.into(),
+        ]);
+        flags
+    })
+    .map_err(|e| format!("building the kernel emulator failed (warnings are errors):\n{e}"))?;
     let exe = dir.join("emulator");
     let out = Command::new("g++")
         .args(["-pthread", "-fsanitize=undefined"])

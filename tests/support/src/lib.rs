@@ -7,7 +7,8 @@
 //! - [`recorder`]: a `Comm` that records every payload it carries;
 //! - [`reference`](mod@reference): exact f64 answers and the error bounds derived from the
 //!   quantizers;
-//! - [`error_stats`]: comparing outputs with a reference and asserting the bounds.
+//! - [`error_stats`]: comparing outputs with a reference and asserting the bounds;
+//! - [`gxx`]: host builds of the kernels with g++ (both CUDA emulations).
 //!
 //! The root package depends on this crate as a dev-dependency, so the tests and this crate
 //! share one build of `sdp4bit` and its types. Every test binary waits for this crate to
@@ -17,6 +18,7 @@
 pub mod bits;
 pub mod cluster;
 pub mod error_stats;
+pub mod gxx;
 pub mod random;
 pub mod recorder;
 pub mod reference;
