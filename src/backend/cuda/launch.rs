@@ -33,8 +33,9 @@ use cudarc::driver::sys;
 const BLOCK_THREADS: u32 = 256;
 /// Groups one block handles at a time: one warp per group.
 const GROUPS_PER_BLOCK: u64 = (BLOCK_THREADS / 32) as u64;
-/// Elements one block handles at a time in the element-wise Global-QSGD kernels.
-const ELEMENTS_PER_BLOCK: u64 = BLOCK_THREADS as u64;
+/// Elements one block handles at a time in the element-wise Global-QSGD kernels: a run of 4
+/// consecutive elements per thread (`kernels/global_qsgd.cu`).
+const ELEMENTS_PER_BLOCK: u64 = BLOCK_THREADS as u64 * 4;
 /// Resident blocks per multiprocessor times waves: grids are capped at this many blocks per
 /// multiprocessor (the kernels loop grid-stride over the rest).
 const BLOCKS_PER_MULTIPROCESSOR: u64 = 32;
