@@ -43,6 +43,12 @@ step "NVRTC $SDP4BIT_NVRTC_VERSION into .cache/"
 sdp4bit_nvrtc
 # The kernel compile test must fail, not skip, when NVRTC cannot be loaded.
 export SDP4BIT_REQUIRE_NVRTC=1
+
+step "ptxas $SDP4BIT_PTXAS_VERSION and nvdisasm into .cache/"
+sdp4bit_cuda_tools
+# The kernel resource checks (registers, spills, access widths) must fail, not skip, without
+# them.
+export SDP4BIT_REQUIRE_PTXAS=1
 # The emulated-GPU kernel test runs its full sweep.
 export SDP4BIT_EMULATOR_FULL=1
 
