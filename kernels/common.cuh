@@ -10,8 +10,9 @@
 // __fmul_rn, __fdiv_rn), which are never contracted into a fused multiply-add.
 //
 // Launch contract of every kernel: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic
-// shared memory. Kernels loop grid-stride over their work units, so every grid size gives the
-// same bytes.
+// shared memory, fewer than 2^32 work units (the kernels split a unit index into slab, group
+// and peer indices with 32-bit arithmetic). Kernels loop grid-stride over their work units, so
+// every grid size gives the same bytes.
 //
 // How a warp walks a group. A group of g elements (g a multiple of 32, up to 2^16) is
 // processed by one warp in *tiles* of up to 256 elements. Each lane holds *runs* of E
@@ -240,26 +241,16 @@ __device__ __forceinline__ float sdp_word_to_uniform(uint32_t word)
     return __fmul_rn(__uint2float_rn(word >> 8), 1.0f / 16777216.0f);
 }
 
-// The uniforms of 4 consecutive elements, first = the Philox index of the first, into u[0 .. 4):
-// one block when first is a multiple of 4 (every group of the plans: padded shards are
-// multiples of 32), else one block per element.
+// The uniforms of the 4 consecutive elements whose Philox indices start at `first`, a multiple
+// of 4 (every group and run starts at one: shards, chunks and groups are multiples of 32, and
+// the launches check the index they are given), into u[0 .. 4): the four words of one block.
 __device__ __forceinline__ void sdp_uniforms4(const sdp_rng& rng, uint64_t first, float* u)
 {
-    if (first % 4 == 0) {
-        const sdp_philox_block b = sdp_philox(rng, first / 4);
-        u[0] = sdp_word_to_uniform(b.w0);
-        u[1] = sdp_word_to_uniform(b.w1);
-        u[2] = sdp_word_to_uniform(b.w2);
-        u[3] = sdp_word_to_uniform(b.w3);
-        return;
-    }
-#pragma unroll
-    for (uint32_t k = 0; k < 4; ++k) {
-        const uint64_t i = first + k;
-        const sdp_philox_block b = sdp_philox(rng, i / 4);
-        const uint32_t w = i % 4;
-        u[k] = sdp_word_to_uniform(w == 0 ? b.w0 : w == 1 ? b.w1 : w == 2 ? b.w2 : b.w3);
-    }
+    const sdp_philox_block b = sdp_philox(rng, first / 4);
+    u[0] = sdp_word_to_uniform(b.w0);
+    u[1] = sdp_word_to_uniform(b.w1);
+    u[2] = sdp_word_to_uniform(b.w2);
+    u[3] = sdp_word_to_uniform(b.w3);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -307,6 +298,16 @@ __device__ __forceinline__ uint32_t sdp_tile_element(uint32_t t, uint32_t i, uin
     return t * SDP_TILE + (i / E) * (SDP_WARP_SIZE * E) + lane * E + i % E;
 }
 
+// Runs per lane in tile t of a group of g elements that lie inside the group for some lane:
+// 256 / (32 E), fewer in the last tile of a group whose size is not a multiple of 256. The
+// same on every lane, so code that shuffles may skip the absent runs.
+template <uint32_t E>
+__device__ __forceinline__ uint32_t sdp_tile_runs(uint32_t g, uint32_t t)
+{
+    const uint32_t runs = (g - t * SDP_TILE + SDP_WARP_SIZE * E - 1) / (SDP_WARP_SIZE * E);
+    return runs < SDP_LANE_VALUES / E ? runs : SDP_LANE_VALUES / E;
+}
+
 // Whether run r of this lane in tile t lies inside a group of g elements.
 template <uint32_t E>
 __device__ __forceinline__ bool sdp_run_in_group(uint32_t g, uint32_t t, uint32_t r, uint32_t lane)
@@ -323,8 +324,9 @@ __device__ __forceinline__ bool sdp_run_in_group(uint32_t g, uint32_t t, uint32_
 // value), h = 128 the two runs of the lane. Lanes whose runs lie past the group hold zeros and
 // take part in the shuffles; a block never mixes them with real runs.
 
-// One stage at distance h = 4 .. 64 on both runs.
-__device__ __forceinline__ void sdp_hadamard_lane_stage(float (&v)[SDP_LANE_VALUES], uint32_t h, uint32_t lane)
+// One stage at distance h = 4 .. 64 on the first `runs` runs.
+__device__ __forceinline__ void sdp_hadamard_lane_stage(float (&v)[SDP_LANE_VALUES], uint32_t runs, uint32_t h,
+                                                        uint32_t lane)
 {
     const uint32_t partner = h / 4;
     // Lower lane: a = own, b = other -> a + b; upper lane: a = other, b = own -> a - b, which
@@ -332,19 +334,21 @@ __device__ __forceinline__ void sdp_hadamard_lane_stage(float (&v)[SDP_LANE_VALU
     const uint32_t negate = (lane & partner) != 0 ? 0x80000000u : 0u;
 #pragma unroll
     for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
-        const float other = __shfl_xor_sync(SDP_FULL_MASK, v[i], partner);
-        v[i] = __fadd_rn(__uint_as_float(__float_as_uint(v[i]) ^ negate), other);
+        if (i < 4 * runs) {
+            const float other = __shfl_xor_sync(SDP_FULL_MASK, v[i], partner);
+            v[i] = __fadd_rn(__uint_as_float(__float_as_uint(v[i]) ^ negate), other);
+        }
     }
 }
 
 // One stage at distance h = 1, 2 (inside a run) or 128 (between the runs): the pairs (i, i + d)
-// of register indices with bit d of i clear.
+// of register indices with bit d of i clear, on the first `runs` runs.
 template <uint32_t D>
-__device__ __forceinline__ void sdp_hadamard_register_stage(float (&v)[SDP_LANE_VALUES])
+__device__ __forceinline__ void sdp_hadamard_register_stage(float (&v)[SDP_LANE_VALUES], uint32_t runs)
 {
 #pragma unroll
     for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
-        if ((i & D) == 0) {
+        if ((i & D) == 0 && i + D < 4 * runs) {
             const float a = v[i];
             const float b = v[i + D];
             v[i] = __fadd_rn(a, b);
@@ -353,24 +357,27 @@ __device__ __forceinline__ void sdp_hadamard_register_stage(float (&v)[SDP_LANE_
     }
 }
 
-// The unnormalised butterfly of every `block`-sized block of the tile (block: 16 .. 256). All
-// 32 lanes must call it together.
-__device__ __forceinline__ void sdp_hadamard_forward(float (&v)[SDP_LANE_VALUES], uint32_t block, uint32_t lane)
+// The unnormalised butterfly of every `block`-sized block of tile t of a group of g elements
+// (block: 16 .. 256, dividing g). All 32 lanes must call it together.
+__device__ __forceinline__ void sdp_hadamard_forward(float (&v)[SDP_LANE_VALUES], uint32_t g, uint32_t t,
+                                                     uint32_t block, uint32_t lane)
 {
-    sdp_hadamard_register_stage<1>(v);
-    sdp_hadamard_register_stage<2>(v);
+    const uint32_t runs = sdp_tile_runs<4>(g, t);
+    sdp_hadamard_register_stage<1>(v, runs);
+    sdp_hadamard_register_stage<2>(v, runs);
     for (uint32_t h = 4; h < block && h < 128; h *= 2) {
-        sdp_hadamard_lane_stage(v, h, lane);
+        sdp_hadamard_lane_stage(v, runs, h, lane);
     }
     if (block > 128) {
-        sdp_hadamard_register_stage<4>(v);
+        sdp_hadamard_register_stage<4>(v, runs);
     }
 }
 
 // The inverse: the same butterfly, then every element times 1 / block (exact: a power of two).
-__device__ __forceinline__ void sdp_hadamard_inverse(float (&v)[SDP_LANE_VALUES], uint32_t block, uint32_t lane)
+__device__ __forceinline__ void sdp_hadamard_inverse(float (&v)[SDP_LANE_VALUES], uint32_t g, uint32_t t,
+                                                     uint32_t block, uint32_t lane)
 {
-    sdp_hadamard_forward(v, block, lane);
+    sdp_hadamard_forward(v, g, t, block, lane);
     const float scale = __fdiv_rn(1.0f, (float)block);
 #pragma unroll
     for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
@@ -434,9 +441,9 @@ __device__ __forceinline__ uint64_t sdp_meta_end(const sdp_slab& layout)
 __device__ __forceinline__ void sdp_zero_slab_padding(uint8_t* slab, const sdp_slab& layout,
                                                       uint32_t lane)
 {
-    const uint64_t pad_start = sdp_meta_end(layout);
-    if (pad_start + lane < layout.byte_len) {
-        slab[pad_start + lane] = 0;
+    uint8_t* padding = slab + sdp_meta_end(layout);
+    if (lane < (uint32_t)(slab + layout.byte_len - padding)) {
+        padding[lane] = 0;
     }
 }
 
@@ -623,8 +630,12 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
             load(t, v);
         }
         uint32_t c[SDP_LANE_VALUES];
+        const uint32_t runs = sdp_tile_runs<E>(g, t);
 #pragma unroll
         for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
+            if (r >= runs) {
+                break;
+            }
             const bool valid = sdp_run_in_group<E>(g, t, r, lane);
             float u[E];
 #pragma unroll

@@ -28,11 +28,12 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
     const uint64_t units = (uint64_t)sh.chunks * args.peers1 * layout.groups;
 
     for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
-        const uint64_t s = u / layout.groups;
-        const uint64_t k = u % layout.groups;
-        const uint64_t p = s / args.peers1;
-        const uint64_t x1 = s % args.peers1;
-        const uint64_t x2 = k / args.groups_per_chunk;
+        // Units fit in 32 bits (the launch checks), so the index arithmetic is 32-bit.
+        const uint32_t s = (uint32_t)u / (uint32_t)layout.groups;
+        const uint32_t k = (uint32_t)u % (uint32_t)layout.groups;
+        const uint32_t p = s / args.peers1;
+        const uint32_t x1 = s % args.peers1;
+        const uint32_t x2 = k / args.groups_per_chunk;
         const uint64_t j = k % args.groups_per_chunk;
         const uint64_t z = __ldg(dests + x1 * args.peers2 + x2);
         // In-shard offset of the group's first element; its elements in shard z and how many
@@ -58,7 +59,7 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
                 }
             }
             if (args.hadamard_block != 0) {
-                sdp_hadamard_forward(v, args.hadamard_block, lane);
+                sdp_hadamard_forward(v, g, t, args.hadamard_block, lane);
             }
         };
         sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, s), layout, k, load, args.rng,

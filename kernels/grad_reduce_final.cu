@@ -62,7 +62,7 @@ grad_reduce_final(const uint8_t* __restrict__ recv, float* __restrict__ shard, s
             float v[SDP_LANE_VALUES];
             sdp_sum_peers_tile<4>(recv, layout, args.peers, j, t, lane, v, corrupt);
             if (args.hadamard_block != 0) {
-                sdp_hadamard_inverse(v, args.hadamard_block, lane);
+                sdp_hadamard_inverse(v, g, t, args.hadamard_block, lane);
             }
             store_tile(shard, sh.shard_len, g, first, t, lane, v);
         }

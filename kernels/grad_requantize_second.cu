@@ -22,7 +22,7 @@
 // output group is a non-finite group (scale NaN, codes 0); the CPU returns Error::Decode there.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 3)
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
 grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restrict__ dests,
                        uint8_t* __restrict__ out, sdp_grad_second args)
 {
@@ -35,8 +35,9 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
     const uint64_t units = (uint64_t)args.peers2 * gc;
 
     for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
-        const uint64_t x2 = u / gc;
-        const uint64_t j = u % gc;
+        // Units fit in 32 bits (the launch checks), so the index arithmetic is 32-bit.
+        const uint32_t x2 = (uint32_t)u / (uint32_t)gc;
+        const uint64_t j = (uint32_t)u % (uint32_t)gc;
         const uint64_t k_in = x2 * gc + j;
         const uint64_t z = __ldg(dests + (uint64_t)args.my_x1 * args.peers2 + x2);
 

@@ -80,8 +80,9 @@ weight_apply(const uint8_t* __restrict__ recv, const uint16_t* __restrict__ own_
     const uint64_t units = (uint64_t)args.world * real_groups;
 
     for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
-        const uint64_t z = u / real_groups;
-        const uint64_t j = u % real_groups;
+        // Units fit in 32 bits (the launch checks), so the index arithmetic is 32-bit.
+        const uint64_t z = (uint32_t)u / (uint32_t)real_groups;
+        const uint64_t j = (uint32_t)u % (uint32_t)real_groups;
         const sdp_coded_group grp = sdp_slab_group(sdp_slab_at(recv, layout, z), layout, j);
         bool corrupt = sdp_meta_corrupt(grp);
         const bool own = args.difference && z == args.me;
@@ -106,8 +107,14 @@ weight_apply(const uint8_t* __restrict__ recv, const uint16_t* __restrict__ own_
         }
         if (__any_sync(SDP_FULL_MASK, corrupt)) {
             const uint16_t nan = sdp_f32_to_bf16(sdp_nan());
-            for (uint32_t e = lane; e < g && j * g + e < args.shard_len; e += SDP_WARP_SIZE) {
-                shard[j * g + e] = nan;
+            for (uint32_t t = 0; t < sdp_tiles(g); ++t) {
+                const uint64_t i = j * g + sdp_tile_element<8>(t, 0, lane);
+#pragma unroll
+                for (uint32_t e = 0; e < 8; ++e) {
+                    if (sdp_run_in_group<8>(g, t, 0, lane) && i + e < args.shard_len) {
+                        shard[i + e] = nan;
+                    }
+                }
             }
         }
     }

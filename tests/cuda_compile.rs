@@ -200,7 +200,7 @@ const EXPECTED: [Expected; Kernel::COUNT] = [
     },
     Expected {
         kernel: Kernel::GradRequantizeSecond,
-        max_registers: 80,
+        max_registers: 64,
         widest_load: 32,
         widest_store: 32,
     },

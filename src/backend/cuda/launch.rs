@@ -187,6 +187,12 @@ impl Kernels {
         if units == 0 {
             return Ok(());
         }
+        if units > u64::from(u32::MAX) {
+            return Err(Error::Buffer(format!(
+                "{} over {units} work units: the kernels index at most 2^32 - 1 (split the bucket)",
+                kernel.name()
+            )));
+        }
         let cap = u64::from(self.multiprocessors()) * BLOCKS_PER_MULTIPROCESSOR;
         // At most `cap` (a u32 times 32), so the conversion cannot fail.
         let grid = u32::try_from(units.div_ceil(per_block).min(cap)).unwrap_or(u32::MAX);
