@@ -87,6 +87,7 @@ cargo test --locked --release --test cuda_gpu -- --nocapture --test-threads=1 2>
 step "benchmark smoke runs (SDP4BIT_BENCH_QUICK=1; the GPU one skips without a GPU)"
 SDP4BIT_BENCH_QUICK=1 bash scripts/bench.sh cpu
 SDP4BIT_BENCH_QUICK=1 bash scripts/bench.sh gpu
+bash scripts/bench.sh kernels > /dev/null
 
 step "waiting for the main Python environment"
 wait_for "$MAIN_ENV_PID" .cache/logs/venv-main.log
