@@ -79,3 +79,27 @@ def test_each_row_is_differenced_seed_by_seed_from_its_own_reference():
     curves = convergence.difference_curves(rows, runs, window=1)
     assert [d.mean for d in curves["FSDP2 QSDP"]] == pytest.approx([0.1, 0.03])
     assert [d.mean for d in curves["SDP4Bit"]] == pytest.approx([0.0, 0.01])
+
+
+def test_the_study_runs_seed_after_seed_and_resumes_from_kept_runs(tmp_path, monkeypatch):
+    launched = []
+
+    def fake_launch(command, **_):
+        launched.append(command[command.index("--seed") + 1])
+        out = Path(command[command.index("--json-out") + 1])
+        out.write_text(__import__("json").dumps(_run(2.0, [3.0, 2.0])))
+        return __import__("subprocess").CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(convergence.subprocess, "run", fake_launch)
+    rows = select_rows([BASELINE, "SDP4Bit"])
+    common = convergence.common_args(2, 4096)
+    runs = convergence.run_study(rows, [1, 2], 2, common, tmp_path)
+    assert launched == ["1", "1", "2", "2"]  # whole seeds first
+    assert set(runs) == {BASELINE, "SDP4Bit"} and set(runs["SDP4Bit"]) == {1, 2}
+    assert runs["SDP4Bit"][2]["ran_with"][:3] == ["examples/gpt_cpu/train.py", "--preset",
+                                                  "sdp4bit"]
+    launched.clear()
+    convergence.run_study(rows, [1, 2], 2, common, tmp_path)
+    assert launched == []  # every result kept with the same arguments is reused
+    convergence.run_study(rows, [1, 2], 3, convergence.common_args(3, 4096), tmp_path)
+    assert len(launched) == 4  # other arguments: run again
