@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convergence_stats import interval, paired_difference  # noqa: E402
+from convergence_stats import interval, paired_difference, seeds_for_width  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
@@ -215,11 +215,13 @@ def summarize(rows: list[Row], runs: dict[str, dict[int, dict]]) -> dict[str, di
         base_mean = statistics.fmean(base.values())
         losses = {seed: r["val_loss"] for seed, r in by_seed.items()}
         diff = paired_difference(losses, base)
+        deltas = [losses[seed] - base[seed] for seed in losses]
         first = next(iter(by_seed.values()))
         summary[name] = {
             "reference": row.reference,
             "val_loss": asdict(interval(list(losses.values()))),
             "difference": asdict(diff),
+            "difference_spread": statistics.stdev(deltas) if len(deltas) > 1 else None,
             "relative_difference": {"mean": diff.mean / base_mean,
                                     "half_width": diff.half_width / base_mean},
             "grad_rel_l2": mean([e for r in by_seed.values() for e in r["grad_rel_l2"]]),
@@ -347,8 +349,9 @@ def report(args, rows: list[Row], seeds: list[int], summary: dict[str, dict],
         f"- this run: `{shown}`",
         f"- machine: {os.cpu_count()} cores, {cpu_model()}, Python {platform.python_version()}, "
         f"megatron-core {megatron.core.__version__}",
-        f"- date: {started:%Y-%m-%d %H:%M} UTC; {elapsed / 60:.1f} min for "
-        f"{len(rows) * runs_per_row} runs ({per_run:.0f} s each on average)",
+        f"- date: {started:%Y-%m-%d %H:%M} UTC; the {len(rows) * runs_per_row} runs took "
+        f"{per_run * len(rows) * runs_per_row / 60:.1f} min ({per_run:.0f} s each on average; "
+        f"this invocation {elapsed / 60:.1f} min, less where it reused kept runs)",
         *models,
         "- training: lr 3e-3 with warm-up and cosine decay to 3e-4, 8 sequences per rank per "
         "step, W = 4 gloo ranks as 2 nodes x 2 ranks",
@@ -389,6 +392,12 @@ def report(args, rows: list[Row], seeds: list[int], summary: dict[str, dict],
                       f"baseline's loss ({base:.4f}): half-width {verdict[half < 0.005 * base]} "
                       f"0.5%, full width ({200 * half / base:.2f}%) "
                       f"{verdict[2 * half < 0.005 * base]} 0.5%."]
+        spread = summary["SDP4Bit"]["difference_spread"]
+        needed = seeds_for_width(spread, 0.005 * base)
+        lines += [f"At the spread of its paired differences measured here (standard deviation "
+                  f"{spread:.4f}), a full width under 0.5% needs {needed} seeds, about "
+                  f"{needed * len(rows) * per_run / 60:.0f} min for these rows at this run's "
+                  f"{per_run:.0f} s a run."]
     return "\n".join(lines) + "\n"
 
 
