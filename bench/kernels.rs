@@ -550,11 +550,11 @@ fn main() -> ExitCode {
     match result {
         Ok(text) => {
             print!("{text}");
-            if let Some(path) = out {
-                if let Err(e) = std::fs::write(&path, &text) {
-                    eprintln!("kernels: write {}: {e}", path.display());
-                    return ExitCode::FAILURE;
-                }
+            if let Some(path) = out
+                && let Err(e) = std::fs::write(&path, &text)
+            {
+                eprintln!("kernels: write {}: {e}", path.display());
+                return ExitCode::FAILURE;
             }
             ExitCode::SUCCESS
         }
