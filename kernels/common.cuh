@@ -14,17 +14,17 @@
 // and peer indices with 32-bit arithmetic). Kernels loop grid-stride over their work units, so
 // every grid size gives the same bytes.
 //
-// How a warp walks a group. A group of g elements (g a multiple of 32, up to 2^16) is
-// processed by one warp in *tiles* of up to 256 elements. Each lane holds *runs* of E
-// consecutive elements (E = 4 for fp32 data: one 16-byte load or store; E = 8 for bf16 data and
-// codes-only passes): a tile is 256 / (32 E) rows of 32 E elements, and lane L holds elements
-// [32 E r + E L, 32 E r + E L + E) of row r of the tile in its registers v[E r .. E r + E).
-// A run lies wholly inside the group or wholly outside it (g is a multiple of 32), so a lane
-// whose run is past the end of the group (a group whose size is not a multiple of 32 E) just
-// idles for that run. A tile is never cut inside a Hadamard block (blocks are powers of two
-// <= 256 dividing g), so the butterfly runs tile by tile. Quantizing needs the group's absmax
-// (or min and max) before the first code: a group of one tile (g <= 256) is loaded once, a
-// longer group is loaded twice (once for the statistics, once for the codes), which re-reads
+// How a warp walks a group. A group of g elements (g a multiple of 32, up to 2^16) is processed
+// by one warp in *tiles* of up to 256 elements. Each lane holds *runs* of E consecutive
+// elements (E = 4 for the gradient kernels: one 16-byte load or store of fp32; E = 8 for the
+// weight kernels: 16 bytes of bf16): a tile is 256 / (32 E) rows of 32 E elements, and lane L
+// holds elements [32 E r + E L, 32 E r + E L + E) of row r of the tile in its registers v[E r
+// .. E r + E). A run lies wholly inside the group or wholly outside it (g is a multiple of 32),
+// so a lane whose run is past the end of the group (a group whose size is not a multiple of 32
+// E) just idles for that run. A tile is never cut inside a Hadamard block (blocks are powers of
+// two <= 256 dividing g), so the butterfly runs tile by tile. Quantizing needs the group's
+// absmax (or min and max) before the first code: a group of one tile (g <= 256) is loaded once,
+// a longer group is loaded twice (once for the statistics, once for the codes), which re-reads
 // the group's inputs from cache instead of holding up to 2^16 values on chip.
 //
 // Decoding corrupt input (a received slab that no encoder can have produced) cannot report an
