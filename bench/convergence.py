@@ -13,7 +13,7 @@ reference with a 95% interval, the relative error of the gradient reduce-scatter
 weight all-gather from sdp4bit's telemetry, bytes sent), convergence.json (every run) and
 convergence.png (loss curves and paired differences with their intervals).
 
-    bash scripts/bench.sh convergence --out bench/results        # the full study (~86 min)
+    bash scripts/bench.sh convergence --out bench/results        # the full study (~90 min)
     bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows baseline,SDP4Bit \\
         --val-tokens 8192 --out /tmp/smoke                        # the test command's smoke run
 
@@ -130,12 +130,14 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: 36 - 60 x 0.171 = 26 s of start-up and evaluation (11 s of it evaluation). Every row runs
 #: every seed: 9 Megatron rows x 5 seeds = 45 runs and 2 FSDP2 rows x 5 seeds = 10 runs, so
 #: STEPS training steps take about 45 x (38 + 0.139 STEPS) + 10 x (26 + 0.171 STEPS) seconds:
-#: 86 minutes at 400 steps, inside the 90 minutes the study may take on 2 cores. The
+#: 86 minutes at 400 steps, inside the 90 minutes the study may take on 2 cores. Measured:
+#: the full study at 400 steps took 89.8 minutes (55 runs, 98 s each on average) on the 2 cores
+#: shared with three build jobs at nice 19; its first runs, before that load, took 66-68 s. The
 #: interval's half-width is t(0.975, n - 1) / sqrt(n) times the spread of the paired
 #: differences: 2.48 for n = 3, 1.24 for n = 5 (bench/results/convergence.md says what the
 #: full study measured).
 STEPS = 400
-ESTIMATED_MINUTES = 86
+ESTIMATED_MINUTES = 90
 SEEDS = "1,2,3,4,5"
 VAL_TOKENS = 1_048_576
 COMMON = ["--lr", "3e-3", "--lr-decay", "cosine", "--warmup-steps", "{warmup}",
