@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,49 +28,22 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import sdp4bit.fsdp
-from sdp4bit import presets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt_cpu"))
 
 from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402  (gpt_cpu's)
+from study_args import study_parser  # noqa: E402  (gpt_cpu's)
 
 OWN = "fsdp"  # --preset value for FSDP's own collectives
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="sdp4bit", choices=[*presets(), OWN],
-                   help="sdp4bit preset as FSDP reads it (sdp4bit: qsdp weights, TLq-HS "
-                        f"gradients), or '{OWN}' for FSDP's own collectives")
-    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
-                   help="override one config knob (repeatable), e.g. --knob grad_inter_bits=8")
-    p.add_argument("--ranks-per-node", type=int,
-                   default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                   help="ranks per emulated node (intra- vs inter-node levels)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--lr-decay", choices=["constant", "cosine"], default="constant",
-                   help="after warm-up: constant, or cosine decay to --min-lr at the last step "
-                        "(megatron-core's OptimizerParamScheduler, as examples/gpt_cpu)")
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--min-lr", type=float, default=3e-4)
+    p = study_parser(__doc__.splitlines()[0], own=OWN,
+                     preset_help="sdp4bit preset as FSDP reads it (sdp4bit: qsdp weights, "
+                                 f"TLq-HS gradients), or '{OWN}' for FSDP's own collectives",
+                     telemetry_help="every N steps, measure the quantization error against "
+                                    "FSDP's exact collectives (0 = off)")
     p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm")
-    p.add_argument("--seed", type=int, default=1234,
-                   help="initial weights, data order and sdp4bit's random streams")
-    p.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    p.add_argument("--val-tokens", type=int, default=65_536,
-                   help="held-out tokens (the end of the corpus) the final validation loss "
-                        "is measured on, each predicted once")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--telemetry-interval", type=int, default=20,
-                   help="every N steps, measure the quantization error against FSDP's exact "
-                        "collectives (0 = off)")
-    p.add_argument("--json-out", help="write the results here (rank 0)")
     return p.parse_args()
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,47 +26,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpu_support"))
 
 import megatron_gpt as gpt  # noqa: E402  (cpu_support, put on the path above)
 import megatron_patch.megatron_core as sdp4bit_megatron  # noqa: E402
-from sdp4bit import Config, presets  # noqa: E402
+from sdp4bit import Config  # noqa: E402
 
 from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402
+from study_args import study_parser  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="sdp4bit", choices=[*presets(), "megatron"],
-                   help="sdp4bit preset, or 'megatron' for Megatron's own collectives")
-    p.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
-                   help="override one config knob (repeatable), e.g. --knob grad_codec=tlq")
-    p.add_argument("--ranks-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                   help="ranks per emulated node (intra- vs inter-node levels)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--lr-decay", choices=["constant", "cosine"], default="constant",
-                   help="after warm-up: constant, or cosine decay to --min-lr at the last step "
-                        "(megatron-core's OptimizerParamScheduler)")
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--min-lr", type=float, default=3e-4)
-    p.add_argument("--seed", type=int, default=1234,
-                   help="initial weights, data order and sdp4bit's random streams")
-    p.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    p.add_argument("--val-tokens", type=int, default=65_536,
-                   help="held-out tokens (the end of the corpus) the final validation loss "
-                        "is measured on, each predicted once")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--telemetry-interval", type=int, default=20,
-                   help="every N steps, log sdp4bit's quantization error against an exact "
-                        "collective (0 = off)")
+    p = study_parser(__doc__.splitlines()[0], own="megatron",
+                     preset_help="sdp4bit preset, or 'megatron' for Megatron's own collectives",
+                     telemetry_help="every N steps, log sdp4bit's quantization error against "
+                                    "an exact collective (0 = off)")
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="Megatron's overlap_param_gather (see the note where the DDP is built)")
     p.add_argument("--bucket-size", type=int, default=40_000,
                    help="elements per DDP bucket (megatron-core's bucket_size)")
-    p.add_argument("--json-out", help="write the loss curve, byte counts and telemetry here "
-                                      "(rank 0)")
     return p.parse_args()
 
 
