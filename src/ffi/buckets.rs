@@ -11,6 +11,7 @@ use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
 use crate::plan::Topology;
+use crate::self_check::{Collective, check_bucket_once};
 
 /// A validated [`Config`].
 pub(super) struct ParsedConfig(pub(super) Config);
@@ -123,6 +124,13 @@ pub(super) fn new_cuda_grad_bucket(
         let topology = topology(node_labels)?;
         // Planning only allocates and uploads synchronously: no stream is used.
         let backend = cuda(device, 0)?;
+        check_bucket_once(
+            backend.kernels(),
+            Collective::GradReduceScatter,
+            &config.0,
+            &topology,
+            rank,
+        )?;
         GradReduceScatter::with_backend(&backend, &config.0, &topology, rank, numel, bucket_id)
             .map(|rs| Box::new(GradBucket::Cuda(rs, device)))
     })
@@ -235,6 +243,13 @@ pub(super) fn new_cuda_weight_bucket(
     guard("new_cuda_weight_bucket", || {
         let topology = topology(node_labels)?;
         let backend = cuda(device, stream)?;
+        check_bucket_once(
+            backend.kernels(),
+            Collective::WeightAllGather,
+            &config.0,
+            &topology,
+            rank,
+        )?;
         // SAFETY: the extension checked that `params` is a contiguous bf16 CUDA tensor of
         // `numel` elements on `device`, alive for this call (the copy of the reference is
         // ordered on `stream` before any later use of the tensor on it).
