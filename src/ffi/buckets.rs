@@ -11,7 +11,7 @@ use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
 use crate::plan::Topology;
-use crate::self_check::{Collective, check_bucket_once};
+use crate::self_check::{Collective, check_bucket, check_bucket_once};
 
 /// A validated [`Config`].
 pub(super) struct ParsedConfig(pub(super) Config);
@@ -79,6 +79,31 @@ pub(super) fn cuda_device_problem(device: usize) -> String {
     guard("cuda_device_problem", || Kernels::get(device).map(|_| ()))
         .err()
         .unwrap_or_default()
+}
+
+/// [`Kernels::describe`] of `device`, or why its kernels cannot load.
+pub(super) fn cuda_device_report(device: usize) -> String {
+    match guard("cuda_device_report", || Kernels::get(device)) {
+        Ok(kernels) => kernels.describe(),
+        Err(problem) => format!("CUDA device {device} cannot run the kernels: {problem}"),
+    }
+}
+
+/// [`check_bucket`] of both collectives on `device`.
+pub(super) fn cuda_self_check(
+    device: usize,
+    config: &ParsedConfig,
+    node_labels: &[u64],
+    rank: usize,
+) -> FfiResult<()> {
+    guard("cuda_self_check", || {
+        let kernels = Kernels::get(device)?;
+        let topology = topology(node_labels)?;
+        for collective in [Collective::GradReduceScatter, Collective::WeightAllGather] {
+            check_bucket(kernels, collective, &config.0, &topology, rank)?;
+        }
+        Ok(())
+    })
 }
 
 /// [`GradReduceScatter`] for the extension, on host or CUDA buffers.

@@ -236,7 +236,7 @@ fn mapped_path(library: &libloading::Library, symbol: &str) -> Result<PathBuf> {
         saddr: std::ptr::null_mut(),
     };
     // SAFETY: `info` is a valid Dl_info; the address lies in a loaded object.
-    let found = unsafe { dladdr(*address as *const c_void, &mut info) };
+    let found = unsafe { dladdr(*address, &mut info) };
     if found == 0 || info.fname.is_null() {
         return Err(Error::Cuda(format!(
             "dladdr found no object holding {symbol}"
