@@ -110,6 +110,20 @@ std::string device_problem(c10::Device device) {
   return "CUDA buckets on " + device.str() + " cannot run: " + problem;
 }
 
+// Why the self-check of a CUDA bucket's kernels fails on `device` (a kernel whose bytes differ
+// from the host backend's), or "" (also for the CPU). Run before the set-up agreement, so that a
+// failure on one rank fails the set-up on every rank.
+std::string self_check_problem(c10::Device device, const std::string& config,
+                               const std::vector<uint64_t>& labels, int64_t rank, bool weights) {
+  if (!device.is_cuda()) return "";
+  std::string problem(ffi::cuda_bucket_problem(
+      static_cast<size_t>(device.index()), config,
+      rust::Slice<const uint64_t>(labels.data(), labels.size()), static_cast<size_t>(rank),
+      weights));
+  if (problem.empty()) return "";
+  return "CUDA buckets on " + device.str() + " cannot run: " + problem;
+}
+
 // The stream CUDA work of `device` is enqueued on: torch's current stream of the device.
 c10::Stream current_stream(c10::Device device) {
   return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device);
@@ -345,6 +359,9 @@ class GradReduceScatter : public torch::CustomClassHolder {
     std::string problem;
     device_ = resolve_device(device, problem);
     if (problem.empty()) problem = device_problem(device_);
+    if (problem.empty()) {
+      problem = self_check_problem(device_, config, labels, groups_->rank(), false);
+    }
     auto parsed = groups_->run_in_order([&] {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel));
@@ -475,6 +492,9 @@ class WeightAllGather : public torch::CustomClassHolder {
     if (problem.empty() && numel_ <= 0) problem = "param bucket is empty";
     if (problem.empty()) problem = device_problem(device_);
     auto labels = checked_labels(node_labels);
+    if (problem.empty()) {
+      problem = self_check_problem(device_, config, labels, groups_->rank(), true);
+    }
     auto parsed = groups_->run_in_order([&] {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel_));

@@ -89,6 +89,35 @@ pub(super) fn cuda_device_report(device: usize) -> String {
     }
 }
 
+/// Why the self-check of a CUDA bucket fails (see the bridge's declaration), or "".
+pub(super) fn cuda_bucket_problem(
+    device: usize,
+    spec: &str,
+    node_labels: &[u64],
+    rank: usize,
+    weights: bool,
+) -> String {
+    guard("cuda_bucket_problem", || {
+        let (Ok(config), Ok(topology)) = (parse(spec), topology(node_labels)) else {
+            return Ok(());
+        };
+        let collective = if weights {
+            Collective::WeightAllGather
+        } else {
+            Collective::GradReduceScatter
+        };
+        check_bucket_once(
+            Kernels::get(device)?,
+            collective,
+            &config.0,
+            &topology,
+            rank,
+        )
+    })
+    .err()
+    .unwrap_or_default()
+}
+
 /// [`check_bucket`] of both collectives on `device`.
 pub(super) fn cuda_self_check(
     device: usize,
@@ -149,13 +178,6 @@ pub(super) fn new_cuda_grad_bucket(
         let topology = topology(node_labels)?;
         // Planning only allocates and uploads synchronously: no stream is used.
         let backend = cuda(device, 0)?;
-        check_bucket_once(
-            backend.kernels(),
-            Collective::GradReduceScatter,
-            &config.0,
-            &topology,
-            rank,
-        )?;
         GradReduceScatter::with_backend(&backend, &config.0, &topology, rank, numel, bucket_id)
             .map(|rs| Box::new(GradBucket::Cuda(rs, device)))
     })
@@ -268,13 +290,6 @@ pub(super) fn new_cuda_weight_bucket(
     guard("new_cuda_weight_bucket", || {
         let topology = topology(node_labels)?;
         let backend = cuda(device, stream)?;
-        check_bucket_once(
-            backend.kernels(),
-            Collective::WeightAllGather,
-            &config.0,
-            &topology,
-            rank,
-        )?;
         // SAFETY: the extension checked that `params` is a contiguous bf16 CUDA tensor of
         // `numel` elements on `device`, alive for this call (the copy of the reference is
         // ordered on `stream` before any later use of the tensor on it).
