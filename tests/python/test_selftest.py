@@ -74,3 +74,18 @@ def test_failed_command_reports_its_exit_status_and_output_tail(tmp_path):
 def test_source_tree_is_found_only_where_the_gpu_suites_are(tmp_path):
     assert selftest.find_source(str(ROOT)) == ROOT.resolve()
     assert selftest.find_source(str(tmp_path)) is None
+
+
+def test_gpu_ops_report_a_missing_driver():
+    """The ops the selftest calls on a GPU host answer on a host without a driver too: the
+    report says why the device cannot run the kernels, the self-check raises naming it."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: the selftest itself exercises these ops")
+    report = torch.ops.sdp4bit.cuda_device_report(0)
+    assert report.startswith("CUDA device 0 cannot run the kernels:"), report
+    assert "libcuda" in report, report
+    with pytest.raises(RuntimeError, match="libcuda"):
+        torch.ops.sdp4bit.cuda_self_check(0, "sdp4bit", [0, 0, 1, 1], 1)
+    with pytest.raises(RuntimeError, match="rank 4 outside the 4-rank DP group"):
+        torch.ops.sdp4bit.cuda_self_check(0, "sdp4bit", [0, 0, 1, 1], 4)
