@@ -1,6 +1,7 @@
-// Device helpers shared by every kernel of this directory: the launch shape, Philox4x32-10 and
-// the uniform of element i, bf16 conversion, warp reductions, the group quantizer and
-// dequantizer, nibble packing, slab addressing and the warp Walsh-Hadamard butterfly.
+// Device helpers shared by every kernel of this directory: the launch shape, vector memory
+// access, Philox4x32-10 and the uniforms of a lane's elements, bf16 conversion, warp
+// reductions, the group quantizer and dequantizer, code packing, slab addressing and the
+// Walsh-Hadamard butterfly.
 //
 // Every helper reproduces a piece of the CPU reference (src/rng.rs, src/hadamard.rs,
 // src/codec/quant.rs, src/codec/slab.rs) bit for bit. Kernels are compiled by NVRTC with
@@ -9,30 +10,39 @@
 // __fmul_rn, __fdiv_rn), which are never contracted into a fused multiply-add.
 //
 // Launch contract of every kernel: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic
-// shared memory. Kernels loop grid-stride over their work units, so every grid size gives the
-// same bytes.
+// shared memory, fewer than 2^32 work units (the kernels split a unit index into slab, group
+// and peer indices with 32-bit arithmetic). Kernels loop grid-stride over their work units, so
+// every grid size gives the same bytes.
 //
-// How a warp walks a group. A group of g elements (g a multiple of 32, up to 2^16) is
-// processed by one warp in *tiles* of up to 256 elements: tile t holds elements
-// [256 t, 256 t + 256) of the group as up to 8 *rows* of 32; lane L holds element
-// 256 t + 32 r + L of row r in register v[r]. A tile is never cut inside a Hadamard block
-// (blocks are powers of two <= 256 dividing g), so the butterfly runs tile by tile.
-// Quantizing needs the group's absmax (or min and max) before the first code: a group of one
-// tile (g <= 256) is loaded once, a longer group is loaded twice (once for the statistics,
-// once for the codes), which re-reads the group's inputs from cache instead of holding up to
-// 2^16 values on chip.
+// How a warp walks a group. A group of g elements (g a multiple of 32, up to 2^16) is processed
+// by one warp in *tiles* of up to 256 elements. Each lane holds *runs* of E consecutive
+// elements (E = 4 for the gradient kernels: one 16-byte load or store of fp32; E = 8 for the
+// weight kernels: 16 bytes of bf16): a tile is 256 / (32 E) rows of 32 E elements, and lane L
+// holds elements [32 E r + E L, 32 E r + E L + E) of row r of the tile in its registers v[E r
+// .. E r + E). A run lies wholly inside the group or wholly outside it (g is a multiple of 32),
+// so a lane whose run is past the end of the group (a group whose size is not a multiple of 32
+// E) just idles for that run. A tile is never cut inside a Hadamard block (blocks are powers of
+// two <= 256 dividing g), so the butterfly runs tile by tile. Quantizing needs the group's
+// absmax (or min and max) before the first code: a group of one tile (g <= 256) is loaded once,
+// a longer group is loaded twice (once for the statistics, once for the codes), which re-reads
+// the group's inputs from cache instead of holding up to 2^16 values on chip.
 //
 // Decoding corrupt input (a received slab that no encoder can have produced) cannot report an
 // error from a kernel, so it produces NaN instead, which the caller's found-inf / NaN check
 // catches: a group whose scale is negative or infinite, whose offset is infinite, or
 // (symmetric) that holds the code -2^(b-1), dequantizes to NaN in every element. The CPU
 // reference rejects exactly these groups with Error::Decode (codec::slab::SlabView::meta and
-// codec::quant::dequantize_group).
+// codec::quant::dequantize_group). The check rides along with the decoding (each lane checks
+// the codes it decodes, one vote per group), so every code byte is read once.
 //
 // Alignment: every slab pointer a kernel receives (a buffer start plus a multiple of the slab's
 // byte_len) must be 4-byte aligned (slabs are 16-byte multiples and device allocations are
-// 256-byte aligned, so this holds for any buffer the host allocates); codes are stored as
-// 32-bit words and scales and offsets as fp32.
+// 256-byte aligned, so this holds for any buffer the host allocates); codes are loaded and
+// stored as whole 32- or 64-bit words, scales and offsets as fp32. Element data (fp32
+// gradients, bf16 weights, Global-QSGD integers) needs only its type's alignment: a run is
+// moved with one 16-byte (or 8-, 4-byte) access when its address is aligned to that width and
+// the run is wholly real, element by element otherwise (a shard starting mid-vector, the
+// shard's last partial run).
 #pragma once
 
 #include "sdp4bit_abi.h"
@@ -43,9 +53,9 @@
 #define SDP_BLOCK_THREADS 256
 #define SDP_WARP_SIZE 32
 #define SDP_FULL_MASK 0xffffffffu
-// Elements of one tile, and rows of 32 elements per tile (see the header comment).
+// Elements of one tile, and values of a tile one lane holds (its runs, back to back).
 #define SDP_TILE 256
-#define SDP_TILE_ROWS 8
+#define SDP_LANE_VALUES (SDP_TILE / SDP_WARP_SIZE)
 
 // Lane of this thread in its warp.
 __device__ __forceinline__ uint32_t sdp_lane()
@@ -74,6 +84,58 @@ __device__ __forceinline__ uint64_t sdp_thread_id()
 __device__ __forceinline__ uint64_t sdp_thread_count()
 {
     return (uint64_t)gridDim.x * blockDim.x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector memory access. Every access wider than an element goes through the CUDA intrinsics
+// (__ldg: read-only inputs; __ldcg: data the same kernel also writes, read through L2, which is
+// coherent with the kernel's own stores; __stcs: streamed outputs, evicted first), which the
+// host emulation checks for their alignment as the GPU faults on it.
+
+// Whether `p` is aligned to `bytes` (a power of two).
+__device__ __forceinline__ bool sdp_aligned(const void* p, uint32_t bytes)
+{
+    return ((unsigned long long)p & (bytes - 1)) == 0;
+}
+
+// Four fp32 at p (16-byte aligned), read-only.
+__device__ __forceinline__ void sdp_load_f32x4(const float* p, float* x)
+{
+    const float4 f = __ldg((const float4*)p);
+    x[0] = f.x;
+    x[1] = f.y;
+    x[2] = f.z;
+    x[3] = f.w;
+}
+
+// Four fp32 to p (16-byte aligned).
+__device__ __forceinline__ void sdp_store_f32x4(float* p, const float* x)
+{
+    __stcs((float4*)p, make_float4(x[0], x[1], x[2], x[3]));
+}
+
+// Eight 16-bit values at p (16-byte aligned) as four little-endian words (value 2k in the low
+// half of word k); read-only, or through L2 when `coherent` (data the kernel writes too).
+__device__ __forceinline__ uint4 sdp_load_u16x8(const uint16_t* p, bool coherent)
+{
+    return coherent ? __ldcg((const uint4*)p) : __ldg((const uint4*)p);
+}
+
+__device__ __forceinline__ void sdp_store_u16x8(uint16_t* p, uint4 words)
+{
+    __stcg((uint4*)p, words);
+}
+
+// Half `h` (0 or 1) of a word.
+__device__ __forceinline__ uint16_t sdp_half(uint32_t word, uint32_t h)
+{
+    return (uint16_t)(word >> (16 * h));
+}
+
+// Word k of four.
+__device__ __forceinline__ uint32_t sdp_word_of(uint4 w, uint32_t k)
+{
+    return k == 0 ? w.x : k == 1 ? w.y : k == 2 ? w.z : w.w;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -173,66 +235,22 @@ __device__ __forceinline__ sdp_philox_block sdp_philox(const sdp_rng& rng, uint6
     return b;
 }
 
-// Word `word` (0 .. 3) of a block.
-__device__ __forceinline__ uint32_t sdp_philox_pick(const sdp_philox_block& b, uint32_t word)
-{
-    return word == 0 ? b.w0 : word == 1 ? b.w1 : word == 2 ? b.w2 : b.w3;
-}
-
 // u = (word >> 8) * 2^-24: exact in fp32, in [0, 1) (rng::word_to_uniform).
 __device__ __forceinline__ float sdp_word_to_uniform(uint32_t word)
 {
     return __fmul_rn(__uint2float_rn(word >> 8), 1.0f / 16777216.0f);
 }
 
-// The uniform of element i of the stream: word i % 4 of block i / 4.
-__device__ __forceinline__ float sdp_uniform(const sdp_rng& rng, uint64_t i)
+// The uniforms of the 4 consecutive elements whose Philox indices start at `first`, a multiple
+// of 4 (every group and run starts at one: shards, chunks and groups are multiples of 32, and
+// the launches check the index they are given), into u[0 .. 4): the four words of one block.
+__device__ __forceinline__ void sdp_uniforms4(const sdp_rng& rng, uint64_t first, float* u)
 {
-    return sdp_word_to_uniform(sdp_philox_pick(sdp_philox(rng, i / 4), (uint32_t)(i % 4)));
-}
-
-// The uniforms of the valid rows of a tile whose element (r, lane) has Philox index
-// tile_first + 32 r + lane, into u[r]. When tile_first is a multiple of 4 (every group of the
-// plans: padded shards are multiples of 32) the tile's up to 64 Philox blocks are computed
-// once each, two per lane (lane L: blocks L and L + 32 of the tile, block B covering row B / 8,
-// lanes 4 (B % 8) .. 4 (B % 8) + 3), and every lane fetches its word from the block's holder
-// with four shuffles; otherwise each lane computes its own element's block. All 32 lanes must
-// call it together.
-__device__ __forceinline__ void sdp_tile_uniforms(const sdp_rng& rng, uint64_t tile_first, uint32_t rows,
-                                                  uint32_t lane, float (&u)[SDP_TILE_ROWS])
-{
-    if (tile_first % 4 != 0) {
-#pragma unroll
-        for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-            if (r < rows) {
-                u[r] = sdp_uniform(rng, tile_first + r * SDP_WARP_SIZE + lane);
-            }
-        }
-        return;
-    }
-    const uint64_t first_block = tile_first / 4;
-    sdp_philox_block held[2] = {};
-#pragma unroll
-    for (uint32_t h = 0; h < 2; ++h) {
-        const uint32_t block = lane + h * SDP_WARP_SIZE;
-        if (block / 8 < rows) {
-            held[h] = sdp_philox(rng, first_block + block);
-        }
-    }
-#pragma unroll
-    for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-        if (r < rows) {
-            // Block r * 8 + lane / 4 is held by lane (r % 4) * 8 + lane / 4 in held[r / 4].
-            const sdp_philox_block& b = held[r / 4];
-            const uint32_t holder = (r % 4) * 8 + lane / 4;
-            sdp_philox_block mine;
-            mine.w0 = __shfl_sync(SDP_FULL_MASK, b.w0, holder);
-            mine.w1 = __shfl_sync(SDP_FULL_MASK, b.w1, holder);
-            mine.w2 = __shfl_sync(SDP_FULL_MASK, b.w2, holder);
-            mine.w3 = __shfl_sync(SDP_FULL_MASK, b.w3, holder);
-            u[r] = sdp_word_to_uniform(sdp_philox_pick(mine, lane % 4));
-        }
-    }
+    const sdp_philox_block b = sdp_philox(rng, first / 4);
+    u[0] = sdp_word_to_uniform(b.w0);
+    u[1] = sdp_word_to_uniform(b.w1);
+    u[2] = sdp_word_to_uniform(b.w2);
+    u[3] = sdp_word_to_uniform(b.w3);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -265,7 +283,7 @@ __device__ __forceinline__ float sdp_warp_max(float v)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tiles of a group.
+// Tiles of a group, lanes of E consecutive elements (see the header comment).
 
 // Tiles of a group of g elements.
 __device__ __forceinline__ uint32_t sdp_tiles(uint32_t g)
@@ -273,86 +291,97 @@ __device__ __forceinline__ uint32_t sdp_tiles(uint32_t g)
     return (g + SDP_TILE - 1) / SDP_TILE;
 }
 
-// Rows of 32 elements in tile t of a group of g elements (8, or fewer in the last tile).
-__device__ __forceinline__ uint32_t sdp_tile_rows(uint32_t g, uint32_t t)
+// Index in the group of value i (0 .. 7) this lane holds in tile t.
+template <uint32_t E>
+__device__ __forceinline__ uint32_t sdp_tile_element(uint32_t t, uint32_t i, uint32_t lane)
 {
-    const uint32_t rows = (g - t * SDP_TILE) / SDP_WARP_SIZE;
-    return rows < SDP_TILE_ROWS ? rows : SDP_TILE_ROWS;
+    return t * SDP_TILE + (i / E) * (SDP_WARP_SIZE * E) + lane * E + i % E;
 }
 
-// Index in the group of the element lane `lane` holds in row r of tile t.
-__device__ __forceinline__ uint32_t sdp_tile_element(uint32_t t, uint32_t r, uint32_t lane)
+// Runs per lane in tile t of a group of g elements that lie inside the group for some lane:
+// 256 / (32 E), fewer in the last tile of a group whose size is not a multiple of 256. The
+// same on every lane, so code that shuffles may skip the absent runs.
+template <uint32_t E>
+__device__ __forceinline__ uint32_t sdp_tile_runs(uint32_t g, uint32_t t)
 {
-    return t * SDP_TILE + r * SDP_WARP_SIZE + lane;
+    const uint32_t runs = (g - t * SDP_TILE + SDP_WARP_SIZE * E - 1) / (SDP_WARP_SIZE * E);
+    return runs < SDP_LANE_VALUES / E ? runs : SDP_LANE_VALUES / E;
+}
+
+// Whether run r of this lane in tile t lies inside a group of g elements.
+template <uint32_t E>
+__device__ __forceinline__ bool sdp_run_in_group(uint32_t g, uint32_t t, uint32_t r, uint32_t lane)
+{
+    return sdp_tile_element<E>(t, r * E, lane) < g;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Walsh-Hadamard butterfly of a tile (hadamard::forward / hadamard::inverse).
+// Walsh-Hadamard butterfly of a tile of lanes of 4 fp32 (hadamard::forward / hadamard::inverse).
 //
 // Stages h = 1, 2, 4, ..., block / 2 in order; at each stage the pair (x[j], x[j + h]) with
-// bit h of j clear becomes (a + b, a - b), a = x[j], b = x[j + h]. Inside a row (h < 32) the
-// partner is lane ^ h; across rows (h >= 32) it is row r + h / 32 of the same lane. `rows` is
-// a multiple of block / 32 (when block > 32), so pairs never leave the tile's valid rows.
+// bit h of j clear becomes (a + b, a - b), a = x[j], b = x[j + h]. h = 1, 2 pair values of one
+// run (registers of the lane), h = 4 .. 64 the runs of lanes L and L ^ (h / 4) (one shuffle per
+// value), h = 128 the two runs of the lane. Lanes whose runs lie past the group hold zeros and
+// take part in the shuffles; a block never mixes them with real runs.
 
-// One stage at distance h < 32 on every valid row.
-__device__ __forceinline__ void sdp_hadamard_lane_stage(float (&v)[SDP_TILE_ROWS], uint32_t rows,
-                                                        uint32_t h, uint32_t lane)
+// One stage at distance h = 4 .. 64 on the first `runs` runs.
+__device__ __forceinline__ void sdp_hadamard_lane_stage(float (&v)[SDP_LANE_VALUES], uint32_t runs, uint32_t h,
+                                                        uint32_t lane)
 {
-    const bool upper = (lane & h) != 0;
+    const uint32_t partner = h / 4;
+    // Lower lane: a = own, b = other -> a + b; upper lane: a = other, b = own -> a - b, which
+    // IEEE defines as a + (-b): the upper lane adds its negated value (a sign flip, exact).
+    const uint32_t negate = (lane & partner) != 0 ? 0x80000000u : 0u;
 #pragma unroll
-    for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-        if (r < rows) {
-            const float other = __shfl_xor_sync(SDP_FULL_MASK, v[r], h);
-            // Lower lane: a = own, b = other -> a + b; upper lane: a = other, b = own -> a - b.
-            v[r] = upper ? __fsub_rn(other, v[r]) : __fadd_rn(v[r], other);
+    for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+        if (i < 4 * runs) {
+            const float other = __shfl_xor_sync(SDP_FULL_MASK, v[i], partner);
+            v[i] = __fadd_rn(__uint_as_float(__float_as_uint(v[i]) ^ negate), other);
         }
     }
 }
 
-// One stage at distance 32 * HR (HR = 1, 2, 4 rows) on every valid row.
-template <uint32_t HR>
-__device__ __forceinline__ void sdp_hadamard_row_stage(float (&v)[SDP_TILE_ROWS], uint32_t rows)
+// One stage at distance h = 1, 2 (inside a run) or 128 (between the runs): the pairs (i, i + d)
+// of register indices with bit d of i clear, on the first `runs` runs.
+template <uint32_t D>
+__device__ __forceinline__ void sdp_hadamard_register_stage(float (&v)[SDP_LANE_VALUES], uint32_t runs)
 {
 #pragma unroll
-    for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-        if ((r & HR) == 0 && r < rows) {
-            const float a = v[r];
-            const float b = v[r + HR];
-            v[r] = __fadd_rn(a, b);
-            v[r + HR] = __fsub_rn(a, b);
+    for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+        if ((i & D) == 0 && i + D < 4 * runs) {
+            const float a = v[i];
+            const float b = v[i + D];
+            v[i] = __fadd_rn(a, b);
+            v[i + D] = __fsub_rn(a, b);
         }
     }
 }
 
-// The unnormalised butterfly of every `block`-sized block of the tile (block: 16 .. 256).
-__device__ __forceinline__ void sdp_hadamard_forward(float (&v)[SDP_TILE_ROWS], uint32_t rows,
+// The unnormalised butterfly of every `block`-sized block of tile t of a group of g elements
+// (block: 16 .. 256, dividing g). All 32 lanes must call it together.
+__device__ __forceinline__ void sdp_hadamard_forward(float (&v)[SDP_LANE_VALUES], uint32_t g, uint32_t t,
                                                      uint32_t block, uint32_t lane)
 {
-    for (uint32_t h = 1; h < block && h < SDP_WARP_SIZE; h *= 2) {
-        sdp_hadamard_lane_stage(v, rows, h, lane);
-    }
-    if (block > 32) {
-        sdp_hadamard_row_stage<1>(v, rows);
-    }
-    if (block > 64) {
-        sdp_hadamard_row_stage<2>(v, rows);
+    const uint32_t runs = sdp_tile_runs<4>(g, t);
+    sdp_hadamard_register_stage<1>(v, runs);
+    sdp_hadamard_register_stage<2>(v, runs);
+    for (uint32_t h = 4; h < block && h < 128; h *= 2) {
+        sdp_hadamard_lane_stage(v, runs, h, lane);
     }
     if (block > 128) {
-        sdp_hadamard_row_stage<4>(v, rows);
+        sdp_hadamard_register_stage<4>(v, runs);
     }
 }
 
 // The inverse: the same butterfly, then every element times 1 / block (exact: a power of two).
-__device__ __forceinline__ void sdp_hadamard_inverse(float (&v)[SDP_TILE_ROWS], uint32_t rows,
+__device__ __forceinline__ void sdp_hadamard_inverse(float (&v)[SDP_LANE_VALUES], uint32_t g, uint32_t t,
                                                      uint32_t block, uint32_t lane)
 {
-    sdp_hadamard_forward(v, rows, block, lane);
+    sdp_hadamard_forward(v, g, t, block, lane);
     const float scale = __fdiv_rn(1.0f, (float)block);
 #pragma unroll
-    for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-        if (r < rows) {
-            v[r] = __fmul_rn(v[r], scale);
-        }
+    for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+        v[i] = __fmul_rn(v[i], scale);
     }
 }
 
@@ -412,16 +441,17 @@ __device__ __forceinline__ uint64_t sdp_meta_end(const sdp_slab& layout)
 __device__ __forceinline__ void sdp_zero_slab_padding(uint8_t* slab, const sdp_slab& layout,
                                                       uint32_t lane)
 {
-    const uint64_t pad_start = sdp_meta_end(layout);
-    if (pad_start + lane < layout.byte_len) {
-        slab[pad_start + lane] = 0;
+    uint8_t* padding = slab + sdp_meta_end(layout);
+    if (lane < (uint32_t)(slab + layout.byte_len - padding)) {
+        padding[lane] = 0;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Group quantizer (codec::quant::quantize_group).
 
-// Statistics of a group gathered tile by tile: max |x| as bits, min and max.
+// Statistics of a group gathered tile by tile: max |x| as bits, min and max (min-max codecs
+// only).
 struct sdp_group_stats {
     uint32_t abs_bits;
     float lo;
@@ -437,27 +467,33 @@ __device__ __forceinline__ sdp_group_stats sdp_stats_empty()
     return s;
 }
 
-// Folds the valid rows of a tile into this lane's statistics.
-__device__ __forceinline__ void sdp_stats_add(sdp_group_stats& s, const float (&v)[SDP_TILE_ROWS],
-                                              uint32_t rows)
+// Folds this lane's values of tile t of a group of g elements into its statistics.
+template <uint32_t E>
+__device__ __forceinline__ void sdp_stats_add(sdp_group_stats& s, const sdp_quant& q,
+                                              const float (&v)[SDP_LANE_VALUES], uint32_t t, uint32_t lane)
 {
 #pragma unroll
-    for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-        if (r < rows) {
-            const uint32_t bits = sdp_abs_bits(v[r]);
+    for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+        if (sdp_run_in_group<E>(q.group_size, t, i / E, lane)) {
+            const uint32_t bits = sdp_abs_bits(v[i]);
             s.abs_bits = bits > s.abs_bits ? bits : s.abs_bits;
-            s.lo = fminf(s.lo, v[r]);
-            s.hi = fmaxf(s.hi, v[r]);
+            if (!q.symmetric) {
+                s.lo = fminf(s.lo, v[i]);
+                s.hi = fmaxf(s.hi, v[i]);
+            }
         }
     }
 }
 
-// Combines the statistics of all lanes (every lane gets the group's).
-__device__ __forceinline__ sdp_group_stats sdp_stats_reduce(sdp_group_stats s)
+// Combines the statistics of all lanes (every lane gets the group's): the absmax, and min and
+// max for min-max codecs only.
+__device__ __forceinline__ sdp_group_stats sdp_stats_reduce(const sdp_quant& q, sdp_group_stats s)
 {
     s.abs_bits = sdp_warp_max_u32(s.abs_bits);
-    s.lo = sdp_warp_min(s.lo);
-    s.hi = sdp_warp_max(s.hi);
+    if (!q.symmetric) {
+        s.lo = sdp_warp_min(s.lo);
+        s.hi = sdp_warp_max(s.hi);
+    }
     return s;
 }
 
@@ -511,10 +547,10 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const 
 }
 
 // The code of x in a coded group: R(x / s) (symmetric) or R((x - lo) / s) (asymmetric), with
-// R(v) = floor(v + u) (stochastic) or round half to even, clamped to [-L, L] or [0, 2^b - 1].
-// A NaN code becomes 0 (quant::code_bits; cannot happen for a coded group, kept for parity).
-__device__ __forceinline__ int32_t sdp_code_of(const sdp_quant& q, const sdp_group_meta& m, float x,
-                                               float u)
+// R(v) = floor(v + u) (stochastic) or round half to even, clamped to [-L, L] or [0, 2^b - 1],
+// masked to b bits. A NaN code becomes 0 (quant::code_bits; cannot happen for a coded group,
+// kept for parity).
+__device__ __forceinline__ uint32_t sdp_code_of(const sdp_quant& q, const sdp_group_meta& m, float x, float u)
 {
     const float v = q.symmetric ? x : __fsub_rn(x, m.offset);
     const float t = __fdiv_rn(v, m.scale);
@@ -525,65 +561,98 @@ __device__ __forceinline__ int32_t sdp_code_of(const sdp_quant& q, const sdp_gro
     const float top = (float)sdp_max_code(q);
     const float bottom = q.symmetric ? -top : 0.0f;
     c = fminf(fmaxf(c, bottom), top);
-    return (int32_t)c;
+    return (uint32_t)(int32_t)c & ((1u << q.bits) - 1);
 }
 
-// Stores the codes of one row of 32 consecutive elements (lane L holds element L's code) at
-// `row` as little-endian 32-bit words: 8 nibbles per word (element 2k in the low nibble of
-// byte k) or 4 bytes per word. `row` must be 4-byte aligned.
-__device__ __forceinline__ void sdp_store_code_row(uint8_t* row, int32_t code, uint32_t bits,
-                                                   uint32_t lane)
+// Stores the codes of this lane's run r of tile t (packed little-endian: element 2k in the low
+// nibble of byte k, or one byte per element) at their place in the group's `codes`, as whole
+// words. For E = 4 and 4-bit codes a run is half a word: lanes 2k and 2k + 1 pair up with one
+// shuffle and lane 2k stores the word. All 32 lanes must call it together (with `valid` false
+// for a run past the group).
+template <uint32_t E>
+__device__ __forceinline__ void sdp_store_codes(uint8_t* codes, uint32_t bits, uint32_t t, uint32_t r,
+                                                const uint32_t (&c)[SDP_LANE_VALUES], bool valid, uint32_t lane)
 {
-    const uint32_t per_word = 32 / bits;
-    const uint32_t mask = (1u << bits) - 1;
-    uint32_t word = ((uint32_t)code & mask) << (bits * (lane % per_word));
-    for (uint32_t m = 1; m < per_word; m *= 2) {
-        word |= __shfl_xor_sync(SDP_FULL_MASK, word, m);
+    uint32_t lo = 0;
+    uint32_t hi = 0;
+#pragma unroll
+    for (uint32_t k = 0; k < E; ++k) {
+        const uint32_t code = c[r * E + k];
+        if (bits == 4) {
+            lo |= code << (4 * k);
+        } else if (k < 4) {
+            lo |= code << (8 * k);
+        } else {
+            hi |= code << (8 * (k - 4));
+        }
     }
-    if (lane % per_word == 0) {
-        *(uint32_t*)(row + lane * bits / 8) = word;
+    uint8_t* run = codes + (uint64_t)sdp_tile_element<E>(t, r * E, lane) * bits / 8;
+    if (E == 4 && bits == 4) {
+        // 16 bits per lane: the odd lane's half goes to the even lane's high half.
+        const uint32_t odd = __shfl_xor_sync(SDP_FULL_MASK, lo, 1);
+        if (valid && lane % 2 == 0) {
+            __stcs((unsigned int*)run, lo | (odd << 16));
+        }
+    } else if (valid) {
+        if (E == 8 && bits == 8) {
+            __stcs((uint2*)run, make_uint2(lo, hi));
+        } else {
+            __stcs((unsigned int*)run, lo);
+        }
     }
 }
 
 // Quantizes one group with the whole warp into `codes` (the group's code bytes), `scale` and
-// `offset` (null for symmetric slabs). `load(t, rows, v)` fills the valid rows of tile t of the
-// group's values (lane L: element 256 t + 32 r + L in v[r]) and is called by all 32 lanes
+// `offset` (null for symmetric slabs), lanes holding runs of E elements. `load(t, v)` fills
+// this lane's values of tile t (zeros for runs past the group) and is called by all 32 lanes
 // together; it may be called twice per tile. `rng` gives the uniform of element e at
 // `first_index + e` (stochastic rounding only; drawn only for coded groups, as on the CPU the
 // uniforms of an uncoded group are unused).
-template <class Load>
+template <uint32_t E, class Load>
 __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& load, const sdp_rng& rng,
                                                    uint64_t first_index, uint8_t* codes, float* scale,
                                                    float* offset, uint32_t lane)
 {
     const uint32_t g = q.group_size;
     const uint32_t tiles = sdp_tiles(g);
-    float v[SDP_TILE_ROWS] = {};
+    float v[SDP_LANE_VALUES];
 
     sdp_group_stats stats = sdp_stats_empty();
     for (uint32_t t = 0; t < tiles; ++t) {
-        load(t, sdp_tile_rows(g, t), v);
-        sdp_stats_add(stats, v, sdp_tile_rows(g, t));
+        load(t, v);
+        sdp_stats_add<E>(stats, q, v, t, lane);
     }
-    const sdp_group_meta meta = sdp_meta_of(q, sdp_stats_reduce(stats));
+    const sdp_group_meta meta = sdp_meta_of(q, sdp_stats_reduce(q, stats));
 
     for (uint32_t t = 0; t < tiles; ++t) {
-        const uint32_t rows = sdp_tile_rows(g, t);
         // A one-tile group still holds its values from the statistics pass.
         if (meta.coded && tiles > 1) {
-            load(t, rows, v);
+            load(t, v);
         }
-        float u[SDP_TILE_ROWS] = {};
-        if (meta.coded && q.stochastic) {
-            sdp_tile_uniforms(rng, first_index + t * SDP_TILE, rows, lane, u);
-        }
+        uint32_t c[SDP_LANE_VALUES];
+        const uint32_t runs = sdp_tile_runs<E>(g, t);
 #pragma unroll
-        for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-            if (r < rows) {
-                const int32_t code = meta.coded ? sdp_code_of(q, meta, v[r], u[r]) : 0;
-                const uint32_t row_first = sdp_tile_element(t, r, 0);
-                sdp_store_code_row(codes + (uint64_t)row_first * q.bits / 8, code, q.bits, lane);
+        for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
+            if (r >= runs) {
+                break;
             }
+            const bool valid = sdp_run_in_group<E>(g, t, r, lane);
+            float u[E];
+#pragma unroll
+            for (uint32_t k = 0; k < E; ++k) {
+                u[k] = 0.0f;
+            }
+            if (valid && meta.coded && q.stochastic) {
+#pragma unroll
+                for (uint32_t k = 0; k < E; k += 4) {
+                    sdp_uniforms4(rng, first_index + sdp_tile_element<E>(t, r * E + k, lane), u + k);
+                }
+            }
+#pragma unroll
+            for (uint32_t k = 0; k < E; ++k) {
+                c[r * E + k] = valid && meta.coded ? sdp_code_of(q, meta, v[r * E + k], u[k]) : 0;
+            }
+            sdp_store_codes<E>(codes, q.bits, t, r, c, valid, lane);
         }
     }
 
@@ -597,15 +666,15 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
 
 // Quantizes group k of a slab being written (codes, scale, offset at their slab positions) and,
 // for k == 0, zeroes the slab's padding.
-template <class Load>
+template <uint32_t E, class Load>
 __device__ __forceinline__ void sdp_quantize_slab_group(uint8_t* slab, const sdp_slab& layout,
                                                         uint64_t k, Load& load, const sdp_rng& rng,
                                                         uint64_t first_index, uint32_t lane)
 {
     float* scale = (float*)(slab + sdp_scale_offset(layout, k));
     float* offset = layout.quant.symmetric ? nullptr : (float*)(slab + sdp_offset_offset(layout, k));
-    sdp_quantize_group(layout.quant, load, rng, first_index, slab + sdp_codes_offset(layout, k), scale,
-                       offset, lane);
+    sdp_quantize_group<E>(layout.quant, load, rng, first_index, slab + sdp_codes_offset(layout, k), scale,
+                          offset, lane);
     if (k == 0) {
         sdp_zero_slab_padding(slab, layout, lane);
     }
@@ -627,90 +696,91 @@ __device__ __forceinline__ sdp_coded_group sdp_slab_group(const uint8_t* slab, c
 {
     sdp_coded_group grp;
     grp.codes = slab + sdp_codes_offset(layout, k);
-    grp.scale = *(const float*)(slab + sdp_scale_offset(layout, k));
-    grp.offset = layout.quant.symmetric ? 0.0f : *(const float*)(slab + sdp_offset_offset(layout, k));
+    grp.scale = __ldg((const float*)(slab + sdp_scale_offset(layout, k)));
+    grp.offset = layout.quant.symmetric ? 0.0f : __ldg((const float*)(slab + sdp_offset_offset(layout, k)));
     return grp;
 }
 
-// Whether a group's codes hold the symmetric code -2^(b-1) (nibble 0x8 or byte 0x80), which
-// the quantizer never writes. All 32 lanes must call it together.
-__device__ __forceinline__ bool sdp_has_min_code(const sdp_quant& q, const uint8_t* codes, uint32_t lane)
+// Whether a received group's metadata is corrupt: scale negative or infinite, offset infinite.
+__device__ __forceinline__ bool sdp_meta_corrupt(const sdp_coded_group& grp)
 {
-    const uint64_t n = sdp_code_bytes(q);
-    bool found = false;
-    for (uint64_t i = lane; i < n; i += SDP_WARP_SIZE) {
-        const uint32_t b = codes[i];
-        found |= q.bits == 4 ? ((b & 0xfu) == 0x8u || (b >> 4) == 0x8u) : b == 0x80u;
-    }
-    return __any_sync(SDP_FULL_MASK, found) != 0;
+    return grp.scale < 0.0f || sdp_is_inf(grp.scale) || sdp_is_inf(grp.offset);
 }
 
-// Whether a received group is corrupt (see the header comment): scale negative or infinite,
-// offset infinite, or a symmetric group holding the code -2^(b-1). All 32 lanes must call it
-// together.
-__device__ __forceinline__ bool sdp_group_corrupt(const sdp_quant& q, const sdp_coded_group& grp,
-                                                  uint32_t lane)
+// The E codes of this lane's run r of tile t of a group, sign-extended nibbles or bytes
+// (symmetric) or unsigned ones, read as whole words (a 4-bit run of E = 4 is half of the word
+// it shares with the neighbouring lane). Sets `corrupt` when a symmetric code is -2^(b-1),
+// which the quantizer never writes.
+template <uint32_t E>
+__device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uint8_t* codes, uint32_t t, uint32_t r,
+                                                   uint32_t lane, int32_t* c, bool& corrupt)
 {
-    if (grp.scale < 0.0f || sdp_is_inf(grp.scale) || sdp_is_inf(grp.offset)) {
-        return true;
-    }
-    return q.symmetric && sdp_has_min_code(q, grp.codes, lane);
-}
-
-// The code of element e: a sign-extended nibble or byte (symmetric) or an unsigned one.
-__device__ __forceinline__ int32_t sdp_load_code(const sdp_quant& q, const uint8_t* codes, uint32_t e)
-{
+    const uint32_t first = sdp_tile_element<E>(t, r * E, lane);
+    uint32_t lo;
+    uint32_t hi = 0;
     if (q.bits == 4) {
-        const uint32_t byte = codes[e / 2];
-        const uint32_t nibble = (e % 2 == 0) ? (byte & 0xfu) : (byte >> 4);
-        return q.symmetric ? ((int32_t)(nibble << 28) >> 28) : (int32_t)nibble;
+        const uint32_t byte = first / 2;
+        lo = __ldg((const unsigned int*)(codes + (byte & ~3u))) >> (8 * (byte & 3u));
+    } else if (E == 8) {
+        const uint2 w = __ldg((const uint2*)(codes + first));
+        lo = w.x;
+        hi = w.y;
+    } else {
+        lo = __ldg((const unsigned int*)(codes + first));
     }
-    const uint32_t byte = codes[e];
-    return q.symmetric ? (int32_t)(int8_t)byte : (int32_t)byte;
+#pragma unroll
+    for (uint32_t k = 0; k < E; ++k) {
+        uint32_t raw;
+        if (q.bits == 4) {
+            raw = (lo >> (4 * k)) & 0xfu;
+        } else {
+            raw = ((k < 4 ? lo : hi) >> (8 * (k % 4))) & 0xffu;
+        }
+        const uint32_t shift = 32 - q.bits;
+        if (q.symmetric) {
+            corrupt |= raw == (1u << (q.bits - 1));
+            c[k] = (int32_t)(raw << shift) >> shift;
+        } else {
+            c[k] = (int32_t)raw;
+        }
+    }
 }
 
-// The dequantized element e: q * s (symmetric) or lo + q * s (asymmetric).
-__device__ __forceinline__ float sdp_dequantize(const sdp_quant& q, const sdp_coded_group& grp, uint32_t e)
+// The dequantized value of code c: c * s (symmetric) or lo + c * s (asymmetric).
+__device__ __forceinline__ float sdp_dequantize(const sdp_quant& q, const sdp_coded_group& grp, int32_t c)
 {
-    const float value = __fmul_rn((float)sdp_load_code(q, grp.codes, e), grp.scale);
+    const float value = __fmul_rn((float)c, grp.scale);
     return q.symmetric ? value : __fadd_rn(grp.offset, value);
 }
 
-// Whether group k is corrupt in any of the `peers` consecutive slabs of `recv`; a sum over the
-// peers then is NaN in every element. All 32 lanes must call it together.
-__device__ __forceinline__ bool sdp_any_peer_corrupt(const uint8_t* recv, const sdp_slab& layout,
-                                                     uint32_t peers, uint64_t k, uint32_t lane)
+// This lane's values of tile t of the sum over the `peers` consecutive slabs of `recv`, in
+// slab order, of dequantize(group k): out = deq(slab 0); out = out + deq(slab 1); ...
+// (gradient::sum_groups); zeros for runs past the group. Sets `corrupt` when a group it reads
+// is corrupt (see sdp_meta_corrupt, sdp_load_run_codes): the caller turns the whole group to
+// NaN once the warp has voted.
+template <uint32_t E>
+__device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sdp_slab& layout, uint32_t peers,
+                                                   uint64_t k, uint32_t t, uint32_t lane,
+                                                   float (&v)[SDP_LANE_VALUES], bool& corrupt)
 {
-    bool corrupt = false;
-    for (uint32_t s = 0; s < peers && !corrupt; ++s) {
-        corrupt = sdp_group_corrupt(layout.quant, sdp_slab_group(sdp_slab_at(recv, layout, s), layout, k),
-                                    lane);
-    }
-    return corrupt;
-}
-
-// The valid rows of tile t of the sum over the `peers` consecutive slabs of `recv`, in slab
-// order, of dequantize(group k): out = deq(slab 0); out = out + deq(slab 1); ...
-// (gradient::sum_groups). A corrupt group (see sdp_any_peer_corrupt) sums to NaN everywhere.
-__device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sdp_slab& layout,
-                                                   uint32_t peers, uint64_t k, bool corrupt, uint32_t t,
-                                                   uint32_t rows, uint32_t lane,
-                                                   float (&v)[SDP_TILE_ROWS])
-{
-    if (corrupt) {
+    const sdp_quant& q = layout.quant;
 #pragma unroll
-        for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-            v[r] = sdp_nan();
-        }
-        return;
+    for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+        v[i] = 0.0f;
     }
     for (uint32_t s = 0; s < peers; ++s) {
         const sdp_coded_group grp = sdp_slab_group(sdp_slab_at(recv, layout, s), layout, k);
+        corrupt |= sdp_meta_corrupt(grp);
 #pragma unroll
-        for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-            if (r < rows) {
-                const float x = sdp_dequantize(layout.quant, grp, sdp_tile_element(t, r, lane));
-                v[r] = s == 0 ? x : __fadd_rn(v[r], x);
+        for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
+            if (sdp_run_in_group<E>(q.group_size, t, r, lane)) {
+                int32_t c[E];
+                sdp_load_run_codes<E>(q, grp.codes, t, r, lane, c, corrupt);
+#pragma unroll
+                for (uint32_t e = 0; e < E; ++e) {
+                    const float x = sdp_dequantize(q, grp, c[e]);
+                    v[r * E + e] = s == 0 ? x : __fadd_rn(v[r * E + e], x);
+                }
             }
         }
     }

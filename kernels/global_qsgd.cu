@@ -5,21 +5,49 @@
 // dequantize::<i8 | i16>.
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
-// Work unit: one element per thread (absmax, dequantize) or one Philox block of 4 consecutive
-// elements per thread (quantize), grid-stride over numel (uint64). global_absmax reduces each
-// warp's elements with shuffles and issues one atomicMax per warp.
+// Work unit: one run of 4 consecutive elements per thread (one Philox block for quantize),
+// grid-stride over ceil(numel / 4) runs; a run is moved with one 16-byte access of fp32 (and a
+// 4- or 8-byte access of the integers) when the buffers are aligned for it and the run is
+// whole, element by element otherwise. global_absmax reduces each warp's elements with
+// shuffles and issues one atomicMax per warp.
 #include "common.cuh"
+
+// Runs of 4 elements of a bucket of numel elements.
+__device__ __forceinline__ uint64_t global_runs(const sdp_global& args)
+{
+    return (args.numel + 3) / 4;
+}
+
+// The fp32 values of run b of `x` (zeros past numel): one 16-byte load when `vector`.
+__device__ __forceinline__ void global_load_run(const float* __restrict__ x, const sdp_global& args, uint64_t b,
+                                                bool vector, float* v)
+{
+    if (vector && 4 * b + 4 <= args.numel) {
+        sdp_load_f32x4(x + 4 * b, v);
+        return;
+    }
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+        v[e] = 4 * b + e < args.numel ? x[4 * b + e] : 0.0f;
+    }
+}
 
 // global_absmax(bucket, abs_bits): *abs_bits = max over the bucket of (bits & 0x7fffffff), the
 // caller zeroes it first; >= 0x7f800000 means a NaN or Inf is present (local_absmax returns
 // +Inf then).
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_absmax(const float* __restrict__ bucket, uint32_t* __restrict__ abs_bits, sdp_global args)
 {
+    const bool vector = sdp_aligned(bucket, 16);
     uint32_t m = 0;
-    for (uint64_t i = sdp_thread_id(); i < args.numel; i += sdp_thread_count()) {
-        const uint32_t bits = sdp_abs_bits(bucket[i]);
-        m = bits > m ? bits : m;
+    for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
+        float v[4];
+        global_load_run(bucket, args, b, vector, v);
+#pragma unroll
+        for (uint32_t e = 0; e < 4; ++e) {
+            const uint32_t bits = sdp_abs_bits(v[e]);
+            m = bits > m ? bits : m;
+        }
     }
     m = sdp_warp_max_u32(m);
     if (sdp_lane() == 0 && m != 0) {
@@ -41,54 +69,151 @@ __device__ __forceinline__ int32_t global_code(const sdp_global& args, float x, 
     return (int32_t)c;
 }
 
-// out[i] = the code of bucket[i] for the elements of one Philox block, i = 4 b .. 4 b + 3 (the
-// last block may be partial): one block gives the four uniforms.
-template <class Code>
-__device__ __forceinline__ void global_quantize_block(const float* bucket, Code* out, const sdp_global& args,
-                                                      uint64_t b)
+// Stores the 4 codes of run b: one 4-byte (int8) or 8-byte (int16) store when `vector`.
+__device__ __forceinline__ void global_store_codes(int8_t* out, const sdp_global& args, uint64_t b, bool vector,
+                                                   const int32_t* c)
 {
-    const sdp_philox_block words = args.stochastic ? sdp_philox(args.rng, b) : sdp_philox_block{};
+    if (vector && 4 * b + 4 <= args.numel) {
+        uint32_t word = 0;
 #pragma unroll
-    for (uint32_t w = 0; w < 4; ++w) {
-        const uint64_t i = 4 * b + w;
-        if (i < args.numel) {
-            const float u = sdp_word_to_uniform(sdp_philox_pick(words, w));
-            out[i] = (Code)global_code(args, bucket[i], u);
+        for (uint32_t e = 0; e < 4; ++e) {
+            word |= ((uint32_t)c[e] & 0xffu) << (8 * e);
+        }
+        __stcs((unsigned int*)(out + 4 * b), word);
+        return;
+    }
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+        if (4 * b + e < args.numel) {
+            out[4 * b + e] = (int8_t)c[e];
         }
     }
 }
 
-// global_quantize_i8 / global_quantize_i16(bucket, out): work unit = one Philox block of four
-// consecutive elements per thread, grid-stride over ceil(numel / 4) blocks.
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+__device__ __forceinline__ void global_store_codes(int16_t* out, const sdp_global& args, uint64_t b, bool vector,
+                                                   const int32_t* c)
+{
+    if (vector && 4 * b + 4 <= args.numel) {
+        const uint32_t lo = ((uint32_t)c[0] & 0xffffu) | ((uint32_t)c[1] << 16);
+        const uint32_t hi = ((uint32_t)c[2] & 0xffffu) | ((uint32_t)c[3] << 16);
+        __stcs((uint2*)(out + 4 * b), make_uint2(lo, hi));
+        return;
+    }
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+        if (4 * b + e < args.numel) {
+            out[4 * b + e] = (int16_t)c[e];
+        }
+    }
+}
+
+// out[i] = the code of bucket[i] for every element of the bucket, one run of 4 (one Philox
+// block: its four uniforms) per thread and step.
+template <class Code>
+__device__ __forceinline__ void global_quantize(const float* __restrict__ bucket, Code* __restrict__ out,
+                                                const sdp_global& args)
+{
+    const bool vector = sdp_aligned(bucket, 16) && sdp_aligned(out, 4 * sizeof(Code));
+    for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
+        float x[4];
+        global_load_run(bucket, args, b, vector, x);
+        float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (args.stochastic) {
+            sdp_uniforms4(args.rng, 4 * b, u);
+        }
+        int32_t c[4];
+#pragma unroll
+        for (uint32_t e = 0; e < 4; ++e) {
+            c[e] = global_code(args, x[e], u[e]);
+        }
+        global_store_codes(out, args, b, vector, c);
+    }
+}
+
+// global_quantize_i8 / global_quantize_i16(bucket, out).
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_quantize_i8(const float* __restrict__ bucket, int8_t* __restrict__ out, sdp_global args)
 {
-    for (uint64_t b = sdp_thread_id(); b < (args.numel + 3) / 4; b += sdp_thread_count()) {
-        global_quantize_block(bucket, out, args, b);
-    }
+    global_quantize(bucket, out, args);
 }
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_quantize_i16(const float* __restrict__ bucket, int16_t* __restrict__ out, sdp_global args)
 {
-    for (uint64_t b = sdp_thread_id(); b < (args.numel + 3) / 4; b += sdp_thread_count()) {
-        global_quantize_block(bucket, out, args, b);
+    global_quantize(bucket, out, args);
+}
+
+// The 4 integers of run b of `sum` (one 4- or 8-byte load when `vector`).
+__device__ __forceinline__ void global_load_sums(const int8_t* __restrict__ sum, const sdp_global& args, uint64_t b,
+                                                 bool vector, int32_t* c)
+{
+    if (vector && 4 * b + 4 <= args.numel) {
+        const uint32_t word = __ldg((const unsigned int*)(sum + 4 * b));
+#pragma unroll
+        for (uint32_t e = 0; e < 4; ++e) {
+            c[e] = (int32_t)(word << (24 - 8 * e)) >> 24;
+        }
+        return;
+    }
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+        c[e] = 4 * b + e < args.numel ? sum[4 * b + e] : 0;
     }
 }
 
-// global_dequantize_i8 / global_dequantize_i16(sum, out): out[i] = f32(sum[i]) * scale.
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+__device__ __forceinline__ void global_load_sums(const int16_t* __restrict__ sum, const sdp_global& args, uint64_t b,
+                                                 bool vector, int32_t* c)
+{
+    if (vector && 4 * b + 4 <= args.numel) {
+        const uint2 w = __ldg((const uint2*)(sum + 4 * b));
+        c[0] = (int32_t)(w.x << 16) >> 16;
+        c[1] = (int32_t)w.x >> 16;
+        c[2] = (int32_t)(w.y << 16) >> 16;
+        c[3] = (int32_t)w.y >> 16;
+        return;
+    }
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+        c[e] = 4 * b + e < args.numel ? sum[4 * b + e] : 0;
+    }
+}
+
+// out[i] = f32(sum[i]) * scale, one run of 4 per thread and step.
+template <class Code>
+__device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, float* __restrict__ out,
+                                                  const sdp_global& args)
+{
+    const bool vector = sdp_aligned(sum, 4 * sizeof(Code)) && sdp_aligned(out, 16);
+    for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
+        int32_t c[4];
+        global_load_sums(sum, args, b, vector, c);
+        float x[4];
+#pragma unroll
+        for (uint32_t e = 0; e < 4; ++e) {
+            x[e] = __fmul_rn((float)c[e], args.scale);
+        }
+        if (vector && 4 * b + 4 <= args.numel) {
+            sdp_store_f32x4(out + 4 * b, x);
+        } else {
+#pragma unroll
+            for (uint32_t e = 0; e < 4; ++e) {
+                if (4 * b + e < args.numel) {
+                    out[4 * b + e] = x[e];
+                }
+            }
+        }
+    }
+}
+
+// global_dequantize_i8 / global_dequantize_i16(sum, out).
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_dequantize_i8(const int8_t* __restrict__ sum, float* __restrict__ out, sdp_global args)
 {
-    for (uint64_t i = sdp_thread_id(); i < args.numel; i += sdp_thread_count()) {
-        out[i] = __fmul_rn((float)sum[i], args.scale);
-    }
+    global_dequantize(sum, out, args);
 }
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_dequantize_i16(const int16_t* __restrict__ sum, float* __restrict__ out, sdp_global args)
 {
-    for (uint64_t i = sdp_thread_id(); i < args.numel; i += sdp_thread_count()) {
-        out[i] = __fmul_rn((float)sum[i], args.scale);
-    }
+    global_dequantize(sum, out, args);
 }

@@ -8,7 +8,8 @@
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one group of one output slab, handled by one warp (8 per block), grid-stride over
 // the P * peers1 * slab.groups groups. Unit u is group k = u % slab.groups of slab
-// s = u / slab.groups, with s = p * peers1 + x1 (chunk p, first-level peer x1).
+// s = u / slab.groups, with s = p * peers1 + x1 (chunk p, first-level peer x1). Each lane holds
+// runs of 4 consecutive elements (common.cuh): one 16-byte load, one Philox block.
 //
 // Indexing (the ABI comment of sdp_grad_first; plan::GradLayout, plan::BucketPlan):
 //   x2 = k / groups_per_chunk, j = k % groups_per_chunk, z = dests[x1 * peers2 + x2];
@@ -16,7 +17,7 @@
 //   bucket[z * S + o] when o < S (real) else 0 (padding), and Philox index z * S_pad + o.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
 grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict__ dests,
                     uint8_t* __restrict__ out, sdp_grad_first args)
 {
@@ -27,30 +28,41 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
     const uint64_t units = (uint64_t)sh.chunks * args.peers1 * layout.groups;
 
     for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
-        const uint64_t s = u / layout.groups;
-        const uint64_t k = u % layout.groups;
-        const uint64_t p = s / args.peers1;
-        const uint64_t x1 = s % args.peers1;
-        const uint64_t x2 = k / args.groups_per_chunk;
+        // Units fit in 32 bits (the launch checks), so the index arithmetic is 32-bit.
+        const uint32_t s = (uint32_t)u / (uint32_t)layout.groups;
+        const uint32_t k = (uint32_t)u % (uint32_t)layout.groups;
+        const uint32_t p = s / args.peers1;
+        const uint32_t x1 = s % args.peers1;
+        const uint32_t x2 = k / args.groups_per_chunk;
         const uint64_t j = k % args.groups_per_chunk;
-        const uint64_t z = dests[x1 * args.peers2 + x2];
-        // In-shard offset of the group's first element.
+        const uint64_t z = __ldg(dests + x1 * args.peers2 + x2);
+        // In-shard offset of the group's first element; its elements in shard z and how many
+        // of them are real (in-shard offset < S).
         const uint64_t first = p * sh.chunk_len + j * g;
+        const float* group = bucket + z * sh.shard_len + first;
+        const uint64_t left = first < sh.shard_len ? sh.shard_len - first : 0;
+        const uint32_t real = left < g ? (uint32_t)left : g;
 
         // Tile t: the real elements of shard z, zeros past S, then the forward Hadamard.
-        auto load = [&](uint32_t t, uint32_t rows, float (&v)[SDP_TILE_ROWS]) {
+        auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
 #pragma unroll
-            for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-                if (r < rows) {
-                    const uint64_t o = first + sdp_tile_element(t, r, lane);
-                    v[r] = o < sh.shard_len ? bucket[z * sh.shard_len + o] : 0.0f;
+            for (uint32_t r = 0; r < SDP_LANE_VALUES / 4; ++r) {
+                float* x = v + 4 * r;
+                const uint32_t e = sdp_tile_element<4>(t, 4 * r, lane);
+                if (e + 4 <= real && sdp_aligned(group + e, 16)) {
+                    sdp_load_f32x4(group + e, x);
+                } else {
+#pragma unroll
+                    for (uint32_t i = 0; i < 4; ++i) {
+                        x[i] = e + i < real ? group[e + i] : 0.0f;
+                    }
                 }
             }
             if (args.hadamard_block != 0) {
-                sdp_hadamard_forward(v, rows, args.hadamard_block, lane);
+                sdp_hadamard_forward(v, g, t, args.hadamard_block, lane);
             }
         };
-        sdp_quantize_slab_group(sdp_slab_at(out, layout, s), layout, k, load, args.rng,
-                                z * sh.padded_shard_len + first, lane);
+        sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, s), layout, k, load, args.rng,
+                                   z * sh.padded_shard_len + first, lane);
     }
 }

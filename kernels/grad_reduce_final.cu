@@ -6,7 +6,8 @@
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one group j of the chunk (slab.groups groups per slab), handled by one warp
-// (8 per block), grid-stride over the slab.groups groups.
+// (8 per block), grid-stride over the slab.groups groups. Each lane holds runs of 4
+// consecutive elements (common.cuh) and stores them with one 16-byte store where aligned.
 //
 // Indexing: group j covers in-shard offsets o = p * chunk_len + j * g + e (e < g); it reads
 // group j of each of the `peers` slabs of recv and writes shard[o] for every o < S (shard
@@ -14,10 +15,35 @@
 // are skipped, as on the CPU; the last real group may be partial (S not a multiple of g).
 //
 // A corrupt input group (see common.cuh) writes NaN to every real element of the group; the
-// CPU returns Error::Decode there.
+// CPU returns Error::Decode there. Lanes check the codes they decode and the warp votes once
+// the group is written: a corrupt group is then overwritten with NaN.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+// Writes this lane's values of tile t of the group starting at in-shard offset `first` to
+// the real elements of the shard (offset < S): a 16-byte store per wholly real, aligned run.
+__device__ __forceinline__ void store_tile(float* shard, uint64_t shard_len, uint32_t g, uint64_t first,
+                                           uint32_t t, uint32_t lane, const float (&v)[SDP_LANE_VALUES])
+{
+#pragma unroll
+    for (uint32_t r = 0; r < SDP_LANE_VALUES / 4; ++r) {
+        if (!sdp_run_in_group<4>(g, t, r, lane)) {
+            continue;
+        }
+        const uint64_t o = first + sdp_tile_element<4>(t, 4 * r, lane);
+        if (o + 4 <= shard_len && sdp_aligned(shard + o, 16)) {
+            sdp_store_f32x4(shard + o, v + 4 * r);
+        } else {
+#pragma unroll
+            for (uint32_t e = 0; e < 4; ++e) {
+                if (o + e < shard_len) {
+                    shard[o + e] = v[4 * r + e];
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
 grad_reduce_final(const uint8_t* __restrict__ recv, float* __restrict__ shard, sdp_grad_final args)
 {
     const sdp_slab& layout = args.slab;
@@ -31,21 +57,23 @@ grad_reduce_final(const uint8_t* __restrict__ recv, float* __restrict__ shard, s
         if (first >= sh.shard_len) {
             continue;
         }
-        const bool corrupt = sdp_any_peer_corrupt(recv, layout, args.peers, j, lane);
-
+        bool corrupt = false;
         for (uint32_t t = 0; t < sdp_tiles(g); ++t) {
-            const uint32_t rows = sdp_tile_rows(g, t);
-            float v[SDP_TILE_ROWS] = {};
-            sdp_sum_peers_tile(recv, layout, args.peers, j, corrupt, t, rows, lane, v);
+            float v[SDP_LANE_VALUES];
+            sdp_sum_peers_tile<4>(recv, layout, args.peers, j, t, lane, v, corrupt);
             if (args.hadamard_block != 0) {
-                sdp_hadamard_inverse(v, rows, args.hadamard_block, lane);
+                sdp_hadamard_inverse(v, g, t, args.hadamard_block, lane);
             }
+            store_tile(shard, sh.shard_len, g, first, t, lane, v);
+        }
+        if (__any_sync(SDP_FULL_MASK, corrupt)) {
+            float v[SDP_LANE_VALUES];
 #pragma unroll
-            for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-                const uint64_t o = first + sdp_tile_element(t, r, lane);
-                if (r < rows && o < sh.shard_len) {
-                    shard[o] = v[r];
-                }
+            for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+                v[i] = sdp_nan();
+            }
+            for (uint32_t t = 0; t < sdp_tiles(g); ++t) {
+                store_tile(shard, sh.shard_len, g, first, t, lane, v);
             }
         }
     }

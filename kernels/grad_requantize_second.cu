@@ -8,7 +8,7 @@
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one output group, handled by one warp (8 per block), grid-stride over the
 // peers2 * groups_per_chunk output groups. Unit u is group j = u % groups_per_chunk of output
-// slab x2 = u / groups_per_chunk.
+// slab x2 = u / groups_per_chunk. Each lane holds runs of 4 consecutive elements (common.cuh).
 //
 // Indexing (the ABI comment of sdp_grad_second; plan::GradLayout):
 //   input: group x2 * groups_per_chunk + j of each of the peers1 slabs of recv (in_slab);
@@ -18,11 +18,11 @@
 // Both levels share the group size g (config::GradConfig::group_size): g is read from
 // out_slab, in_slab's must equal it.
 //
-// A corrupt input group (see common.cuh) makes the sum NaN, so the output group is a
-// non-finite group (scale NaN, codes 0); the CPU returns Error::Decode there.
+// A corrupt input group (see common.cuh) makes the sum NaN where a lane finds it, so the
+// output group is a non-finite group (scale NaN, codes 0); the CPU returns Error::Decode there.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
 grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restrict__ dests,
                        uint8_t* __restrict__ out, sdp_grad_second args)
 {
@@ -35,18 +35,26 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
     const uint64_t units = (uint64_t)args.peers2 * gc;
 
     for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
-        const uint64_t x2 = u / gc;
-        const uint64_t j = u % gc;
+        // Units fit in 32 bits (the launch checks), so the index arithmetic is 32-bit.
+        const uint32_t x2 = (uint32_t)u / (uint32_t)gc;
+        const uint64_t j = (uint32_t)u % (uint32_t)gc;
         const uint64_t k_in = x2 * gc + j;
-        const uint64_t z = dests[(uint64_t)args.my_x1 * args.peers2 + x2];
-        const bool corrupt = sdp_any_peer_corrupt(recv, in, args.peers1, k_in, lane);
+        const uint64_t z = __ldg(dests + (uint64_t)args.my_x1 * args.peers2 + x2);
 
-        // Tile t: the slab-order sum of the peers' dequantized values.
-        auto load = [&](uint32_t t, uint32_t rows, float (&v)[SDP_TILE_ROWS]) {
-            sdp_sum_peers_tile(recv, in, args.peers1, k_in, corrupt, t, rows, lane, v);
+        // Tile t: the slab-order sum of the peers' dequantized values; NaN in the lane that
+        // finds a corrupt input, which makes the group non-finite.
+        auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
+            bool corrupt = false;
+            sdp_sum_peers_tile<4>(recv, in, args.peers1, k_in, t, lane, v, corrupt);
+            if (corrupt) {
+#pragma unroll
+                for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+                    v[i] = sdp_nan();
+                }
+            }
         };
         const uint64_t first_index = z * sh.padded_shard_len + args.chunk * sh.chunk_len + j * g;
-        sdp_quantize_slab_group(sdp_slab_at(out, layout, x2), layout, j, load, args.rng, first_index,
-                                lane);
+        sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, x2), layout, j, load, args.rng, first_index,
+                                   lane);
     }
 }

@@ -6,13 +6,45 @@
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one group j of the slab, handled by one warp (8 per block), grid-stride over the
-// slab.groups groups.
+// slab.groups groups. Each lane holds runs of 8 consecutive elements (common.cuh): one
+// 16-byte load of each input where aligned, two Philox blocks, one word of 4-bit codes.
 //
 // Indexing: element e of group j is shard element i = j * g + e, real when i < shard_len,
 // else 0 (padding; the slab covers the padded shard); its Philox index is first_index + i.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS)
+// This lane's run of 8 elements starting at shard element i as fp32 (the difference from the
+// reference when `difference`), zeros past shard_len.
+__device__ __forceinline__ void load_run(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict__ reference,
+                                         const sdp_weight_encode& args, uint64_t i, float* x)
+{
+    const bool vector = i + 8 <= args.shard_len && sdp_aligned(new_shard + i, 16) &&
+                        (!args.difference || sdp_aligned(reference + i, 16));
+    if (vector) {
+        const uint4 n = sdp_load_u16x8(new_shard + i, false);
+        const uint4 r = args.difference ? sdp_load_u16x8(reference + i, false) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (uint32_t e = 0; e < 8; ++e) {
+            x[e] = sdp_bf16_to_f32(sdp_half(sdp_word_of(n, e / 2), e % 2));
+            if (args.difference) {
+                x[e] = __fsub_rn(x[e], sdp_bf16_to_f32(sdp_half(sdp_word_of(r, e / 2), e % 2)));
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (uint32_t e = 0; e < 8; ++e) {
+        x[e] = 0.0f;
+        if (i + e < args.shard_len) {
+            x[e] = sdp_bf16_to_f32(new_shard[i + e]);
+            if (args.difference) {
+                x[e] = __fsub_rn(x[e], sdp_bf16_to_f32(reference[i + e]));
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
 weight_encode(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict__ reference,
               uint8_t* __restrict__ out, sdp_weight_encode args)
 {
@@ -22,22 +54,16 @@ weight_encode(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict
 
     for (uint64_t j = sdp_warp_id(); j < layout.groups; j += sdp_warp_count()) {
         // Tile t: the (difference of the) bf16 values as fp32, zeros past shard_len.
-        auto load = [&](uint32_t t, uint32_t rows, float (&v)[SDP_TILE_ROWS]) {
+        auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
+            if (sdp_run_in_group<8>(g, t, 0, lane)) {
+                load_run(new_shard, reference, args, j * g + sdp_tile_element<8>(t, 0, lane), v);
+            } else {
 #pragma unroll
-            for (uint32_t r = 0; r < SDP_TILE_ROWS; ++r) {
-                if (r < rows) {
-                    const uint64_t i = j * g + sdp_tile_element(t, r, lane);
-                    float x = 0.0f;
-                    if (i < args.shard_len) {
-                        x = sdp_bf16_to_f32(new_shard[i]);
-                        if (args.difference) {
-                            x = __fsub_rn(x, sdp_bf16_to_f32(reference[i]));
-                        }
-                    }
-                    v[r] = x;
+                for (uint32_t e = 0; e < 8; ++e) {
+                    v[e] = 0.0f;
                 }
             }
         };
-        sdp_quantize_slab_group(out, layout, j, load, args.rng, args.first_index + j * g, lane);
+        sdp_quantize_slab_group<8>(out, layout, j, load, args.rng, args.first_index + j * g, lane);
     }
 }

@@ -3,21 +3,28 @@
 #
 #   bash scripts/bench.sh cpu [ARGS]           cargo bench --bench cpu (fused passes, collectives)
 #   bash scripts/bench.sh gpu [ARGS]           cargo bench --bench gpu (kernels; needs a GPU)
+#   bash scripts/bench.sh kernels [ARGS]       cargo bench --bench kernels (static model of the
+#                                              kernels from their SASS; no GPU)
 #   bash scripts/bench.sh cluster [ARGS]       python bench/cluster.py (emulated cluster; root)
 #   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
 #
-# The Rust benchmarks get NVRTC on LD_LIBRARY_PATH; the Python harnesses run from the project's
+# The Rust benchmarks get NVRTC on LD_LIBRARY_PATH (and the kernel model ptxas and nvdisasm); the Python harnesses run from the project's
 # virtual environment (its bin first on PATH, scripts/env.sh) with sdp4bit installed from the
 # tree as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-name=${1:?usage: bash scripts/bench.sh cpu|gpu|cluster|convergence [ARGS]}
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|convergence [ARGS]}
 shift
 case "$name" in
   cpu | gpu)
     sdp4bit_nvrtc
     exec cargo bench --locked --bench "$name" -- "$@"
+    ;;
+  kernels)
+    sdp4bit_nvrtc
+    sdp4bit_cuda_tools
+    exec cargo bench --locked --bench kernels -- "$@"
     ;;
   cluster | convergence)
     sdp4bit_main_venv
@@ -25,7 +32,7 @@ case "$name" in
     exec python "bench/$name.py" "$@"
     ;;
   *)
-    echo "unknown benchmark '$name': cpu, gpu, cluster or convergence" >&2
+    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster or convergence" >&2
     exit 2
     ;;
 esac

@@ -18,6 +18,10 @@
 #                                      installed package was built from the tree as it is
 #   sdp4bit_nvrtc                      NVRTC (the CUDA runtime compiler, no GPU needed) in
 #                                      .cache/, put on LD_LIBRARY_PATH for the CUDA backend
+#   sdp4bit_cuda_tools                 ptxas (the PTX to SASS assembler) and nvdisasm in
+#                                      .cache/, their directory in SDP4BIT_CUDA_BIN: the kernel
+#                                      resource checks of tests/cuda_compile.rs and the table of
+#                                      bench/kernels.rs (no GPU needed)
 
 SDP4BIT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SDP4BIT_MAIN_VENV="$SDP4BIT_ROOT/.cache/venv"
@@ -91,6 +95,20 @@ sdp4bit_nvrtc() {
       "nvidia-cuda-nvrtc==$SDP4BIT_NVRTC_VERSION"
   fi
   export LD_LIBRARY_PATH="$prefix/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+# ptxas of the NVRTC release above; nvdisasm (SASS text) from its oldest wheel on PyPI, which
+# reads the sm_90 code ptxas 13.0 writes.
+SDP4BIT_PTXAS_VERSION=13.0.88
+SDP4BIT_NVDISASM_VERSION=13.2.51
+
+sdp4bit_cuda_tools() {
+  local prefix="$SDP4BIT_ROOT/.cache/cuda-tools-$SDP4BIT_PTXAS_VERSION"
+  if [ ! -x "$prefix/nvidia/cu13/bin/ptxas" ] || [ ! -x "$prefix/nvidia/cu13/bin/nvdisasm" ]; then
+    python3 -m pip install --quiet --no-deps --target "$prefix" \
+      "nvidia-cuda-nvcc==$SDP4BIT_PTXAS_VERSION" "nvidia-cuda-nvdisasm==$SDP4BIT_NVDISASM_VERSION"
+  fi
+  export SDP4BIT_CUDA_BIN="$prefix/nvidia/cu13/bin"
 }
 
 sdp4bit_record_install() {

@@ -43,6 +43,12 @@ step "NVRTC $SDP4BIT_NVRTC_VERSION into .cache/"
 sdp4bit_nvrtc
 # The kernel compile test must fail, not skip, when NVRTC cannot be loaded.
 export SDP4BIT_REQUIRE_NVRTC=1
+
+step "ptxas $SDP4BIT_PTXAS_VERSION and nvdisasm into .cache/"
+sdp4bit_cuda_tools
+# The kernel resource checks (registers, spills, access widths) must fail, not skip, without
+# them.
+export SDP4BIT_REQUIRE_PTXAS=1
 # The emulated-GPU kernel test runs its full sweep.
 export SDP4BIT_EMULATOR_FULL=1
 
@@ -81,6 +87,7 @@ cargo test --locked --release --test cuda_gpu -- --nocapture --test-threads=1 2>
 step "benchmark smoke runs (SDP4BIT_BENCH_QUICK=1; the GPU one skips without a GPU)"
 SDP4BIT_BENCH_QUICK=1 bash scripts/bench.sh cpu
 SDP4BIT_BENCH_QUICK=1 bash scripts/bench.sh gpu
+bash scripts/bench.sh kernels > /dev/null
 
 step "waiting for the main Python environment"
 wait_for "$MAIN_ENV_PID" .cache/logs/venv-main.log

@@ -1,9 +1,13 @@
 //! Compiles every kernel source for sm_90 through the backend's own NVRTC path: no warnings,
-//! and every kernel the backend launches is an entry point of the PTX.
+//! and every kernel the backend launches is an entry point of the PTX. Then assembles the PTX
+//! with `ptxas` for sm_90 and checks each kernel's resources: no spills or stack, registers
+//! within the bound its `__launch_bounds__` sets, and the widths of its streaming loads and
+//! stores in the SASS (`nvdisasm`).
 //!
-//! Needs the NVRTC library (no GPU). Without it the tests print why and pass, unless
-//! `SDP4BIT_REQUIRE_NVRTC=1` (set by `scripts/test.sh` and CI), which turns the skip into a
-//! failure naming the libraries searched.
+//! Needs the NVRTC library and, for the resource checks, ptxas and nvdisasm (no GPU). Without
+//! them the tests print why and pass, unless `SDP4BIT_REQUIRE_NVRTC=1` or
+//! `SDP4BIT_REQUIRE_PTXAS=1` (both set by `scripts/test.sh` and CI), which turn the skip into a
+//! failure naming what is missing.
 
 use std::collections::BTreeSet;
 
@@ -14,6 +18,9 @@ use sdp4bit::backend::cuda::abi::{
 use sdp4bit::backend::cuda::compile::{Arch, compile};
 use sdp4bit::backend::cuda::probe;
 use sdp4bit::backend::cuda::source::{HEADERS, Kernel, KernelSource, SOURCES};
+use sdp4bit_test_support::kernel_resources::{
+    CudaTools, KernelResources, Usage, count_sass, parse_ptxas_report,
+};
 
 /// Whether NVRTC is usable; `false` (after printing why) when the test should skip.
 fn nvrtc_available(test: &str) -> bool {
@@ -171,4 +178,237 @@ fn entry_parameters_match_the_abi_mirrors() {
             assert_eq!(params, want, "kernels/{}: {name}", source.file);
         }
     }
+}
+
+/// The most registers per thread each kernel may use: what its `__launch_bounds__(256, B)`
+/// leaves (65536 / (256 B), rounded down to a multiple of 8), so that B blocks of 256 threads
+/// fit a multiprocessor; and the widths in bits of its widest global load and store, which
+/// move the data it streams (fp32 and bf16 runs in 16-byte accesses; codes in 32-bit words).
+struct Expected {
+    kernel: Kernel,
+    max_registers: u32,
+    widest_load: u32,
+    widest_store: u32,
+}
+
+const EXPECTED: [Expected; Kernel::COUNT] = [
+    Expected {
+        kernel: Kernel::GradQuantizeFirst,
+        max_registers: 64,
+        widest_load: 128,
+        widest_store: 32,
+    },
+    Expected {
+        kernel: Kernel::GradRequantizeSecond,
+        max_registers: 64,
+        widest_load: 32,
+        widest_store: 32,
+    },
+    Expected {
+        kernel: Kernel::GradReduceFinal,
+        max_registers: 64,
+        widest_load: 32,
+        widest_store: 128,
+    },
+    Expected {
+        kernel: Kernel::WeightEncode,
+        max_registers: 64,
+        widest_load: 128,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::WeightApply,
+        max_registers: 64,
+        widest_load: 128,
+        widest_store: 128,
+    },
+    Expected {
+        kernel: Kernel::GlobalAbsmax,
+        max_registers: 32,
+        widest_load: 128,
+        widest_store: 0,
+    },
+    Expected {
+        kernel: Kernel::GlobalQuantizeI8,
+        max_registers: 32,
+        widest_load: 128,
+        widest_store: 32,
+    },
+    Expected {
+        kernel: Kernel::GlobalQuantizeI16,
+        max_registers: 32,
+        widest_load: 128,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GlobalDequantizeI8,
+        max_registers: 32,
+        widest_load: 32,
+        widest_store: 128,
+    },
+    Expected {
+        kernel: Kernel::GlobalDequantizeI16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 128,
+    },
+];
+
+/// ptxas and nvdisasm, or `None` (after printing why) when the test should skip.
+fn cuda_tools(test: &str) -> Option<CudaTools> {
+    match CudaTools::from_env() {
+        Ok(tools) => Some(tools),
+        Err(e) => {
+            let required = std::env::var("SDP4BIT_REQUIRE_PTXAS").is_ok_and(|v| v == "1");
+            assert!(!required, "{test}: SDP4BIT_REQUIRE_PTXAS=1 but {e}");
+            println!("skipped {test}: {e}");
+            None
+        }
+    }
+}
+
+/// Every kernel's resources, compiled and assembled in a fresh directory.
+fn every_kernel_resources(tools: &CudaTools, test: &str) -> Vec<(Kernel, KernelResources)> {
+    let dir = std::env::temp_dir().join(format!("sdp4bit-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("work directory");
+    let mut all = Vec::new();
+    for source in &SOURCES {
+        let ptx = compile(source, Arch::SM_90)
+            .unwrap_or_else(|e| panic!("kernels/{}: {e}", source.file))
+            .ptx;
+        let resources = tools
+            .analyse(source.file, &ptx, &dir)
+            .unwrap_or_else(|e| panic!("kernels/{}: {e}", source.file));
+        for &kernel in source.kernels {
+            let found = resources
+                .iter()
+                .find(|r| r.name == kernel.name())
+                .unwrap_or_else(|| panic!("ptxas reports no {}", kernel.name()));
+            all.push((kernel, found.clone()));
+        }
+    }
+    std::fs::remove_dir_all(&dir).expect("remove the work directory");
+    all
+}
+
+/// No kernel spills or keeps a stack frame, and each stays within its register bound, so the
+/// occupancy its launch bounds promise holds without local-memory traffic.
+#[test]
+fn kernels_fit_their_register_bounds_without_spilling() {
+    let test = "kernels_fit_their_register_bounds_without_spilling";
+    if !nvrtc_available(test) {
+        return;
+    }
+    let Some(tools) = cuda_tools(test) else {
+        return;
+    };
+    let mut failures = Vec::new();
+    for (kernel, resources) in every_kernel_resources(&tools, test) {
+        let expected = EXPECTED
+            .iter()
+            .find(|e| e.kernel == kernel)
+            .expect("every kernel");
+        let usage = &resources.usage;
+        if usage.uses_local_memory() || resources.sass.local > 0 {
+            failures.push(format!(
+                "{}: {} bytes stack, {} bytes spill stores, {} bytes spill loads, {} local \
+                 loads/stores in the SASS",
+                kernel.name(),
+                usage.stack_frame,
+                usage.spill_stores,
+                usage.spill_loads,
+                resources.sass.local
+            ));
+        }
+        if usage.registers > expected.max_registers {
+            failures.push(format!(
+                "{}: {} registers, the bound is {}",
+                kernel.name(),
+                usage.registers,
+                expected.max_registers
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Each kernel moves its streaming data in accesses of the expected width (16-byte loads of
+/// fp32 and bf16 runs, whole-word code stores, no wider access than planned).
+#[test]
+fn streaming_accesses_have_their_planned_widths() {
+    let test = "streaming_accesses_have_their_planned_widths";
+    if !nvrtc_available(test) {
+        return;
+    }
+    let Some(tools) = cuda_tools(test) else {
+        return;
+    };
+    let mut failures = Vec::new();
+    for (kernel, resources) in every_kernel_resources(&tools, test) {
+        let expected = EXPECTED
+            .iter()
+            .find(|e| e.kernel == kernel)
+            .expect("every kernel");
+        let widths = (resources.sass.widest_load(), resources.sass.widest_store());
+        if widths != (expected.widest_load, expected.widest_store) {
+            failures.push(format!(
+                "{}: widest global load {} bits and store {} bits, expected {} and {}",
+                kernel.name(),
+                widths.0,
+                widths.1,
+                expected.widest_load,
+                expected.widest_store
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The ptxas report parser reads registers, stack and spills per entry point, and the
+/// occupancy follows the per-warp register allocation.
+#[test]
+fn reads_a_ptxas_report() {
+    let report = "ptxas info    : 0 bytes gmem\n\
+        ptxas info    : Compiling entry function 'k' for 'sm_90'\n\
+        ptxas info    : Function properties for k\n\
+        \x20   16 bytes stack frame, 24 bytes spill stores, 40 bytes spill loads\n\
+        ptxas info    : Used 48 registers, used 0 barriers, 16 bytes cumulative stack size\n";
+    let kernels = parse_ptxas_report(report).expect("a readable report");
+    assert_eq!(kernels.len(), 1);
+    assert_eq!(kernels[0].0, "k");
+    let usage = &kernels[0].1;
+    assert_eq!(
+        (
+            usage.registers,
+            usage.stack_frame,
+            usage.spill_stores,
+            usage.spill_loads
+        ),
+        (48, 16, 24, 40)
+    );
+    assert!(usage.uses_local_memory());
+    assert_eq!(usage.occupancy(), 40.0 / 64.0);
+    let full = Usage {
+        registers: 32,
+        ..Usage::default()
+    };
+    assert_eq!(full.occupancy(), 1.0);
+    assert!(parse_ptxas_report("ptxas info    : 0 bytes gmem\n").is_err());
+}
+
+/// The SASS counter sees predicated instructions, shuffles and access widths, and skips NOPs.
+#[test]
+fn counts_sass_instructions() {
+    let listing = ".text.k:\n\
+        /*0000*/  LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;\n\
+        /*0010*/  @!P0 SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;\n\
+        /*0020*/  STG.E.U8 desc[UR4][R2.64], R5 ;\n\
+        /*0030*/  STL [R1], R5 ;\n\
+        /*0040*/  NOP ;\n";
+    let counts = &count_sass(listing)["k"];
+    assert_eq!(counts.instructions, 4);
+    assert_eq!(counts.shuffles, 1);
+    assert_eq!(counts.local, 1);
+    assert_eq!(counts.widest_load(), 128);
+    assert_eq!(counts.widest_store(), 8);
 }

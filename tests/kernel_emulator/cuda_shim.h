@@ -26,8 +26,10 @@
 // - No memory model: nothing needs a fence or __syncwarp here. There is no shared memory,
 //   __syncthreads or other block-level primitive, and only what the kernels use is emulated
 //   (32-bit shuffles without a width argument, the any-vote, a 32-bit atomicMax that is plain
-//   code because only one lane runs at a time): a kernel that starts using anything else fails
-//   to compile here.
+//   code because only one lane runs at a time, the 32-bit, uint2, uint4 and float4 loads and
+//   stores of the cache-hinted intrinsics): a kernel that starts using anything else fails to
+//   compile here. A plain dereference of a vector pointer is not checked for alignment (the
+//   kernels use the intrinsics for every vector access).
 // - Host libm stands in for the GPU's floorf / rintf / fminf / fmaxf. All are exact IEEE
 //   operations, but e.g. which zero fminf returns for (+0, -0) may differ (the kernels
 //   canonicalise zeros where it matters). NaN payloads may differ on a GPU (its arithmetic
@@ -50,7 +52,7 @@ static_assert(FLT_EVAL_METHOD == 0, "the emulation needs binary32 float arithmet
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(max_threads)
+#define __launch_bounds__(...)
 
 // threadIdx, blockIdx, blockDim, gridDim: set by the emulator for the lane that runs.
 struct emu_uint3 {
@@ -124,6 +126,63 @@ inline unsigned atomicMax(unsigned* address, unsigned value)
     *address = value > old ? value : old;
     return old;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Vector types and the cache-hinted load / store intrinsics (__ldg, __ldcg, __stcs, __stcg),
+// for the types the kernels move in one access. As on the GPU, an access must be aligned to
+// its size (a vector type's alignment is its size): a misaligned one is reported with the
+// kernel, block and thread, and stops the process (exit status 3) like a memory fault. The
+// cache hints mean nothing here: every access is a plain host access.
+
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
+template <class T>
+concept emu_access = std::is_same_v<T, unsigned> || std::is_same_v<T, float> || std::is_same_v<T, uint2> ||
+    std::is_same_v<T, uint4> || std::is_same_v<T, float4>;
+
+// Reports a misaligned access of `bytes` bytes at `address` and stops the process.
+[[noreturn]] void emu_misaligned(const void* address, size_t bytes);
+
+template <emu_access T>
+inline T emu_load(const T* p)
+{
+    if ((uintptr_t)p % sizeof(T) != 0) {
+        emu_misaligned(p, sizeof(T));
+    }
+    T value;
+    std::memcpy(&value, p, sizeof(T));
+    return value;
+}
+
+template <emu_access T>
+inline void emu_store(T* p, T value)
+{
+    if ((uintptr_t)p % sizeof(T) != 0) {
+        emu_misaligned(p, sizeof(T));
+    }
+    std::memcpy(p, &value, sizeof(T));
+}
+
+template <emu_access T>
+inline T __ldg(const T* p) { return emu_load(p); }
+template <emu_access T>
+inline T __ldcg(const T* p) { return emu_load(p); }
+template <emu_access T>
+inline void __stcs(T* p, T value) { emu_store(p, value); }
+template <emu_access T>
+inline void __stcg(T* p, T value) { emu_store(p, value); }
 
 // ---------------------------------------------------------------------------------------------
 // Arithmetic intrinsics: IEEE binary32 round-to-nearest-even on the host.

@@ -626,6 +626,15 @@ void on_sanitizer_death()
 
 }  // namespace
 
+void emu_misaligned(const void* address, size_t bytes)
+{
+    Message m;
+    m.append("emulator: misaligned %zu-byte access at address %p", bytes, address);
+    m.append_position();
+    m.print();
+    _exit(3);
+}
+
 const uint32_t* emu_warp_exchange(emu_warp_op op, unsigned mask, uint32_t value)
 {
     Worker& w = *tl_worker;

@@ -89,6 +89,7 @@ EXERCISED = {
     "cargo bench --bench cpu": lambda: (_contains(TEST_SH, "bash scripts/bench.sh cpu")
                                         and _contains("scripts/bench.sh", "cargo bench")),
     "bash scripts/bench.sh gpu": lambda: _contains(TEST_SH, "bash scripts/bench.sh gpu"),
+    "bash scripts/bench.sh kernels": lambda: _contains(TEST_SH, "bash scripts/bench.sh kernels"),
     "SDP4BIT_REQUIRE_GPU=1 cargo bench --bench gpu": lambda: (
         _contains(TEST_SH, "bash scripts/bench.sh gpu")
         and _contains("bench/gpu.rs", "SDP4BIT_REQUIRE_GPU")),

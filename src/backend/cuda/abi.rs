@@ -225,6 +225,19 @@ fn to_u64(value: usize) -> u64 {
     value as u64
 }
 
+/// Fails unless `index` is a multiple of 4: the kernels draw the four uniforms of a run of 4
+/// elements from one Philox block, so every group's first Philox index must start a block
+/// (shards, chunks and groups of the plans are multiples of 32).
+fn philox_block_start(what: &str, index: u64) -> Result<()> {
+    if index.is_multiple_of(4) {
+        Ok(())
+    } else {
+        Err(Error::Buffer(format!(
+            "{what} is {index}, not a multiple of 4 (the kernels draw uniforms by Philox block)"
+        )))
+    }
+}
+
 /// 1 for stochastic rounding, 0 for nearest.
 fn stochastic(rounding: Rounding) -> u32 {
     u32::from(rounding == Rounding::Stochastic)
@@ -274,6 +287,8 @@ impl SdpRng {
 impl SdpShards {
     /// The shard geometry of `plan`.
     pub fn new(plan: &BucketPlan) -> Result<Self> {
+        philox_block_start("padded shard length", to_u64(plan.padded_shard_len))?;
+        philox_block_start("pipeline chunk length", to_u64(plan.chunk_len()))?;
         Ok(Self {
             shard_len: to_u64(plan.shard_len),
             padded_shard_len: to_u64(plan.padded_shard_len),
@@ -351,6 +366,7 @@ impl SdpWeightEncode {
         first_index: u64,
         rng: &UniformStream,
     ) -> Result<Self> {
+        philox_block_start("first Philox index of the weight shard", first_index)?;
         Ok(Self {
             slab: SdpSlab::new(layout)?,
             rng: SdpRng::new(rng),

@@ -33,8 +33,9 @@ use cudarc::driver::sys;
 const BLOCK_THREADS: u32 = 256;
 /// Groups one block handles at a time: one warp per group.
 const GROUPS_PER_BLOCK: u64 = (BLOCK_THREADS / 32) as u64;
-/// Elements one block handles at a time in the element-wise Global-QSGD kernels.
-const ELEMENTS_PER_BLOCK: u64 = BLOCK_THREADS as u64;
+/// Elements one block handles at a time in the element-wise Global-QSGD kernels: a run of 4
+/// consecutive elements per thread (`kernels/global_qsgd.cu`).
+const ELEMENTS_PER_BLOCK: u64 = BLOCK_THREADS as u64 * 4;
 /// Resident blocks per multiprocessor times waves: grids are capped at this many blocks per
 /// multiprocessor (the kernels loop grid-stride over the rest).
 const BLOCKS_PER_MULTIPROCESSOR: u64 = 32;
@@ -185,6 +186,12 @@ impl Kernels {
     ) -> Result<()> {
         if units == 0 {
             return Ok(());
+        }
+        if units > u64::from(u32::MAX) {
+            return Err(Error::Buffer(format!(
+                "{} over {units} work units: the kernels index at most 2^32 - 1 (split the bucket)",
+                kernel.name()
+            )));
         }
         let cap = u64::from(self.multiprocessors()) * BLOCKS_PER_MULTIPROCESSOR;
         // At most `cap` (a u32 times 32), so the conversion cannot fail.

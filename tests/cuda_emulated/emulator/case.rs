@@ -13,8 +13,9 @@ use sdp4bit_test_support::random::SplitMix64;
 /// Groups one block handles at a time (8 warps, one group each): the launch shape of
 /// `backend::cuda::launch` for the grouped kernels.
 pub(crate) const GROUPS_PER_BLOCK: u64 = 8;
-/// Elements one block handles in the element-wise (Global-QSGD) kernels.
-pub(crate) const ELEMENTS_PER_BLOCK: u64 = 256;
+/// Elements one block handles in the element-wise (Global-QSGD) kernels: a run of 4 per
+/// thread.
+pub(crate) const ELEMENTS_PER_BLOCK: u64 = 1024;
 
 /// A buffer of a case (its index).
 #[derive(Debug, Clone, Copy)]

@@ -8,7 +8,9 @@
 //! - [`reference`](mod@reference): exact f64 answers and the error bounds derived from the
 //!   quantizers;
 //! - [`error_stats`]: comparing outputs with a reference and asserting the bounds;
-//! - [`gxx`]: host builds of the kernels with g++ (both CUDA emulations).
+//! - [`gxx`]: host builds of the kernels with g++ (both CUDA emulations);
+//! - [`kernel_resources`]: registers, spills and SASS instruction counts of the compiled
+//!   kernels (ptxas, nvdisasm).
 //!
 //! The root package depends on this crate as a dev-dependency, so the tests and this crate
 //! share one build of `sdp4bit` and its types. Every test binary waits for this crate to
@@ -19,6 +21,7 @@ pub mod bits;
 pub mod cluster;
 pub mod error_stats;
 pub mod gxx;
+pub mod kernel_resources;
 pub mod random;
 pub mod recorder;
 pub mod reference;

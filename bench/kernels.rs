@@ -1,0 +1,566 @@
+//! Static performance model of the CUDA kernels for an H100 SXM, without a GPU: the table of
+//! `bench/results/kernels.md`.
+//!
+//! Run with `bash scripts/bench.sh kernels [--out FILE]` (it installs NVRTC, ptxas and
+//! nvdisasm into `.cache/`, `scripts/env.sh`). Nothing runs on a GPU: every figure comes from
+//! the compiled code.
+//!
+//! Per kernel, from the production build (NVRTC 13.0 with the backend's options, `ptxas -v`
+//! for sm_90, `nvdisasm`): registers, spills, occupancy, static shuffle and vote counts and the
+//! widest global load and store. Then, for one representative configuration per kernel, the
+//! kernel's source is compiled again as a device function called by a wrapper kernel that
+//! passes the configuration as constants, so the compiler folds every configuration branch
+//! and unrolls the loops over tiles and peers; the instructions of the wrapper's grid-stride
+//! loop body (one work unit: one group, or one run of 4 elements per lane) are counted in its
+//! SASS. That count includes the cold paths (unaligned fallbacks, the division slow-path
+//! calls), so it bounds the instructions a warp issues per unit from above.
+//!
+//! The model (stated in the output): a kernel reaches the smaller of HBM bandwidth, its
+//! instruction-issue bound (4 warp instructions per clock per multiprocessor, 132
+//! multiprocessors at 1.98 GHz, every instruction of the loop body issued once per unit) and
+//! its latency bound (the bytes its resident warps have in flight, one unit's loads per warp,
+//! against HBM bandwidth times a 700 ns loaded latency).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use sdp4bit::backend::cuda::compile::{Arch, compile};
+use sdp4bit::backend::cuda::probe;
+use sdp4bit::backend::cuda::source::{KernelSource, SOURCES};
+use sdp4bit_test_support::kernel_resources::{CudaTools, KernelResources, count_sass};
+
+/// H100 SXM HBM3 bandwidth, bytes per second.
+const HBM_BYTES_PER_S: f64 = 3.35e12;
+/// Multiprocessors of an H100 SXM.
+const MULTIPROCESSORS: f64 = 132.0;
+/// Its boost clock, Hz.
+const CLOCK_HZ: f64 = 1.98e9;
+/// Warp instructions one multiprocessor issues per clock (4 schedulers).
+const ISSUE_PER_CLOCK: f64 = 4.0;
+/// Loaded HBM latency assumed by the latency bound, seconds.
+const LATENCY_S: f64 = 700e-9;
+/// Resident warps of one multiprocessor at full occupancy.
+const MAX_WARPS: f64 = 64.0;
+
+/// One kernel's representative configuration for the instruction count.
+struct Model {
+    /// The entry point.
+    kernel: &'static str,
+    /// The configuration, in words.
+    config: &'static str,
+    /// The C statements that set the fields of `a`, the kernel's parameter struct, that select
+    /// code paths (bits, group size, codec, rounding, Hadamard block, the peers summed); the others stay
+    /// launch-time values as in production.
+    params: &'static str,
+    /// The pointer parameters of the kernel, as declared.
+    pointers: &'static str,
+    /// The pointer arguments passed on.
+    arguments: &'static str,
+    /// The parameter struct's type.
+    struct_name: &'static str,
+    /// The `__launch_bounds__` of the production kernel.
+    min_blocks: u32,
+    /// Elements one warp handles per iteration of the grid-stride loop.
+    elements_per_unit: f64,
+    /// Bytes read and written per element (inputs + outputs, metadata included).
+    bytes_per_element: f64,
+    /// Bytes one warp loads per unit (what it has in flight).
+    loaded_per_unit: f64,
+}
+
+/// The configurations: the presets' defaults, a node of 8 GPUs (8 first-level peers) and 4
+/// nodes (4 last-level peers); weight groups of 256 (one tile; the default 2048 reads each
+/// tile twice, once for the statistics, from cache).
+const MODELS: [Model; 10] = [
+    Model {
+        kernel: "grad_quantize_first",
+        config: "TLq-HS first level: 8-bit, g = 128, Hadamard 32, stochastic",
+        params: "a.slab.quant.bits = 8; a.slab.quant.group_size = 128; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.peers1 = 8;  a.hadamard_block = 32;",
+        pointers: "const float* __restrict__ p0, const uint32_t* __restrict__ p1, uint8_t* __restrict__ p2",
+        arguments: "p0, p1, p2",
+        struct_name: "sdp_grad_first",
+        min_blocks: 4,
+        elements_per_unit: 128.0,
+        bytes_per_element: 4.0 + 1.0 + 4.0 / 128.0,
+        loaded_per_unit: 128.0 * 4.0,
+    },
+    Model {
+        kernel: "grad_requantize_second",
+        config: "TLq-HS: 8 peers of 8-bit in, 4-bit out, g = 128, stochastic",
+        params: "a.in_slab.quant.bits = 8; a.in_slab.quant.group_size = 128; a.in_slab.quant.symmetric = 1; a.in_slab.quant.stochastic = 1; a.out_slab.quant.bits = 4; a.out_slab.quant.group_size = 128; a.out_slab.quant.symmetric = 1; a.out_slab.quant.stochastic = 1; a.peers1 = 8;",
+        pointers: "const uint8_t* __restrict__ p0, const uint32_t* __restrict__ p1, uint8_t* __restrict__ p2",
+        arguments: "p0, p1, p2",
+        struct_name: "sdp_grad_second",
+        min_blocks: 4,
+        elements_per_unit: 128.0,
+        bytes_per_element: 8.0 * (1.0 + 4.0 / 128.0) + 0.5 + 4.0 / 128.0,
+        loaded_per_unit: 128.0 * 8.0,
+    },
+    Model {
+        kernel: "grad_reduce_final",
+        config: "TLq-HS last level: 4 peers of 4-bit, g = 128, inverse Hadamard 32",
+        params: "a.slab.quant.bits = 4; a.slab.quant.group_size = 128; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.peers = 4; a.hadamard_block = 32;",
+        pointers: "const uint8_t* __restrict__ p0, float* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_grad_final",
+        min_blocks: 4,
+        elements_per_unit: 128.0,
+        bytes_per_element: 4.0 * (0.5 + 4.0 / 128.0) + 4.0,
+        loaded_per_unit: 128.0 * 4.0 * 0.5,
+    },
+    Model {
+        kernel: "weight_encode",
+        config: "qWD: bf16 difference, 4-bit, g = 256, stochastic",
+        params: "a.slab.quant.bits = 4; a.slab.quant.group_size = 256; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.difference = 1;",
+        pointers: "const uint16_t* __restrict__ p0, const uint16_t* __restrict__ p1, uint8_t* __restrict__ p2",
+        arguments: "p0, p1, p2",
+        struct_name: "sdp_weight_encode",
+        min_blocks: 4,
+        elements_per_unit: 256.0,
+        bytes_per_element: 2.0 + 2.0 + 0.5 + 4.0 / 256.0,
+        loaded_per_unit: 256.0 * 4.0,
+    },
+    Model {
+        kernel: "weight_apply",
+        config: "qWD: 4-bit difference onto bf16 params, g = 256",
+        params: "a.slab.quant.bits = 4; a.slab.quant.group_size = 256; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.difference = 1;",
+        pointers: "const uint8_t* __restrict__ p0, const uint16_t* __restrict__ p1, uint16_t* p2",
+        arguments: "p0, p1, p2",
+        struct_name: "sdp_weight_apply",
+        min_blocks: 4,
+        elements_per_unit: 256.0,
+        bytes_per_element: 0.5 + 4.0 / 256.0 + 2.0 + 2.0,
+        loaded_per_unit: 256.0 * 2.5,
+    },
+    Model {
+        kernel: "global_absmax",
+        config: "fp32 bucket",
+        params: "",
+        pointers: "const float* __restrict__ p0, uint32_t* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 4.0,
+        loaded_per_unit: 128.0 * 4.0,
+    },
+    Model {
+        kernel: "global_quantize_i8",
+        config: "fp32 to int8, stochastic",
+        params: "a.stochastic = 1;",
+        pointers: "const float* __restrict__ p0, int8_t* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 4.0 + 1.0,
+        loaded_per_unit: 128.0 * 4.0,
+    },
+    Model {
+        kernel: "global_quantize_i16",
+        config: "fp32 to int16, stochastic",
+        params: "a.stochastic = 1;",
+        pointers: "const float* __restrict__ p0, int16_t* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 4.0 + 2.0,
+        loaded_per_unit: 128.0 * 4.0,
+    },
+    Model {
+        kernel: "global_dequantize_i8",
+        config: "summed int8 to fp32",
+        params: "",
+        pointers: "const int8_t* __restrict__ p0, float* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 1.0 + 4.0,
+        loaded_per_unit: 128.0,
+    },
+    Model {
+        kernel: "global_dequantize_i16",
+        config: "summed int16 to fp32",
+        params: "",
+        pointers: "const int16_t* __restrict__ p0, float* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 2.0 + 4.0,
+        loaded_per_unit: 128.0 * 2.0,
+    },
+];
+
+/// The source of `kernels/<file>` turned into device functions (its `__global__` and
+/// `__launch_bounds__` removed), then a wrapper kernel `analysis` that calls `model.kernel`
+/// with the model's constant parameters.
+fn specialised_source(code: &str, model: &Model) -> String {
+    format!(
+        "#undef __global__\n#define __global__ __device__ __forceinline__\n\
+         #undef __launch_bounds__\n#define __launch_bounds__(...)\n{code}\n\
+         #undef __global__\n#undef __launch_bounds__\n\
+         extern \"C\" __attribute__((global)) __attribute__((launch_bounds(256, {blocks}))) \
+         void analysis({pointers}, {name} a)\n{{\n    {params}\n    {kernel}({arguments}, a);\n}}\n",
+        blocks = model.min_blocks,
+        pointers = model.pointers,
+        name = model.struct_name,
+        params = model.params,
+        kernel = model.kernel,
+        arguments = model.arguments,
+    )
+}
+
+/// Instructions of the grid-stride loop body of `function` in `nvdisasm -c` output: from the
+/// target of the outermost backward branch before the first unconditional EXIT to that branch.
+/// An error when the body still holds a loop (the count would not be per unit).
+fn loop_body_instructions(listing: &str, function: &str) -> Result<u32, String> {
+    enum Item {
+        Label(String),
+        Instruction {
+            opcode: String,
+            target: Option<String>,
+            predicated: bool,
+        },
+    }
+    let mut items = Vec::new();
+    let mut inside = false;
+    for line in listing.lines() {
+        let trimmed = line.trim();
+        if let Some(section) = trimmed.strip_prefix(".text.") {
+            inside = section.strip_suffix(':') == Some(function);
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        if let Some(label) = trimmed.strip_suffix(':').filter(|l| l.starts_with(".L")) {
+            items.push(Item::Label(label.to_owned()));
+            continue;
+        }
+        let Some((_, instruction)) = trimmed.strip_prefix("/*").and_then(|r| r.split_once("*/"))
+        else {
+            continue;
+        };
+        let mut words = instruction.split_whitespace().peekable();
+        let predicated = words.peek().is_some_and(|w| w.starts_with('@'));
+        if predicated {
+            words.next();
+        }
+        let opcode = words.next().unwrap_or_default().to_owned();
+        if opcode.is_empty() || opcode == "NOP" {
+            continue;
+        }
+        let target = instruction
+            .split("`(")
+            .nth(1)
+            .and_then(|t| t.split(')').next())
+            .map(str::to_owned);
+        items.push(Item::Instruction {
+            opcode,
+            target,
+            predicated,
+        });
+    }
+    let exit = items
+        .iter()
+        .position(|i| matches!(i, Item::Instruction { opcode, predicated: false, .. } if opcode == "EXIT"))
+        .ok_or_else(|| format!("{function}: no unconditional EXIT"))?;
+    let label_at = |name: &str| {
+        items
+            .iter()
+            .position(|i| matches!(i, Item::Label(l) if l == name))
+    };
+    // Backward branches before the exit: (branch index, target index).
+    let backward: Vec<(usize, usize)> = items[..exit]
+        .iter()
+        .enumerate()
+        .filter_map(|(at, item)| match item {
+            Item::Instruction {
+                opcode,
+                target: Some(t),
+                ..
+            } if opcode.starts_with("BRA") => label_at(t).filter(|&l| l < at).map(|l| (at, l)),
+            _ => None,
+        })
+        .collect();
+    let &(branch, head) = backward
+        .iter()
+        .min_by_key(|&&(_, head)| head)
+        .ok_or_else(|| format!("{function}: no grid-stride loop"))?;
+    if backward
+        .iter()
+        .any(|&(at, _)| at != branch && at > head && at < branch)
+    {
+        return Err(format!("{function}: the loop body holds an inner loop"));
+    }
+    Ok(items[head..=branch]
+        .iter()
+        .filter(|i| matches!(i, Item::Instruction { .. }))
+        .count() as u32)
+}
+
+/// One row of the table.
+struct Row<'a> {
+    model: &'a Model,
+    resources: KernelResources,
+    body: u32,
+}
+
+impl Row<'_> {
+    /// Warp instructions per element (upper bound).
+    fn instructions_per_element(&self) -> f64 {
+        f64::from(self.body) / self.model.elements_per_unit
+    }
+
+    /// Bytes per second the issue bound allows.
+    fn issue_bound(&self) -> f64 {
+        MULTIPROCESSORS * ISSUE_PER_CLOCK * CLOCK_HZ / self.instructions_per_element()
+            * self.model.bytes_per_element
+    }
+
+    /// Bytes in flight per multiprocessor at the kernel's occupancy.
+    fn in_flight(&self) -> f64 {
+        self.resources.usage.occupancy() * MAX_WARPS * self.model.loaded_per_unit
+    }
+
+    /// Bytes per second the latency bound allows (the read traffic scaled to all traffic).
+    fn latency_bound(&self) -> f64 {
+        let read_rate = self.in_flight() * MULTIPROCESSORS / LATENCY_S;
+        let read_share = self.model.loaded_per_unit
+            / (self.model.bytes_per_element * self.model.elements_per_unit);
+        read_rate / read_share
+    }
+
+    /// The estimated fraction of HBM bandwidth.
+    fn estimate(&self) -> f64 {
+        (self.issue_bound().min(self.latency_bound()) / HBM_BYTES_PER_S).min(1.0)
+    }
+}
+
+/// Compiles, assembles and counts every kernel; the markdown report.
+fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
+    let mut rows = Vec::new();
+    for model in &MODELS {
+        let source = SOURCES
+            .iter()
+            .find(|s| s.kernels.iter().any(|k| k.name() == model.kernel))
+            .ok_or_else(|| format!("no source defines {}", model.kernel))?;
+        let ptx = compile(source, Arch::SM_90).map_err(|e| e.to_string())?.ptx;
+        let resources = tools
+            .analyse(source.file, &ptx, dir)?
+            .into_iter()
+            .find(|r| r.name == model.kernel)
+            .ok_or_else(|| format!("ptxas reports no {}", model.kernel))?;
+        let code = specialised_source(source.code, model);
+        let specialised = KernelSource {
+            file: "analysis.cu",
+            code: Box::leak(code.into_boxed_str()),
+            kernels: &[],
+        };
+        let compiled = compile(&specialised, Arch::SM_90).map_err(|e| e.to_string())?;
+        if !compiled.log.is_empty() {
+            return Err(format!(
+                "{}: the analysis build warned:\n{}",
+                model.kernel, compiled.log
+            ));
+        }
+        let listing = tools.disassemble("analysis.cu", &compiled.ptx, dir)?;
+        let counts = count_sass(&listing);
+        if counts.get("analysis").is_none_or(|c| c.local > 0) {
+            return Err(format!("{}: the analysis build spills", model.kernel));
+        }
+        let body = loop_body_instructions(&listing, "analysis")
+            .map_err(|e| format!("{} ({}): {e}", model.kernel, model.config))?;
+        rows.push(Row {
+            model,
+            resources,
+            body,
+        });
+    }
+
+    let mut out = String::new();
+    let w = &mut out;
+    let _ = writeln!(
+        w,
+        "# CUDA kernels: static resources and a bandwidth model (H100 SXM)\n"
+    );
+    let _ = writeln!(
+        w,
+        "**Static analysis only: nothing here ran on a GPU.** Every figure is read from the \
+         compiled code (NVRTC 13.0 with the backend's options, `ptxas -v --gpu-name sm_90`, \
+         SASS from `nvdisasm`) and put through the model below.\n"
+    );
+    let _ = writeln!(w, "- machine: {} (no GPU)", machine());
+    let _ = writeln!(
+        w,
+        "- date: {}",
+        humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+    );
+    let _ = writeln!(
+        w,
+        "- command: `bash scripts/bench.sh kernels --out bench/results/kernels.md`"
+    );
+    let _ = writeln!(w, "- ptxas: {}\n", tools.ptxas_version()?);
+    let _ = writeln!(w, "## Resources of the production build\n");
+    let _ = writeln!(
+        w,
+        "Registers, spills and occupancy from ptxas (blocks of 256 threads, occupancy = resident \
+         warps / 64 as the registers allow); shuffles and votes are static counts (each \
+         instruction of the code once); load and store widths are the widest global accesses \
+         in the SASS.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| kernel | registers | spill bytes (store / load) | occupancy | SHFL | VOTE | widest load | widest store |"
+    );
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    for row in &rows {
+        let (u, s) = (&row.resources.usage, &row.resources.sass);
+        let _ = writeln!(
+            w,
+            "| `{}` | {} | {} / {} | {:.1}% | {} | {} | {} bit | {} |",
+            row.model.kernel,
+            u.registers,
+            u.spill_stores,
+            u.spill_loads,
+            100.0 * u.occupancy(),
+            s.shuffles,
+            s.votes,
+            s.widest_load(),
+            match s.widest_store() {
+                0 => "none (atomic)".to_owned(),
+                bits => format!("{bits} bit"),
+            }
+        );
+    }
+    let _ = writeln!(w, "\n## Bandwidth model\n");
+    let _ = writeln!(
+        w,
+        "Per kernel, one representative configuration; the kernel is compiled once more with \
+         that configuration as constants (a wrapper kernel), and the instructions of its \
+         grid-stride loop body, one work unit, are counted in the SASS, cold paths included \
+         (an upper bound on what a warp issues per unit). The estimate is the smallest of:\n\n\
+         - HBM3: {hbm:.2} TB/s, for the bytes the kernel reads and writes per element;\n\
+         - issue: {mp} multiprocessors x {issue} warp instructions per clock x {clock:.2} GHz, \
+           every loop-body instruction issued once per unit;\n\
+         - latency: bytes in flight = resident warps x the bytes one unit loads, against \
+           {hbm:.2} TB/s x {lat:.0} ns loaded latency / {mp} multiprocessors = {need:.1} KB per \
+           multiprocessor.\n\n\
+         It ignores dual issue, instruction cache misses, partial waves, L2 effects and the \
+         launch itself, and it assumes the clock holds under load.\n",
+        hbm = HBM_BYTES_PER_S / 1e12,
+        mp = MULTIPROCESSORS,
+        issue = ISSUE_PER_CLOCK,
+        clock = CLOCK_HZ / 1e9,
+        lat = LATENCY_S * 1e9,
+        need = HBM_BYTES_PER_S * LATENCY_S / MULTIPROCESSORS / 1024.0,
+    );
+    let _ = writeln!(
+        w,
+        "| kernel | configuration | bytes / element | loop body (instructions / unit) | instructions / element | issue bound | in flight per SM | latency bound | estimate (of HBM) |"
+    );
+    let _ = writeln!(w, "|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    for row in &rows {
+        let _ = writeln!(
+            w,
+            "| `{}` | {} | {:.2} | {} / {} elements | {:.2} | {:.2} TB/s | {:.1} KB | {:.2} TB/s | **{:.0}%** |",
+            row.model.kernel,
+            row.model.config,
+            row.model.bytes_per_element,
+            row.body,
+            row.model.elements_per_unit,
+            row.instructions_per_element(),
+            row.issue_bound() / 1e12,
+            row.in_flight() / 1024.0,
+            row.latency_bound() / 1e12,
+            100.0 * row.estimate(),
+        );
+    }
+    let below: Vec<String> = rows
+        .iter()
+        .filter(|r| r.estimate() < 0.8)
+        .map(|r| {
+            let bound = if r.issue_bound() <= r.latency_bound() {
+                "issue"
+            } else {
+                "latency"
+            };
+            format!("`{}` ({bound})", r.model.kernel)
+        })
+        .collect();
+    let _ = writeln!(
+        w,
+        "\nBelow the 80% target by this model: {}.",
+        if below.is_empty() {
+            "none".to_owned()
+        } else {
+            below.join(", ")
+        }
+    );
+    Ok(out)
+}
+
+/// The host this ran on: its CPU model and core count.
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cpu}, {cores} cores")
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let out = match args.as_slice() {
+        [] => None,
+        [flag, path] if flag == "--out" => Some(PathBuf::from(path)),
+        _ => {
+            eprintln!("usage: kernels [--out FILE]");
+            return ExitCode::from(2);
+        }
+    };
+    let tools = match probe::nvrtc()
+        .map_err(|e| e.to_string())
+        .and_then(|()| CudaTools::from_env())
+    {
+        Ok(tools) => tools,
+        Err(e) => {
+            eprintln!("kernels: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let dir = std::env::temp_dir().join(format!("sdp4bit-kernel-model-{}", std::process::id()));
+    let result = std::fs::create_dir_all(&dir)
+        .map_err(|e| e.to_string())
+        .and_then(|()| report(&tools, &dir));
+    let _ = std::fs::remove_dir_all(&dir);
+    match result {
+        Ok(text) => {
+            print!("{text}");
+            if let Some(path) = out
+                && let Err(e) = std::fs::write(&path, &text)
+            {
+                eprintln!("kernels: write {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kernels: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
