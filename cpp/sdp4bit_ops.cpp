@@ -110,6 +110,20 @@ std::string device_problem(c10::Device device) {
   return "CUDA buckets on " + device.str() + " cannot run: " + problem;
 }
 
+// Why the self-check of a CUDA bucket's kernels fails on `device` (a kernel whose bytes differ
+// from the host backend's), or "" (also for the CPU). Run before the set-up agreement, so that a
+// failure on one rank fails the set-up on every rank.
+std::string self_check_problem(c10::Device device, const std::string& config,
+                               const std::vector<uint64_t>& labels, int64_t rank, bool weights) {
+  if (!device.is_cuda()) return "";
+  std::string problem(ffi::cuda_bucket_problem(
+      static_cast<size_t>(device.index()), config,
+      rust::Slice<const uint64_t>(labels.data(), labels.size()), static_cast<size_t>(rank),
+      weights));
+  if (problem.empty()) return "";
+  return "CUDA buckets on " + device.str() + " cannot run: " + problem;
+}
+
 // The stream CUDA work of `device` is enqueued on: torch's current stream of the device.
 c10::Stream current_stream(c10::Device device) {
   return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device);
@@ -345,6 +359,9 @@ class GradReduceScatter : public torch::CustomClassHolder {
     std::string problem;
     device_ = resolve_device(device, problem);
     if (problem.empty()) problem = device_problem(device_);
+    if (problem.empty()) {
+      problem = self_check_problem(device_, config, labels, groups_->rank(), false);
+    }
     auto parsed = groups_->run_in_order([&] {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel));
@@ -475,6 +492,9 @@ class WeightAllGather : public torch::CustomClassHolder {
     if (problem.empty() && numel_ <= 0) problem = "param bucket is empty";
     if (problem.empty()) problem = device_problem(device_);
     auto labels = checked_labels(node_labels);
+    if (problem.empty()) {
+      problem = self_check_problem(device_, config, labels, groups_->rank(), true);
+    }
     auto parsed = groups_->run_in_order([&] {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel_));
@@ -559,11 +579,35 @@ std::string config_knobs(const std::string& config) {
 
 std::string schema() { return std::string(ffi::schema_json()); }
 
+// One line on CUDA device `device`: architecture, driver, NVRTC, and the image its kernels
+// loaded as (CUBIN or PTX) and why; or why it cannot run them.
+std::string cuda_device_report(int64_t device) {
+  TORCH_CHECK(device >= 0, "sdp4bit: CUDA device index ", device, " is negative");
+  return std::string(ffi::cuda_device_report(static_cast<size_t>(device)));
+}
+
 int64_t config_fingerprint(const std::string& config) {
   uint64_t fingerprint = parse(config)->fingerprint();
   int64_t out;
   std::memcpy(&out, &fingerprint, sizeof out);  // the same 64 bits, as torch's int
   return out;
+}
+
+// Runs every kernel of both collectives for `config`, the DP group of `node_labels` and
+// `rank` on CUDA device `device` and on the host, and fails naming the first kernel whose
+// bytes differ (the check a CUDA bucket runs at its first set-up).
+void cuda_self_check(int64_t device, const std::string& config,
+                     const std::vector<int64_t>& node_labels, int64_t rank) {
+  TORCH_CHECK(device >= 0, "sdp4bit: CUDA device index ", device, " is negative");
+  TORCH_CHECK(rank >= 0 && rank < static_cast<int64_t>(node_labels.size()), "sdp4bit: rank ",
+              rank, " outside the ", node_labels.size(), "-rank DP group");
+  auto parsed = parse(config);
+  auto labels = checked_labels(node_labels);
+  rethrow_as_torch_error([&] {
+    ffi::cuda_self_check(static_cast<size_t>(device), *parsed,
+                         rust::Slice<const uint64_t>(labels.data(), labels.size()),
+                         static_cast<size_t>(rank));
+  });
 }
 
 at::Tensor simulate_grad_reduce_scatter(const std::string& config,
@@ -663,6 +707,9 @@ TORCH_LIBRARY(sdp4bit, m) {
   m.def("describe_config(str config) -> str", &describe_config);
   m.def("config_knobs(str config) -> str", &config_knobs);
   m.def("schema() -> str", &schema);
+  m.def("cuda_device_report(int device) -> str", &cuda_device_report);
+  m.def("cuda_self_check(int device, str config, int[] node_labels, int rank) -> ()",
+        &cuda_self_check);
   m.def("config_fingerprint(str config) -> int", &config_fingerprint);
   m.def("plan_wire_bytes(str config, int[] node_labels, int numel, int step) -> int[]",
         &plan_wire_bytes);

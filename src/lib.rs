@@ -19,6 +19,7 @@
 //!     caller's stream); without a driver or GPU it reports an error value;
 //! - [`collective`]: every algorithm once, over the [`collective::Comm`] trait, plus an
 //!   in-process `Comm` for tests and benchmarks;
+//! - [`self_check`]: a CUDA bucket's kernels against the host's bytes before its first step;
 //! - `ffi` (feature `ffi`): the cxx bridge the torch extension in `cpp/` links against.
 
 pub mod backend;
@@ -31,6 +32,7 @@ mod ffi;
 pub mod hadamard;
 pub mod plan;
 pub mod rng;
+pub mod self_check;
 
 pub use config::{Config, GradCodec, Preset, Rounding, WeightCodec};
 pub use error::{Error, Result};

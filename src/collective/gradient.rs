@@ -276,7 +276,7 @@ impl<B: Backend> GradReduceScatter<B> {
 }
 
 /// The integer width Global-QSGD uses for `world` ranks.
-fn global_bits(config: &Config, world: usize) -> Result<u8> {
+pub fn global_bits(config: &Config, world: usize) -> Result<u8> {
     let bits = config
         .grad
         .global_bits

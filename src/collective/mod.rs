@@ -17,7 +17,7 @@ mod weight;
 mod wire;
 
 pub use agreement::{check_ranks_agree, check_setup_agrees};
-pub use gradient::{GradReduceScatter, global_k};
+pub use gradient::{GradReduceScatter, global_bits, global_k};
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;
 

@@ -11,6 +11,7 @@ use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
 use crate::plan::Topology;
+use crate::self_check::{Collective, check_bucket, check_bucket_once};
 
 /// A validated [`Config`].
 pub(super) struct ParsedConfig(pub(super) Config);
@@ -78,6 +79,60 @@ pub(super) fn cuda_device_problem(device: usize) -> String {
     guard("cuda_device_problem", || Kernels::get(device).map(|_| ()))
         .err()
         .unwrap_or_default()
+}
+
+/// [`Kernels::describe`] of `device`, or why its kernels cannot load.
+pub(super) fn cuda_device_report(device: usize) -> String {
+    match guard("cuda_device_report", || Kernels::get(device)) {
+        Ok(kernels) => kernels.describe(),
+        Err(problem) => format!("CUDA device {device} cannot run the kernels: {problem}"),
+    }
+}
+
+/// Why the self-check of a CUDA bucket fails (see the bridge's declaration), or "".
+pub(super) fn cuda_bucket_problem(
+    device: usize,
+    spec: &str,
+    node_labels: &[u64],
+    rank: usize,
+    weights: bool,
+) -> String {
+    guard("cuda_bucket_problem", || {
+        let (Ok(config), Ok(topology)) = (parse(spec), topology(node_labels)) else {
+            return Ok(());
+        };
+        let collective = if weights {
+            Collective::WeightAllGather
+        } else {
+            Collective::GradReduceScatter
+        };
+        check_bucket_once(
+            Kernels::get(device)?,
+            collective,
+            &config.0,
+            &topology,
+            rank,
+        )
+    })
+    .err()
+    .unwrap_or_default()
+}
+
+/// [`check_bucket`] of both collectives on `device`.
+pub(super) fn cuda_self_check(
+    device: usize,
+    config: &ParsedConfig,
+    node_labels: &[u64],
+    rank: usize,
+) -> FfiResult<()> {
+    guard("cuda_self_check", || {
+        let kernels = Kernels::get(device)?;
+        let topology = topology(node_labels)?;
+        for collective in [Collective::GradReduceScatter, Collective::WeightAllGather] {
+            check_bucket(kernels, collective, &config.0, &topology, rank)?;
+        }
+        Ok(())
+    })
 }
 
 /// [`GradReduceScatter`] for the extension, on host or CUDA buffers.

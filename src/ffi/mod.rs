@@ -16,8 +16,9 @@ mod simulate;
 mod torch_comm;
 
 use buckets::{
-    GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_device_problem,
-    new_cuda_grad_bucket, new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, parse_config,
+    GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_bucket_problem,
+    cuda_device_problem, cuda_device_report, cuda_self_check, new_cuda_grad_bucket,
+    new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, parse_config,
 };
 use schema::{max_bucket_id, schema_json};
 use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
@@ -168,6 +169,30 @@ mod bridge {
         /// Why CUDA device `device` cannot run the collectives (no driver, no such device,
         /// a kernel that fails to compile), or an empty string when its kernels are ready.
         fn cuda_device_problem(device: usize) -> String;
+        /// One line on CUDA device `device`: its architecture, the driver, the NVRTC and the
+        /// image the kernels loaded as (CUBIN or PTX) and why; or why it cannot run them.
+        fn cuda_device_report(device: usize) -> String;
+        /// Why the kernels of a CUDA bucket of config `spec` on `device` (a weight bucket
+        /// when `weights`, else a gradient bucket) fail their self-check for the DP group of
+        /// `node_labels` and `rank`, or an empty string (also when `spec` or the group is
+        /// invalid, which the set-up agreement reports). Once per set-up key and process.
+        fn cuda_bucket_problem(
+            device: usize,
+            spec: &str,
+            node_labels: &[u64],
+            rank: usize,
+            weights: bool,
+        ) -> String;
+        /// The self-check of both collectives' kernels for `config`, the DP group of
+        /// `node_labels` and `rank`, on CUDA device `device` (not cached, whatever
+        /// `SDP4BIT_CUDA_SELF_CHECK` says): an error names the first kernel whose bytes
+        /// differ from the host's.
+        fn cuda_self_check(
+            device: usize,
+            config: &ParsedConfig,
+            node_labels: &[u64],
+            rank: usize,
+        ) -> Result<()>;
 
         /// The set-up check, run by every rank of the world communicator before it plans a
         /// bucket: parses `spec` and fails on every rank unless all parsed the same config and

@@ -1,6 +1,8 @@
-// Initialisation, devices and contexts: SDP4BIT_CUDA_EMULATION_DEVICES devices (default 2),
+// Initialisation, devices and contexts: SDP4BIT_CUDA_EMULATION_DEVICES devices (default 2) of
+// compute capability SDP4BIT_CUDA_EMULATION_COMPUTE_CAPABILITY ("major.minor", default 9.0),
 // device d with 2 * d + 1 multiprocessors (so grids are capped differently per device), one
-// primary context each, and a per-thread stack of current contexts that starts empty.
+// primary context each, and a per-thread stack of current contexts that starts empty. The
+// driver's CUDA version is SDP4BIT_CUDA_EMULATION_DRIVER_VERSION (default 13000, CUDA 13.0).
 #include "model.h"
 
 #include <cstdlib>
@@ -9,8 +11,7 @@
 namespace emu {
 namespace {
 
-constexpr int kComputeMajor = 9;
-constexpr int kComputeMinor = 0;
+constexpr int kDefaultDriverVersion = 13000;
 constexpr size_t kTotalMemory = size_t{16} << 30;
 
 thread_local std::vector<Context*> t_context_stack;
@@ -41,8 +42,12 @@ constexpr ErrorText kErrors[] = {
     {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU",
+     "no kernel image is available for execution on the device"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+     "the provided PTX was compiled with an unsupported toolchain."},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
@@ -66,6 +71,11 @@ const ErrorText* find_error(CUresult code)
 }
 
 }  // namespace
+
+int emulated_driver_version()
+{
+    return static_cast<int>(env_unsigned("SDP4BIT_CUDA_EMULATION_DRIVER_VERSION", kDefaultDriverVersion));
+}
 
 Driver& driver()
 {
@@ -125,12 +135,21 @@ CUresult cuInit(unsigned flags)
         : static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) | 1;
     d.max_delay_us = env_unsigned("SDP4BIT_CUDA_EMULATION_MAX_DELAY_US", 100);
     const unsigned count = env_unsigned("SDP4BIT_CUDA_EMULATION_DEVICES", 2);
+    unsigned major = 9;
+    unsigned minor = 0;
+    if (const char* cc = std::getenv("SDP4BIT_CUDA_EMULATION_COMPUTE_CAPABILITY"); cc != nullptr && *cc != '\0') {
+        char* end = nullptr;
+        major = static_cast<unsigned>(std::strtoul(cc, &end, 10));
+        minor = end != nullptr && *end == '.' ? static_cast<unsigned>(std::strtoul(end + 1, nullptr, 10)) : 0;
+    }
     std::fprintf(stderr, "cuda-driver-emulation: %u device(s), seed %llu (SDP4BIT_CUDA_EMULATION_SEED repeats it)\n",
                  count, static_cast<unsigned long long>(d.seed));
     for (unsigned i = 0; i < count; ++i) {
         auto device = std::make_unique<Device>();
         device->ordinal = static_cast<int>(i);
         device->multiprocessors = static_cast<int>(2 * i + 1);
+        device->compute_major = static_cast<int>(major);
+        device->compute_minor = static_cast<int>(minor);
         auto ctx = std::make_unique<Context>();
         ctx->device = device.get();
         device->primary = ctx.get();
@@ -149,7 +168,7 @@ CUresult cuDriverGetVersion(int* version)
     if (version == nullptr) {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    *version = 13000;
+    *version = emulated_driver_version();
     return CUDA_SUCCESS;
 }
 
@@ -241,10 +260,10 @@ CUresult cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice
         *value = dev->multiprocessors;
         return CUDA_SUCCESS;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
-        *value = kComputeMajor;
+        *value = dev->compute_major;
         return CUDA_SUCCESS;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
-        *value = kComputeMinor;
+        *value = dev->compute_minor;
         return CUDA_SUCCESS;
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:

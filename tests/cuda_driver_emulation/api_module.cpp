@@ -1,6 +1,8 @@
-// Modules and launches. cuModuleLoadData takes the PTX NVRTC produced, refuses what the driver
-// would (no PTX, a target newer than the device), and reads each `.entry`'s parameters (sizes
-// and alignments, hence the parameter block layout) and `.maxntid`. cuModuleGetFunction binds
+// Modules and launches. cuModuleLoadData takes a CUBIN (cubin.cpp) or the PTX NVRTC produced,
+// refuses what the driver would (a CUBIN for another architecture; text that is not PTX, a PTX
+// target newer than the device, a PTX ISA version newer than the driver's CUDA version knows),
+// and reads each `.entry`'s parameters (sizes and alignments, hence the parameter block layout)
+// and `.maxntid`. cuModuleGetFunction binds
 // an entry to the host build of the kernel of that name and refuses an entry whose parameters
 // disagree with it. cuLaunchKernel copies the parameter values as the driver does (at the
 // call), checks the launch shape and that every pointer argument is device memory of the
@@ -81,20 +83,55 @@ bool parse_param(const std::string& decl, size_t* bytes, size_t* align)
     return true;
 }
 
-// Reads the entries of `ptx` into `module`; an error message, or empty. The emulated devices
-// are sm_90.
-std::string parse_ptx(const std::string& ptx, Module& module)
+// The oldest driver (1000 * major + 10 * minor) that JIT-compiles PTX of ISA version
+// `major.minor` (the PTX ISA document's release table: ISA 7.y came with CUDA 11.y, 8.0-8.5
+// with 12.0-12.5, 8.6 with 12.7, 8.7 with 12.8, 8.8 with 12.9, 9.y with 13.y; older ISAs are
+// taken by every driver modelled here).
+int driver_for_ptx_isa(unsigned major, unsigned minor)
 {
-    if (ptx.find(".version") == std::string::npos) {
+    if (major < 7) {
+        return 0;
+    }
+    if (major == 7) {
+        return 11000 + 10 * static_cast<int>(minor);
+    }
+    if (major == 8) {
+        return minor <= 5 ? 12000 + 10 * static_cast<int>(minor) : 12010 + 10 * static_cast<int>(minor);
+    }
+    return 13000 + 1000 * static_cast<int>(major - 9) + 10 * static_cast<int>(minor);
+}
+
+// Reads the entries of `ptx` into `module` for `device`; an error message (and `*code`, the
+// result the driver returns), or empty.
+std::string parse_ptx(const std::string& ptx, const Device& device, Module& module, CUresult* code)
+{
+    *code = CUDA_ERROR_INVALID_PTX;
+    const size_t version = ptx.find(".version ");
+    if (version == std::string::npos) {
         return "not PTX (no .version directive)";
+    }
+    char* end = nullptr;
+    const unsigned isa_major = static_cast<unsigned>(std::strtoul(ptx.c_str() + version + 9, &end, 10));
+    const unsigned isa_minor = end != nullptr && *end == '.' ? static_cast<unsigned>(std::strtoul(end + 1, nullptr, 10)) : 0;
+    const int needed = driver_for_ptx_isa(isa_major, isa_minor);
+    const int driver_version = emulated_driver_version();
+    if (needed > driver_version) {
+        *code = CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
+        return "PTX ISA " + std::to_string(isa_major) + "." + std::to_string(isa_minor) + " needs a CUDA " +
+            std::to_string(needed / 1000) + "." + std::to_string(needed % 1000 / 10) + " driver, this one is " +
+            std::to_string(driver_version / 1000) + "." + std::to_string(driver_version % 1000 / 10);
     }
     const size_t target = ptx.find(".target sm_");
     if (target == std::string::npos) {
         return "no .target sm_XY directive";
     }
     const unsigned arch = static_cast<unsigned>(std::strtoul(ptx.c_str() + target + 11, nullptr, 10));
-    if (arch > 90) {
-        return "PTX for sm_" + std::to_string(arch) + " cannot run on an sm_90 device";
+    const unsigned device_arch = static_cast<unsigned>(10 * device.compute_major + device.compute_minor);
+    if (arch > device_arch) {
+        *code = CUDA_ERROR_NO_BINARY_FOR_GPU;
+        return "PTX for sm_" + std::to_string(arch) + " cannot run on device " + std::to_string(device.ordinal) +
+            " of compute capability " + std::to_string(device.compute_major) + "." +
+            std::to_string(device.compute_minor);
     }
     size_t at = 0;
     while ((at = ptx.find(".entry ", at)) != std::string::npos) {
@@ -141,12 +178,12 @@ std::string parse_ptx(const std::string& ptx, Module& module)
     return {};
 }
 
-// Whether `f`'s PTX parameters are what the host build of its kernel takes: one 8-byte device
+// Whether `f`'s parameters (as its image declares them) are what the host build of its kernel takes: one 8-byte device
 // pointer per pointer argument, then the parameter struct.
 std::string check_signature(const Function& f, const HostKernel& k)
 {
     if (f.params.size() != k.pointers + 1) {
-        return std::to_string(f.params.size()) + " parameters in the PTX, the host build takes " +
+        return std::to_string(f.params.size()) + " parameters in the image, the host build takes " +
             std::to_string(k.pointers + 1);
     }
     for (unsigned i = 0; i < k.pointers; ++i) {
@@ -156,7 +193,7 @@ std::string check_signature(const Function& f, const HostKernel& k)
     }
     if (f.params.back().second != k.param_bytes) {
         return "the parameter struct has " + std::to_string(f.params.back().second) +
-            " bytes in the PTX, the host build's has " + std::to_string(k.param_bytes);
+            " bytes in the image, the host build's has " + std::to_string(k.param_bytes);
     }
     return {};
 }
@@ -180,10 +217,14 @@ CUresult cuModuleLoadData(CUmodule* module, const void* image)
     }
     auto loaded = std::make_unique<Module>();
     loaded->ctx = ctx;
-    const std::string err = parse_ptx(static_cast<const char*>(image), *loaded);
+    const auto* bytes = static_cast<const uint8_t*>(image);
+    const bool elf = std::memcmp(bytes, "\x7f" "ELF", 4) == 0;
+    CUresult code = CUDA_SUCCESS;
+    const std::string err = elf ? parse_cubin(bytes, *ctx->device, *loaded, &code)
+                                : parse_ptx(static_cast<const char*>(image), *ctx->device, *loaded, &code);
     if (!err.empty()) {
-        report_fault(ctx->device->ordinal, "cuModuleLoadData: " + err);
-        return CUDA_ERROR_INVALID_PTX;
+        report_fault(ctx->device->ordinal, std::string("cuModuleLoadData: ") + (elf ? "CUBIN: " : "PTX: ") + err);
+        return code;
     }
     Driver& d = driver();
     for (const auto& f : loaded->functions) {
@@ -317,8 +358,26 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
     std::vector<uint8_t> args(block.begin() + static_cast<long>(last), block.end());
     const unsigned order = static_cast<unsigned>(d.completed_by_kind["kernel"] % 3);
     const uint64_t seed = d.seed ^ (0x9e3779b97f4a7c15ull * (d.completed_by_kind["kernel"] + 1));
-    op->run = [&k, grid_x, pointers, allocations, args, order, seed] {
-        return run_kernel(k, grid_x, pointers.data(), allocations, args, order, seed);
+    // An injected fault: the byte of the first written argument to flip after the kernel ran.
+    uint8_t* corrupt = nullptr;
+    if (d.corrupt_kernel == f->name) {
+        for (unsigned i = 0; i < k.pointers && corrupt == nullptr; ++i) {
+            if (((k.written >> i) & 1) != 0 && pointers[i] != nullptr) {
+                const uint64_t addr = reinterpret_cast<uint64_t>(pointers[i]);
+                const Allocation* a = find_allocation(addr);
+                if (a != nullptr && addr + d.corrupt_byte < a->base + a->size) {
+                    corrupt = static_cast<uint8_t*>(pointers[i]) + d.corrupt_byte;
+                }
+            }
+        }
+    }
+    const uint8_t mask = d.corrupt_mask;
+    op->run = [&k, grid_x, pointers, allocations, args, order, seed, corrupt, mask] {
+        Outcome outcome = run_kernel(k, grid_x, pointers.data(), allocations, args, order, seed);
+        if (outcome.code == CUDA_SUCCESS && corrupt != nullptr) {
+            *corrupt ^= mask;
+        }
+        return outcome;
     };
     Stream* s = resolve_stream(stream, ctx);
     if (s == nullptr) {

@@ -1,6 +1,7 @@
 // What the emulated driver exports beyond the CUDA driver API, for the tests that use it: the
-// faults it detected, the seed of its random delays and orders, and how many operations of each
-// kind it has run (so a test can tell that work really went through it).
+// faults it detected, the seed of its random delays and orders, how many operations of each
+// kind it has run (so a test can tell that work really went through it), and an injected
+// kernel fault (a kernel that writes one wrong byte).
 #include "model.h"
 
 #include <cstdlib>
@@ -45,6 +46,18 @@ SDP4BIT_EXPORT uint64_t sdp4bit_emu_completed(const char* kind)
     std::lock_guard<std::mutex> guard(d.mutex);
     const auto it = d.completed_by_kind.find(kind);
     return it == d.completed_by_kind.end() ? 0 : it->second;
+}
+
+// From now on, every launch of the kernel named `kernel` flips the bits `mask` of byte `byte` of
+// its first written pointer argument after it ran (a launch whose allocation is shorter is left
+// alone); NULL removes the fault.
+SDP4BIT_EXPORT void sdp4bit_emu_corrupt_kernel_output(const char* kernel, uint64_t byte, unsigned char mask)
+{
+    emu::Driver& d = emu::driver();
+    std::lock_guard<std::mutex> guard(d.mutex);
+    d.corrupt_kernel = kernel != nullptr ? kernel : "";
+    d.corrupt_byte = byte;
+    d.corrupt_mask = mask;
 }
 
 }  // extern "C"

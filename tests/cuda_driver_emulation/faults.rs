@@ -8,7 +8,7 @@
 //! report nothing. The stream and event calls a side-stream design needs are checked the same
 //! way (`streams_and_events_follow_the_driver`).
 
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -16,46 +16,13 @@ use sdp4bit::Error;
 use sdp4bit::backend::Backend;
 use sdp4bit::backend::cuda::{Cuda, DeviceSpan, Kernels, Stream};
 
-use super::library::{LIBRARY_VAR, emulation};
+use super::child::{self, assert_child_passed};
+use super::library::emulation;
 
-/// The variable naming the scenario a child process runs.
-const CHILD: &str = "SDP4BIT_EMULATION_FAULT";
-
-/// In the child (`CHILD` = `test`): runs `scenario` and returns `None`. In the parent: runs
-/// the child and returns its output.
+/// In the child: runs `scenario` and returns `None`. In the parent: runs `faults::{test}` in
+/// a child process and returns its output.
 fn run_isolated(test: &str, scenario: impl FnOnce()) -> Option<Output> {
-    if std::env::var(CHILD).is_ok_and(|v| v == test) {
-        scenario();
-        return None;
-    }
-    let exe = std::env::current_exe().expect("the test executable");
-    let output = Command::new(exe)
-        .args([&format!("faults::{test}"), "--exact", "--nocapture"])
-        .env(CHILD, test)
-        .env(LIBRARY_VAR, emulation().path())
-        .output()
-        .expect("run the child test process");
-    println!(
-        "child {test}: {}\n--- stdout\n{}\n--- stderr\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Some(output)
-}
-
-/// Checks that the child passed (its own assertions held) and ran one test.
-fn assert_child_passed(output: &Output) {
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "the child failed: {}",
-        output.status
-    );
-    assert!(
-        stdout.contains("1 passed"),
-        "the child ran no test:\n{stdout}"
-    );
+    child::run_isolated(&format!("faults::{test}"), &[], scenario)
 }
 
 /// Device 0's primary context current on this thread, two streams of it and the backend on

@@ -208,6 +208,16 @@ impl Emulation {
         unsafe { completed(kind.as_ptr()) }
     }
 
+    /// Injects a kernel fault: every later launch of `kernel` flips the bits `mask` of byte
+    /// `byte` of its output; `None` removes it (see extension.cpp).
+    pub fn corrupt_kernel_output(&self, kernel: Option<&CStr>, byte: u64, mask: u8) {
+        let corrupt = self.symbol::<unsafe extern "C" fn(*const c_char, u64, u8)>(
+            b"sdp4bit_emu_corrupt_kernel_output\0",
+        );
+        // SAFETY: `kernel` is NULL or a NUL-terminated string that outlives the call.
+        unsafe { corrupt(kernel.map_or(std::ptr::null(), CStr::as_ptr), byte, mask) }
+    }
+
     /// A new communicator of `size` ranks (see collectives.cpp).
     pub fn comm_create(&self, size: usize) -> *mut c_void {
         let create =

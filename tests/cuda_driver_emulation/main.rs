@@ -19,11 +19,14 @@
 //! Needs g++ and NVRTC (`.cache/`, see `scripts/env.sh`); `SDP4BIT_CUDA_EMULATION_SEED`
 //! repeats a run's delays and warp orders, `SDP4BIT_TEST_SEED` its data.
 
+mod child;
 mod comm;
 mod end_to_end;
 mod faults;
 mod gpu_suite;
+mod images;
 mod library;
+mod self_check;
 
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::setups::cfg;

@@ -49,6 +49,9 @@ struct Stream;
 struct Device {
     int ordinal = 0;
     int multiprocessors = 1;
+    // Compute capability major.minor.
+    int compute_major = 9;
+    int compute_minor = 0;
     Context* primary = nullptr;
 };
 
@@ -163,12 +166,13 @@ struct Event {
 
 struct HostKernel;
 
-// One `.entry` of a loaded PTX module, bound to the host build of the kernel of that name.
+// One kernel of a loaded module (a PTX `.entry` or a CUBIN's function symbol), bound to the host
+// build of the kernel of that name.
 struct Function {
     struct Module* module = nullptr;
     std::string name;
     const HostKernel* host = nullptr;
-    // Byte offset and size of each parameter in the parameter block, as the PTX declares them.
+    // Byte offset and size of each parameter in the parameter block, as the image declares them.
     std::vector<std::pair<size_t, size_t>> params;
     size_t param_bytes = 0;
     // Threads per block the entry allows (.maxntid), 0 when it does not say.
@@ -179,6 +183,11 @@ struct Module {
     Context* ctx = nullptr;
     std::vector<std::unique_ptr<Function>> functions;
 };
+
+// Reads the kernels of a CUBIN (an ELF image for one real architecture) into `module` for a
+// device of `device`'s compute capability (cubin.cpp); empty, or why the driver refuses it and
+// the result code it returns.
+std::string parse_cubin(const uint8_t* image, const Device& device, Module& module, CUresult* code);
 
 // ---------------------------------------------------------------------------------------------
 // The driver.
@@ -206,6 +215,12 @@ struct Driver {
     std::unordered_set<const void*> live_functions;
     // Operations completed so far, by kind.
     std::map<std::string, uint64_t> completed_by_kind;
+    // An injected kernel fault (sdp4bit_emu_corrupt_kernel_output): every later launch of the
+    // kernel of this name (none when empty) flips `corrupt_mask` in byte `corrupt_byte` of what
+    // its first written pointer argument points to, after the kernel ran.
+    std::string corrupt_kernel;
+    uint64_t corrupt_byte = 0;
+    uint8_t corrupt_mask = 0;
 };
 
 // The one driver of the process (never destroyed, so worker threads may outlive exit).
@@ -224,6 +239,9 @@ std::string take_faults(int device);
 
 // Installs the exit check (once).
 void install_exit_check();
+
+// The driver's CUDA version cuDriverGetVersion reports (api_context.cpp).
+int emulated_driver_version();
 
 // ---------------------------------------------------------------------------------------------
 // Memory (memory.cpp). All locked.

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! ffi                      (the torch extension's bridge)
+//! self_check               (a CUDA bucket's kernels against the host, before its first step)
 //! collective               (the algorithms, over Comm and Backend)
 //! backend::cpu | backend::cuda   (the fused passes; neither names the other)
 //! backend (the Backend trait), codec, config, error, hadamard, plan, rng
@@ -26,10 +27,10 @@ struct Rule {
     forbidden: &'static [&'static str],
 }
 
-const RULES: [Rule; 10] = [
+const RULES: [Rule; 11] = [
     Rule {
         modules: "crate::backend",
-        forbidden: &["crate::collective", "crate::ffi"],
+        forbidden: &["crate::collective", "crate::self_check", "crate::ffi"],
     },
     Rule {
         modules: "crate::backend::cpu",
@@ -41,6 +42,10 @@ const RULES: [Rule; 10] = [
     },
     Rule {
         modules: "crate::collective",
+        forbidden: &["crate::self_check", "crate::ffi"],
+    },
+    Rule {
+        modules: "crate::self_check",
         forbidden: &["crate::ffi"],
     },
     Rule {

@@ -103,6 +103,8 @@ EXERCISED = {
     "python -m sdp4bit.plan --params 6.7e9 --nodes 16 --gpus-per-node 8 --tp 4 --inter-gbps 400":
         lambda: _run(*PLAN, "--params", "6.7e9", "--nodes", "16", "--gpus-per-node", "8",
                      "--tp", "4", "--inter-gbps", "400"),
+    "python -m sdp4bit.selftest": lambda: _contains("tests/python/test_selftest.py",
+                                                   '"-m", "sdp4bit.selftest"'),
     "python -m megatron_patch.plan": lambda: _run(sys.executable, "-m", "megatron_patch.plan",
                                                   "--paper"),
     # running parts of the tests: the test command runs all of them

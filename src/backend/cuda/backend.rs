@@ -37,6 +37,46 @@ impl Cuda {
     pub fn new(kernels: &'static Kernels, stream: Stream) -> Self {
         Self { kernels, stream }
     }
+
+    /// The kernels (and device) the passes run with.
+    pub fn kernels(&self) -> &'static Kernels {
+        self.kernels
+    }
+
+    /// Copies `src` into the device memory `dst` (of `src.len()` elements), synchronously:
+    /// ordered after the work already enqueued on the legacy default stream, and done when it
+    /// returns.
+    pub fn upload<T: Element>(&self, src: &[T], dst: DeviceSpan<T>) -> Result<()> {
+        check_len("upload destination", dst.len(), src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.kernels.with_context(|| {
+            // SAFETY: `dst` is `src.len()` elements of device memory of this context (the
+            // DeviceSpan contract); the copy is synchronous, so `src` outlives it.
+            unsafe { driver::memcpy_htod_sync(dst.addr(), src) }
+                .map_err(driver_error("cuMemcpyHtoD"))
+        })
+    }
+
+    /// The elements of `src` once every pass enqueued on this backend's stream before the
+    /// call has run (synchronises the stream).
+    pub fn download<T: Element>(&self, src: DeviceSpan<T>) -> Result<Vec<T>> {
+        let mut out = vec![bytemuck::Zeroable::zeroed(); src.len()];
+        let stream = self.stream.raw();
+        self.kernels.with_context(|| {
+            // SAFETY: `src` is `out.len()` elements of device memory of this context; the
+            // stream is synchronised before `out` is read or dropped.
+            unsafe {
+                if !out.is_empty() {
+                    driver::memcpy_dtoh_async(&mut out, src.addr(), stream)
+                        .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+                }
+                driver::stream::synchronize(stream).map_err(driver_error("cuStreamSynchronize"))
+            }
+        })?;
+        Ok(out)
+    }
 }
 
 /// `len` elements of `T` allocated on a device with `cuMemAlloc` and freed when dropped.

@@ -1,4 +1,5 @@
-//! NVRTC compilation of one kernel source to PTX.
+//! NVRTC compilation of one kernel source to a CUBIN for one architecture (with its PTX), or
+//! to PTX only for a virtual architecture (see [`super::target`] for which is used when).
 //!
 //! The sources include `sdp4bit_abi.h` and `common.cuh`; both are handed to NVRTC in memory
 //! (cudarc's `create_program` passes no headers, so the program is created here through
@@ -34,25 +35,81 @@ impl fmt::Display for Arch {
     }
 }
 
+/// What a compilation produces for the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// Machine code for the real architecture `sm_XY` (a CUBIN), which the driver loads as is
+    /// on devices of that major version and at least that minor version.
+    Cubin(Arch),
+    /// PTX for the virtual architecture `compute_XY`, which the driver compiles at load time
+    /// for any device of at least that compute capability, if the driver is at least as new as
+    /// the PTX's `.version`.
+    Ptx(Arch),
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Cubin(arch) => write!(f, "CUBIN for {arch}"),
+            Target::Ptx(arch) => write!(f, "PTX for compute_{}{}", arch.major, arch.minor),
+        }
+    }
+}
+
+impl Target {
+    /// NVRTC's `--gpu-architecture` value.
+    fn option(self) -> String {
+        match self {
+            Target::Cubin(arch) => format!("--gpu-architecture={arch}"),
+            Target::Ptx(arch) => format!("--gpu-architecture=compute_{}{}", arch.major, arch.minor),
+        }
+    }
+}
+
 /// The result of a successful compilation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Compiled {
+    /// What was compiled for.
+    pub target: Target,
     /// The PTX text (without the terminating NUL).
     pub ptx: String,
+    /// The CUBIN (an ELF image) for [`Target::Cubin`]; empty for [`Target::Ptx`].
+    pub cubin: Vec<u8>,
     /// NVRTC's program log: empty unless the compiler warned (tests treat warnings as errors).
     pub log: String,
 }
 
-/// Compiles `source` for `arch` to PTX with the two shared headers in memory.
-///
-/// Options: `--gpu-architecture=sm_XY --fmad=false --prec-div=true --ftz=false --std=c++17
-/// -default-device`. A compile error is an [`Error::Cuda`] carrying NVRTC's log; so is a
-/// missing NVRTC library (probed before cudarc is called).
+impl Compiled {
+    /// The image `cuModuleLoadData` takes for the target: the CUBIN, or the PTX with its
+    /// terminating NUL.
+    pub fn image(&self) -> Vec<u8> {
+        match self.target {
+            Target::Cubin(_) => self.cubin.clone(),
+            Target::Ptx(_) => {
+                let mut text = self.ptx.clone().into_bytes();
+                text.push(0);
+                text
+            }
+        }
+    }
+}
+
+/// Compiles `source` to a CUBIN (and its PTX) for the real architecture `arch`; see
+/// [`compile_for`].
 pub fn compile(source: &KernelSource, arch: Arch) -> Result<Compiled> {
+    compile_for(source, Target::Cubin(arch))
+}
+
+/// Compiles `source` for `target` with the two shared headers in memory.
+///
+/// Options: `--gpu-architecture=sm_XY` (or `compute_XY`) `--fmad=false --prec-div=true
+/// --ftz=false --std=c++17 -default-device`. A compile error is an [`Error::Cuda`] carrying
+/// NVRTC's log; so is a missing NVRTC library (probed before cudarc is called).
+pub fn compile_for(source: &KernelSource, target: Target) -> Result<Compiled> {
     probe::nvrtc()?;
     let program = Program::new(source)?;
     let options = [
-        format!("--gpu-architecture={arch}"),
+        target.option(),
         "--fmad=false".into(),
         "--prec-div=true".into(),
         "--ftz=false".into(),
@@ -65,11 +122,16 @@ pub fn compile(source: &KernelSource, arch: Arch) -> Result<Compiled> {
     let log = program.log()?;
     match compiled {
         Ok(()) => Ok(Compiled {
+            target,
             ptx: program.ptx()?,
+            cubin: match target {
+                Target::Cubin(_) => program.cubin()?,
+                Target::Ptx(_) => Vec::new(),
+            },
             log,
         }),
         Err(e) => Err(Error::Cuda(format!(
-            "NVRTC could not compile kernels/{} for {arch} ({e}):\n{log}",
+            "NVRTC could not compile kernels/{} to {target} ({e}):\n{log}",
             source.file
         ))),
     }
@@ -146,6 +208,28 @@ impl Program {
         let ptx = unsafe { result::get_ptx(self.handle) }
             .map_err(|e| Error::Cuda(format!("NVRTC could not return the PTX: {e}")))?;
         Ok(text(&ptx))
+    }
+
+    /// The CUBIN of the compiled program (compiled for a real architecture).
+    fn cubin(&self) -> Result<Vec<u8>> {
+        let mut size = 0usize;
+        // SAFETY: `self.handle` is a live program that compiled; `size` receives its size.
+        unsafe { sys::nvrtcGetCUBINSize(self.handle, &mut size) }
+            .result()
+            .map_err(|e| Error::Cuda(format!("NVRTC could not size the CUBIN: {e}")))?;
+        let mut cubin = vec![0u8; size];
+        if size > 0 {
+            // SAFETY: `cubin` holds the `size` bytes NVRTC reported.
+            unsafe { sys::nvrtcGetCUBIN(self.handle, cubin.as_mut_ptr().cast::<c_char>()) }
+                .result()
+                .map_err(|e| Error::Cuda(format!("NVRTC could not return the CUBIN: {e}")))?;
+        }
+        if !cubin.starts_with(b"\x7fELF") {
+            return Err(Error::Cuda(format!(
+                "NVRTC returned a CUBIN of {size} bytes that is not an ELF image"
+            )));
+        }
+        Ok(cubin)
     }
 }
 

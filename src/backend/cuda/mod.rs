@@ -8,7 +8,8 @@
 //! value and the CPU backend keeps working.
 //!
 //! - [`source`]: the embedded kernel sources and the kernel names;
-//! - [`compile`]: NVRTC compilation of one source to PTX (bit-exact options);
+//! - [`target`]: which image a device gets (a CUBIN for its architecture, PTX as fallback);
+//! - [`compile`]: NVRTC compilation of one source to that image (bit-exact options);
 //! - [`abi`]: `#[repr(C)]` mirrors of the launch ABI (`kernels/sdp4bit_abi.h`);
 //! - [`Kernels`]: the per-device cache of loaded kernels, with one launch method per kernel;
 //! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch;
@@ -25,8 +26,10 @@ mod launch;
 mod module;
 pub mod probe;
 pub mod source;
+pub mod target;
 
 pub use backend::{Cuda, DeviceBuffer};
-pub use compile::{Arch, Compiled};
+pub use compile::{Arch, Compiled, Target};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
-pub use module::{Kernels, device_count};
+pub use module::{Kernels, device_count, driver_version, format_driver_version};
+pub use target::TargetChoice;

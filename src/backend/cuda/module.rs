@@ -10,9 +10,10 @@ use cudarc::driver::result::{self as driver, DriverError};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use rayon::prelude::*;
 
-use super::compile::{Arch, compile};
+use super::compile::{Arch, Target, compile_for};
 use super::probe;
 use super::source::{Kernel, SOURCES};
+use super::target::{self, TargetChoice};
 use crate::error::{Error, Result};
 
 /// The kernels of one device, ready to launch: one launch method per kernel.
@@ -23,6 +24,8 @@ use crate::error::{Error, Result};
 pub struct Kernels {
     ordinal: usize,
     arch: Arch,
+    choice: TargetChoice,
+    driver_version: i32,
     multiprocessors: u32,
     context: sys::CUcontext,
     functions: [sys::CUfunction; Kernel::COUNT],
@@ -77,9 +80,42 @@ impl Kernels {
         self.ordinal
     }
 
-    /// The architecture the kernels were compiled for.
+    /// The device's architecture (its compute capability).
     pub fn arch(&self) -> Arch {
         self.arch
+    }
+
+    /// What the kernels were compiled to for this device, and why.
+    pub fn target(&self) -> &TargetChoice {
+        &self.choice
+    }
+
+    /// The driver's CUDA version (`cuDriverGetVersion`: 1000 * major + 10 * minor).
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    /// One line for logs and bug reports: the device, the driver, the NVRTC and the image the
+    /// kernels were loaded as, with the reason.
+    pub fn describe(&self) -> String {
+        let nvrtc = probe::nvrtc_library()
+            .map(|n| {
+                format!(
+                    "NVRTC {}.{} ({})",
+                    n.version.0,
+                    n.version.1,
+                    n.path.display()
+                )
+            })
+            .unwrap_or_else(|e| e.to_string());
+        format!(
+            "CUDA device {} ({}, driver {}), {nvrtc}: {} ({})",
+            self.ordinal,
+            self.arch,
+            format_driver_version(self.driver_version),
+            self.choice.target,
+            self.choice.reason
+        )
     }
 
     /// Streaming multiprocessors of the device (sizes the launch grids).
@@ -129,10 +165,14 @@ impl Kernels {
         };
         let multiprocessors =
             attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1);
+        let driver_version = driver_version()?;
+        let nvrtc = probe::nvrtc_library()?;
+        let choice = target::choose(arch, &target::supported_archs()?, nvrtc.version)?;
+        let image_target = choice.target;
         // NVRTC is thread-safe: compile the sources in parallel.
         let compiled = SOURCES
             .par_iter()
-            .map(|source| compile(source, arch).map(|c| (source, c.ptx)))
+            .map(|source| compile_for(source, image_target).map(|c| (source, c.image())))
             .collect::<Result<Vec<_>>>()?;
         // SAFETY: `device` was returned by `cuDeviceGet`; the retained context is never
         // released (the kernels live as long as the process).
@@ -140,17 +180,18 @@ impl Kernels {
             .map_err(driver_error("cuDevicePrimaryCtxRetain"))?;
         let functions = with_pushed(context, || {
             let mut functions = [std::ptr::null_mut(); Kernel::COUNT];
-            for (source, ptx) in &compiled {
-                let ptx = CString::new(ptx.as_str()).map_err(|_| {
-                    Error::Cuda(format!("the PTX of kernels/{} holds a NUL", source.file))
-                })?;
-                // SAFETY: `ptx` is a NUL-terminated PTX image; the context is current.
-                let module = unsafe { driver::module::load_data(ptx.as_ptr().cast::<c_void>()) }
+            for (source, image) in &compiled {
+                // SAFETY: `image` is a CUBIN (an ELF image, which carries its own size) or a
+                // NUL-terminated PTX text, as `Compiled::image` makes it; the context is
+                // current.
+                let module = unsafe { driver::module::load_data(image.as_ptr().cast::<c_void>()) }
                     .map_err(|e| {
                         Error::Cuda(format!(
-                            "cuModuleLoadData of kernels/{} for {arch} on device {ordinal} \
-                             failed: {e}",
-                            source.file
+                            "cuModuleLoadData of kernels/{} ({image_target}) on device {ordinal} \
+                             ({arch}, driver {}) failed: {e}{}",
+                            source.file,
+                            format_driver_version(driver_version),
+                            ptx_hint(image_target)
                         ))
                     })?;
                 for &kernel in source.kernels {
@@ -173,10 +214,39 @@ impl Kernels {
         Ok(Self {
             ordinal,
             arch,
+            choice,
+            driver_version,
             multiprocessors,
             context,
             functions,
         })
+    }
+}
+
+/// The driver's CUDA version (`cuDriverGetVersion`).
+pub fn driver_version() -> Result<i32> {
+    probe::driver()?;
+    let mut version = 0;
+    // SAFETY: `version` receives one int; cuDriverGetVersion needs no initialisation.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(driver_error("cuDriverGetVersion"))?;
+    Ok(version)
+}
+
+/// `13000` as `13.0`.
+pub fn format_driver_version(version: i32) -> String {
+    format!("{}.{}", version / 1000, version % 1000 / 10)
+}
+
+/// What to check when PTX failed to load: the driver must know the PTX's ISA version.
+fn ptx_hint(target: Target) -> &'static str {
+    match target {
+        Target::Ptx(_) => {
+            " (the driver JIT-compiles PTX and rejects a PTX ISA newer than it knows: \
+             update the driver or use an NVRTC no newer than it)"
+        }
+        Target::Cubin(_) => "",
     }
 }
 

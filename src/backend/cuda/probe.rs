@@ -6,7 +6,17 @@
 //! pick exports every symbol this backend makes cudarc call, so a machine without CUDA gets an
 //! [`Error::Cuda`] value naming what was searched, never a panic. Each probe runs once per
 //! process; its result is cached.
+//!
+//! NVRTC opens its builtins library (`libnvrtc-builtins.so.<major>.<minor>`) by name when it
+//! first compiles, so the loader's search path decides which one it gets, and a wheel's NVRTC
+//! loaded by path finds none. [`nvrtc_library`] therefore loads the builtins from the
+//! directory of the NVRTC that was found, by absolute path, before anything compiles: NVRTC's
+//! own `dlopen` of that name then returns the library already loaded (the loader matches loaded
+//! objects by soname), whatever `LD_LIBRARY_PATH` says. [`NVRTC_LIBRARY_VAR`] names an NVRTC
+//! to load by path (e.g. the one a torch wheel installed) where the loader would find none.
 
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
@@ -46,6 +56,7 @@ const DRIVER: Library = Library {
         "cuMemcpyDtoHAsync_v2",
         "cuStreamSynchronize",
         "cuGetErrorString",
+        "cuDriverGetVersion",
     ],
 };
 
@@ -59,10 +70,30 @@ const NVRTC: Library = Library {
         "nvrtcDestroyProgram",
         "nvrtcGetPTXSize",
         "nvrtcGetPTX",
+        "nvrtcGetCUBINSize",
+        "nvrtcGetCUBIN",
+        "nvrtcGetNumSupportedArchs",
+        "nvrtcGetSupportedArchs",
         "nvrtcGetProgramLogSize",
         "nvrtcGetProgramLog",
+        "nvrtcVersion",
     ],
 };
+
+/// The variable naming an NVRTC library to load by absolute path before the loader's search
+/// (e.g. `.../site-packages/nvidia/cu13/lib/libnvrtc.so.13`).
+pub const NVRTC_LIBRARY_VAR: &str = "SDP4BIT_NVRTC_LIBRARY";
+
+/// The NVRTC this process compiles with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvrtcLibrary {
+    /// The file the loader mapped.
+    pub path: PathBuf,
+    /// `nvrtcVersion`: (major, minor).
+    pub version: (u32, u32),
+    /// The builtins library loaded for it.
+    pub builtins: PathBuf,
+}
 
 /// Checks that the CUDA driver library can be loaded and exports what the backend calls.
 /// Call before any `cudarc::driver` function.
@@ -71,15 +102,161 @@ pub fn driver() -> Result<()> {
     RESULT.get_or_init(|| probe(&DRIVER)).clone()
 }
 
-/// Checks that the NVRTC library can be loaded and exports what the backend calls. Call
-/// before any `cudarc::nvrtc` function.
+/// Checks that the NVRTC library can be loaded and exports what the backend calls, and loads
+/// its builtins library (see the module doc). Call before any `cudarc::nvrtc` function.
 pub fn nvrtc() -> Result<()> {
-    static RESULT: OnceLock<Result<()>> = OnceLock::new();
-    RESULT.get_or_init(|| probe(&NVRTC)).clone()
+    nvrtc_library().map(|_| ())
+}
+
+/// The NVRTC library cudarc will use, with its version and the builtins loaded beside it
+/// (see the module doc); found once per process.
+pub fn nvrtc_library() -> Result<&'static NvrtcLibrary> {
+    static RESULT: OnceLock<Result<NvrtcLibrary>> = OnceLock::new();
+    RESULT
+        .get_or_init(load_nvrtc)
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// Loads the first candidate that loads (as cudarc does) and checks its symbols.
 fn probe(lib: &Library) -> Result<()> {
+    let (name, library) = first_loadable(lib)?;
+    check_symbols(lib, &name, &library)
+}
+
+/// The NVRTC of [`NVRTC_LIBRARY_VAR`] if set, else the loader's; its builtins loaded by path.
+/// Both libraries stay loaded for the life of the process.
+fn load_nvrtc() -> Result<NvrtcLibrary> {
+    let preloaded = match std::env::var_os(NVRTC_LIBRARY_VAR) {
+        Some(path) => {
+            let path = PathBuf::from(path);
+            // SAFETY: loading the vendor library the user named runs its initialisers, as
+            // cudarc's own load would.
+            let library = unsafe { libloading::Library::new(&path) }.map_err(|e| {
+                Error::Cuda(format!(
+                    "{NVRTC_LIBRARY_VAR}={} could not be loaded: {}",
+                    path.display(),
+                    with_source(&e)
+                ))
+            })?;
+            let mapped = mapped_path(&library, "nvrtcVersion")?;
+            std::mem::forget(library);
+            Some(mapped)
+        }
+        None => None,
+    };
+    let (name, library) = first_loadable(&NVRTC)?;
+    check_symbols(&NVRTC, &name, &library)?;
+    let path = mapped_path(&library, "nvrtcVersion")?;
+    if let Some(preloaded) = preloaded
+        && !same_file(&preloaded, &path)
+    {
+        return Err(Error::Cuda(format!(
+            "{NVRTC_LIBRARY_VAR} loaded {}, but the loader answers cudarc's first name {name} \
+             with {}: unset {NVRTC_LIBRARY_VAR} or remove that library from the search path",
+            preloaded.display(),
+            path.display()
+        )));
+    }
+    let version = nvrtc_version(&library, &path)?;
+    let builtins = load_builtins(&path, version)?;
+    std::mem::forget(library);
+    Ok(NvrtcLibrary {
+        path,
+        version,
+        builtins,
+    })
+}
+
+/// Calls `nvrtcVersion` of `library` (mapped from `path`).
+fn nvrtc_version(library: &libloading::Library, path: &Path) -> Result<(u32, u32)> {
+    type Version = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
+    // SAFETY: `nvrtcVersion` has this C signature in every NVRTC (checked present above).
+    let version = unsafe { library.get::<Version>(b"nvrtcVersion\0") }
+        .map_err(|e| Error::Cuda(format!("{}: {}", path.display(), with_source(&e))))?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both out-pointers are valid for one int each.
+    let status = unsafe { version(&mut major, &mut minor) };
+    match (status, u32::try_from(major), u32::try_from(minor)) {
+        (0, Ok(major), Ok(minor)) => Ok((major, minor)),
+        _ => Err(Error::Cuda(format!(
+            "nvrtcVersion of {} returned status {status} ({major}.{minor})",
+            path.display()
+        ))),
+    }
+}
+
+/// Loads `libnvrtc-builtins.so.<major>.<minor>` from the directory of `nvrtc`, or, when that
+/// directory has none, where the loader finds it; returns the path it was loaded by (the bare
+/// name when the loader searched).
+fn load_builtins(nvrtc: &Path, (major, minor): (u32, u32)) -> Result<PathBuf> {
+    let name = format!("libnvrtc-builtins.so.{major}.{minor}");
+    let beside = nvrtc.parent().unwrap_or(Path::new("/")).join(&name);
+    let target: &Path = if beside.exists() {
+        &beside
+    } else {
+        Path::new(&name)
+    };
+    // SAFETY: loading NVRTC's own builtins library, which NVRTC itself would load next.
+    let library = unsafe { libloading::Library::new(target) }.map_err(|e| {
+        Error::Cuda(format!(
+            "NVRTC {major}.{minor} ({}) needs {name}: there is none beside it and the loader \
+             finds none (LD_LIBRARY_PATH={}): {}",
+            nvrtc.display(),
+            ld_library_path(),
+            with_source(&e)
+        ))
+    })?;
+    std::mem::forget(library);
+    Ok(target.to_path_buf())
+}
+
+/// `Dl_info` of `dladdr(3)`.
+#[repr(C)]
+struct DlInfo {
+    fname: *const c_char,
+    fbase: *mut c_void,
+    sname: *const c_char,
+    saddr: *mut c_void,
+}
+
+unsafe extern "C" {
+    fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
+}
+
+/// The file the loader mapped `library` from, found through the address of its `symbol`.
+fn mapped_path(library: &libloading::Library, symbol: &str) -> Result<PathBuf> {
+    // SAFETY: the symbol is only looked up; its address is passed to dladdr, never called.
+    let address = unsafe { library.get::<*const c_void>(symbol.as_bytes()) }
+        .map_err(|e| Error::Cuda(format!("symbol {symbol}: {}", with_source(&e))))?;
+    let mut info = DlInfo {
+        fname: std::ptr::null(),
+        fbase: std::ptr::null_mut(),
+        sname: std::ptr::null(),
+        saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: `info` is a valid Dl_info; the address lies in a loaded object.
+    let found = unsafe { dladdr(*address, &mut info) };
+    if found == 0 || info.fname.is_null() {
+        return Err(Error::Cuda(format!(
+            "dladdr found no object holding {symbol}"
+        )));
+    }
+    // SAFETY: dladdr returned a NUL-terminated path owned by the loader.
+    let path = unsafe { CStr::from_ptr(info.fname) };
+    Ok(PathBuf::from(path.to_string_lossy().into_owned()))
+}
+
+/// Whether two paths name the same file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+/// The first of cudarc's candidate names of `lib` that loads, with the loaded library.
+fn first_loadable(lib: &Library) -> Result<(String, libloading::Library)> {
     let mut candidates: Vec<String> = Vec::new();
     for name in lib.names {
         for candidate in cudarc::get_lib_name_candidates(name) {
@@ -93,7 +270,7 @@ fn probe(lib: &Library) -> Result<()> {
         // SAFETY: loading a shared library runs its initialisers; these are the same vendor
         // libraries, searched in the same order, that cudarc itself would load next.
         match unsafe { libloading::Library::new(name.as_str()) } {
-            Ok(library) => return check_symbols(lib, name, &library),
+            Ok(library) => return Ok((name.clone(), library)),
             Err(e) => last_error = with_source(&e),
         }
     }

@@ -1,0 +1,255 @@
+//! Which image the kernels load as, and what the emulated driver refuses, as a driver does: a
+//! CUBIN for the device's architecture by default; a CUBIN for another architecture refused
+//! (`CUDA_ERROR_NO_BINARY_FOR_GPU`); PTX newer than the driver refused
+//! (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`) while the CUBIN still loads; PTX for a device newer
+//! than every architecture the NVRTC targets; an error for a device older than all of them;
+//! and compiling with `LD_LIBRARY_PATH` unset and NVRTC named by path. Each runs in a child
+//! process, so the emulated device and driver can be configured and the faults the refusals
+//! report stay out of the other tests' fault log.
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use cudarc::driver::result::{self as driver, DriverError};
+use cudarc::driver::sys::CUresult;
+use sdp4bit::backend::cuda::compile::compile_for;
+use sdp4bit::backend::cuda::source::SOURCES;
+use sdp4bit::backend::cuda::target::supported_archs;
+use sdp4bit::backend::cuda::{Arch, Kernels, Target, probe};
+use sdp4bit::self_check::{Collective, check_bucket};
+use sdp4bit::{Config, Preset};
+use sdp4bit_test_support::setups::cfg;
+
+use super::child::{assert_child_passed, run_isolated};
+use super::end_to_end::topologies;
+use super::library::emulation;
+
+const COMPUTE_CAPABILITY: &str = "SDP4BIT_CUDA_EMULATION_COMPUTE_CAPABILITY";
+const DRIVER_VERSION: &str = "SDP4BIT_CUDA_EMULATION_DRIVER_VERSION";
+
+/// Device 0's primary context, current on this thread.
+fn bind_device_0() -> Arc<CudaContext> {
+    emulation();
+    let context = CudaContext::new(0).expect("the primary context of device 0");
+    context.bind_to_thread().expect("bind it");
+    context
+}
+
+/// Loads `target`'s image of the first kernel source into the current context.
+fn load(target: Target) -> Result<(), DriverError> {
+    let compiled = compile_for(&SOURCES[0], target).expect("NVRTC compiles");
+    let image = compiled.image();
+    // SAFETY: a CUBIN or a NUL-terminated PTX text; a context is current.
+    unsafe { driver::module::load_data(image.as_ptr().cast::<c_void>()) }.map(|_| ())
+}
+
+/// Every kernel of the sdp4bit and Global-QSGD presets runs and matches the host.
+fn self_check_passes() {
+    let kernels = Kernels::get(0).expect("the kernels load");
+    let (_, topology) = topologies().remove(0);
+    for preset in [Preset::Sdp4bit, Preset::GlobalQsgd] {
+        let config: Config = cfg(preset, &[]);
+        for collective in [Collective::GradReduceScatter, Collective::WeightAllGather] {
+            check_bucket(kernels, collective, &config, &topology, 1)
+                .unwrap_or_else(|e| panic!("{preset} {collective:?}: {e}"));
+        }
+    }
+}
+
+/// By default the kernels load as CUBINs for the device's sm_90 (every kernel's parameters
+/// read from the CUBIN's `.nv.info` agree with its host build); PTX for compute_90 loads too;
+/// CUBINs for sm_86 and sm_100 are refused, naming the architectures.
+#[test]
+fn cubins_for_the_device_load_and_others_are_refused() {
+    let Some(output) = run_isolated(
+        "images::cubins_for_the_device_load_and_others_are_refused",
+        &[],
+        || {
+            let _context = bind_device_0();
+            let kernels = Kernels::get(0).expect("the kernels load");
+            assert_eq!(kernels.target().target, Target::Cubin(Arch::SM_90));
+            let line = kernels.describe();
+            assert!(line.contains("CUBIN for sm_90"), "{line}");
+            assert!(line.contains("driver 13.0"), "{line}");
+            self_check_passes();
+            load(Target::Ptx(Arch::SM_90)).expect("PTX for compute_90 loads");
+            for (arch, name) in [(86, "sm_86"), (100, "sm_100")] {
+                let arch = Arch {
+                    major: arch / 10,
+                    minor: arch % 10,
+                };
+                let refused = load(Target::Cubin(arch)).expect_err("another architecture");
+                assert_eq!(refused.0, CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU, "{name}");
+                let faults = emulation().take_faults(-1);
+                assert!(
+                    faults.contains(&format!(
+                        "CUBIN: a CUBIN for {name} cannot run on device 0 of compute capability 9.0"
+                    )),
+                    "{faults}"
+                );
+            }
+        },
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// A CUDA 12.9 driver refuses NVRTC 13's PTX (ISA 9.x), the failure PTX loading had; the
+/// kernels still load, as CUBINs, and run (the emulation does not model whether a driver of
+/// another major version loads a CUBIN). Needs NVRTC 13 or newer.
+#[test]
+fn ptx_newer_than_the_driver_is_refused_and_cubins_load() {
+    let Some(output) = run_isolated(
+        "images::ptx_newer_than_the_driver_is_refused_and_cubins_load",
+        &[(DRIVER_VERSION, Some("12090"))],
+        || {
+            let (major, minor) = probe::nvrtc_library().expect("NVRTC").version;
+            if major < 13 {
+                println!("skipped: NVRTC {major}.{minor} makes PTX a CUDA 12.9 driver knows");
+                return;
+            }
+            let _context = bind_device_0();
+            let refused = load(Target::Ptx(Arch::SM_90)).expect_err("PTX ISA 9.x on CUDA 12.9");
+            assert_eq!(refused.0, CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION);
+            let faults = emulation().take_faults(-1);
+            assert!(
+                faults.contains(&format!(
+                    "needs a CUDA {major}.{minor} driver, this one is 12.9"
+                )),
+                "{faults}"
+            );
+            let kernels = Kernels::get(0).expect("the kernels load as CUBINs");
+            assert_eq!(kernels.target().target, Target::Cubin(Arch::SM_90));
+            assert!(
+                kernels.describe().contains("driver 12.9"),
+                "{}",
+                kernels.describe()
+            );
+            self_check_passes();
+        },
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// A device newer than every architecture the NVRTC targets (compute capability 99.0, so
+/// whatever the NVRTC) gets PTX for the newest of them, which it runs; the reason says so.
+#[test]
+fn newer_device_gets_ptx() {
+    let Some(output) = run_isolated(
+        "images::newer_device_gets_ptx",
+        &[(COMPUTE_CAPABILITY, Some("99.0"))],
+        || {
+            let _context = bind_device_0();
+            let newest = *supported_archs()
+                .expect("NVRTC lists its architectures")
+                .last()
+                .expect("at least one");
+            let kernels = Kernels::get(0).expect("the kernels load as PTX");
+            assert_eq!(kernels.target().target, Target::Ptx(newest));
+            let reason = &kernels.target().reason;
+            assert!(
+                reason.contains("cannot target the device's sm_990"),
+                "{reason}"
+            );
+            self_check_passes();
+        },
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// A device older than every architecture the NVRTC targets (3.0; NVRTC 11 and later start
+/// at sm_35 or newer) is an error naming both.
+#[test]
+fn older_device_is_an_error() {
+    let Some(output) = run_isolated(
+        "images::older_device_is_an_error",
+        &[(COMPUTE_CAPABILITY, Some("3.0"))],
+        || {
+            let _context = bind_device_0();
+            let oldest = supported_archs().expect("NVRTC lists its architectures")[0];
+            let e = Kernels::get(0).expect_err("no architecture for sm_30");
+            let message = e.to_string();
+            assert!(
+                message.contains("sm_30") && message.contains(&oldest.to_string()),
+                "{message}"
+            );
+        },
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// The NVRTC on this process's `LD_LIBRARY_PATH` (the test command puts the wheel's there).
+fn nvrtc_on_search_path() -> Option<PathBuf> {
+    std::env::var_os("LD_LIBRARY_PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join("libnvrtc.so.13"))
+        .find(|path| path.exists())
+}
+
+/// With `LD_LIBRARY_PATH` unset and the wheel's NVRTC named by `SDP4BIT_NVRTC_LIBRARY`,
+/// every kernel compiles (NVRTC's builtins are loaded from beside it) and loads.
+#[test]
+fn nvrtc_by_path_compiles_without_ld_library_path() {
+    let found = std::env::var("SDP4BIT_CUDA_TEST_NVRTC")
+        .ok()
+        .map(PathBuf::from)
+        .or_else(nvrtc_on_search_path);
+    let Some(path) = found else {
+        assert_ne!(
+            std::env::var("SDP4BIT_REQUIRE_NVRTC").as_deref(),
+            Ok("1"),
+            "SDP4BIT_REQUIRE_NVRTC=1 but no libnvrtc.so.13 on LD_LIBRARY_PATH"
+        );
+        println!("skipped: no libnvrtc.so.13 on LD_LIBRARY_PATH");
+        return;
+    };
+    let path_text = path.to_string_lossy().into_owned();
+    let Some(output) = run_isolated(
+        "images::nvrtc_by_path_compiles_without_ld_library_path",
+        &[
+            ("LD_LIBRARY_PATH", None),
+            (probe::NVRTC_LIBRARY_VAR, Some(&path_text)),
+            ("SDP4BIT_CUDA_TEST_NVRTC", Some(&path_text)),
+        ],
+        || {
+            assert!(std::env::var_os("LD_LIBRARY_PATH").is_none());
+            let nvrtc = probe::nvrtc_library().expect("NVRTC loads by path");
+            let wanted = PathBuf::from(std::env::var("SDP4BIT_CUDA_TEST_NVRTC").unwrap());
+            assert_eq!(
+                nvrtc.path.canonicalize().unwrap(),
+                wanted.canonicalize().unwrap()
+            );
+            let dir = wanted.parent().unwrap();
+            let builtins = format!(
+                "libnvrtc-builtins.so.{}.{}",
+                nvrtc.version.0, nvrtc.version.1
+            );
+            assert_eq!(nvrtc.builtins, dir.join(builtins));
+            for source in &SOURCES {
+                let compiled = compile_for(source, Target::Cubin(Arch::SM_90))
+                    .unwrap_or_else(|e| panic!("kernels/{}: {e}", source.file));
+                assert!(compiled.cubin.starts_with(b"\x7fELF"), "{}", source.file);
+            }
+            let _context = bind_device_0();
+            let kernels = Kernels::get(0).expect("the kernels load");
+            assert!(
+                kernels.describe().contains(&dir.display().to_string()),
+                "{}",
+                kernels.describe()
+            );
+        },
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
