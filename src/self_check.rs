@@ -72,21 +72,17 @@ pub fn check_bucket_once(
         format!("{topology:?}"),
         rank,
     );
-    let passed = PASSED.get_or_init(Default::default);
-    let seen = |passed: &Mutex<HashSet<Key>>| {
-        passed
+    let passed = || {
+        PASSED
+            .get_or_init(Default::default)
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .contains(&key)
     };
-    if seen(passed) {
+    if passed().contains(&key) {
         return Ok(());
     }
     check_bucket(kernels, collective, config, topology, rank)?;
-    passed
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-        .insert(key);
+    passed().insert(key);
     Ok(())
 }
 

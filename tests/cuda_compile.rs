@@ -291,11 +291,10 @@ fn every_kernel_resources(tools: &CudaTools, test: &str) -> Vec<(Kernel, KernelR
     all
 }
 
-/// No kernel spills or keeps a stack frame, and each stays within its register bound, so the
-/// occupancy its launch bounds promise holds without local-memory traffic.
-#[test]
-fn kernels_fit_their_register_bounds_without_spilling() {
-    let test = "kernels_fit_their_register_bounds_without_spilling";
+/// Every kernel's resources (when NVRTC and the CUDA tools are there) against its entry of
+/// [`EXPECTED`]: `problems` lists what is wrong with one kernel; the test fails with all of
+/// them.
+fn check_every_kernel(test: &str, problems: impl Fn(&KernelResources, &Expected) -> Vec<String>) {
     if !nvrtc_available(test) {
         return;
     }
@@ -308,60 +307,57 @@ fn kernels_fit_their_register_bounds_without_spilling() {
             .iter()
             .find(|e| e.kernel == kernel)
             .expect("every kernel");
-        let usage = &resources.usage;
-        if usage.uses_local_memory() || resources.sass.local > 0 {
-            failures.push(format!(
-                "{}: {} bytes stack, {} bytes spill stores, {} bytes spill loads, {} local \
-                 loads/stores in the SASS",
-                kernel.name(),
-                usage.stack_frame,
-                usage.spill_stores,
-                usage.spill_loads,
-                resources.sass.local
-            ));
-        }
-        if usage.registers > expected.max_registers {
-            failures.push(format!(
-                "{}: {} registers, the bound is {}",
-                kernel.name(),
-                usage.registers,
-                expected.max_registers
-            ));
+        for problem in problems(&resources, expected) {
+            failures.push(format!("{}: {problem}", kernel.name()));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// No kernel spills or keeps a stack frame, and each stays within its register bound, so the
+/// occupancy its launch bounds promise holds without local-memory traffic.
+#[test]
+fn kernels_fit_their_register_bounds_without_spilling() {
+    check_every_kernel(
+        "kernels_fit_their_register_bounds_without_spilling",
+        |resources, expected| {
+            let usage = &resources.usage;
+            let mut problems = Vec::new();
+            if usage.uses_local_memory() || resources.sass.local > 0 {
+                problems.push(format!(
+                    "{} bytes stack, {} bytes spill stores, {} bytes spill loads, {} local \
+                     loads/stores in the SASS",
+                    usage.stack_frame, usage.spill_stores, usage.spill_loads, resources.sass.local
+                ));
+            }
+            if usage.registers > expected.max_registers {
+                problems.push(format!(
+                    "{} registers, the bound is {}",
+                    usage.registers, expected.max_registers
+                ));
+            }
+            problems
+        },
+    );
 }
 
 /// Each kernel moves its streaming data in accesses of the expected width (16-byte loads of
 /// fp32 and bf16 runs, whole-word code stores, no wider access than planned).
 #[test]
 fn streaming_accesses_have_their_planned_widths() {
-    let test = "streaming_accesses_have_their_planned_widths";
-    if !nvrtc_available(test) {
-        return;
-    }
-    let Some(tools) = cuda_tools(test) else {
-        return;
-    };
-    let mut failures = Vec::new();
-    for (kernel, resources) in every_kernel_resources(&tools, test) {
-        let expected = EXPECTED
-            .iter()
-            .find(|e| e.kernel == kernel)
-            .expect("every kernel");
-        let widths = (resources.sass.widest_load(), resources.sass.widest_store());
-        if widths != (expected.widest_load, expected.widest_store) {
-            failures.push(format!(
-                "{}: widest global load {} bits and store {} bits, expected {} and {}",
-                kernel.name(),
-                widths.0,
-                widths.1,
-                expected.widest_load,
-                expected.widest_store
-            ));
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    check_every_kernel(
+        "streaming_accesses_have_their_planned_widths",
+        |resources, expected| {
+            let widths = (resources.sass.widest_load(), resources.sass.widest_store());
+            if widths == (expected.widest_load, expected.widest_store) {
+                return Vec::new();
+            }
+            vec![format!(
+                "widest global load {} bits and store {} bits, expected {} and {}",
+                widths.0, widths.1, expected.widest_load, expected.widest_store
+            )]
+        },
+    );
 }
 
 /// The ptxas report parser reads registers, stack and spills per entry point, and the
