@@ -10,7 +10,7 @@ use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
-use crate::error::{Result, check_len};
+use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
@@ -94,6 +94,31 @@ impl Backend for Host {
         out: &mut [u8],
     ) -> Result<()> {
         gradient::quantize_first(layout, bucket, rng, out);
+        Ok(())
+    }
+
+    fn first_pass_by_chunk(&self) -> bool {
+        true
+    }
+
+    fn quantize_first_chunk(
+        &self,
+        layout: &GradLayout,
+        _tables: &(),
+        chunk: usize,
+        bucket: &[f32],
+        rng: &UniformStream,
+        out: &mut [u8],
+    ) -> Result<()> {
+        if chunk >= layout.bucket.chunks {
+            return Err(Error::Plan(format!(
+                "chunk {chunk} of a bucket of {} chunks",
+                layout.bucket.chunks
+            )));
+        }
+        let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
+        check_len("first-pass chunk buffer", out.len(), chunk_bytes)?;
+        gradient::quantize_first_chunk(layout, chunk, bucket, rng, out);
         Ok(())
     }
 
