@@ -3,6 +3,7 @@
 use crate::backend::cpu::Host;
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
+use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
 use crate::collective::{Comm, CommGroups, InFlight, WireBytes};
 use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result, check_len};
@@ -29,6 +30,7 @@ pub struct GradReduceScatter<B: Backend = Host> {
     plan: BucketPlan,
     route: GradRoute,
     engine: Engine<B>,
+    phase_log: Option<PhaseLog>,
 }
 
 #[derive(Debug)]
@@ -212,6 +214,7 @@ impl<B: Backend> GradReduceScatter<B> {
             plan,
             route,
             engine,
+            phase_log: PhaseLog::from_env("reduce_scatter", bucket_id, rank),
         })
     }
 
@@ -311,10 +314,15 @@ impl<B: Backend> GradReduceScatter<B> {
                 stream_id(self.bucket_id, self.rank, stage)?,
             ))
         };
-        match &mut self.engine {
-            Engine::Copy => backend.copy(bucket, shard),
-            _ if !quantize => world.reduce_scatter_sum(bucket, shard),
-            Engine::Exact => world.reduce_scatter_sum(bucket, shard),
+        let mut clock = PhaseClock::start(self.phase_log.as_ref());
+        let result = match &mut self.engine {
+            Engine::Copy => clock.time(Phase::LastPass, || backend.copy(bucket, shard)),
+            Engine::Exact => {
+                clock.time(Phase::FirstWait, || world.reduce_scatter_sum(bucket, shard))
+            }
+            _ if !quantize => {
+                clock.time(Phase::FirstWait, || world.reduce_scatter_sum(bucket, shard))
+            }
             Engine::Grouped(g) => g.run(
                 backend,
                 comms,
@@ -323,6 +331,7 @@ impl<B: Backend> GradReduceScatter<B> {
                 shard,
                 &stream(Stage::GradFirst)?,
                 &stream(Stage::GradSecond)?,
+                &mut clock,
             ),
             Engine::Global(b) => b.run(
                 backend,
@@ -331,8 +340,11 @@ impl<B: Backend> GradReduceScatter<B> {
                 shard,
                 self.config.grad.rounding,
                 &stream(Stage::GlobalQsgd)?,
+                &mut clock,
             ),
-        }
+        };
+        clock.finish(self.plan.chunks);
+        result
     }
 }
 
@@ -372,6 +384,7 @@ impl<B: Backend> Grouped<B> {
         mut shard: B::Dst<'_, f32>,
         first_rng: &UniformStream,
         second_rng: &UniformStream,
+        clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
         let Self {
             layout,
@@ -390,7 +403,7 @@ impl<B: Backend> Grouped<B> {
         let my_x1 = peer_index(topology, layout.first.level, comms.world.rank());
         let chunks = layout.bucket.chunks;
         let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
-        match send_first {
+        clock.time(Phase::FirstPass, || match send_first {
             FirstSend::ByChunk(pair) => backend.quantize_first_chunk(
                 layout,
                 tables,
@@ -398,11 +411,11 @@ impl<B: Backend> Grouped<B> {
                 bucket,
                 first_rng,
                 B::dst(&mut pair[0]),
-            )?,
+            ),
             FirstSend::Whole(all) => {
-                backend.quantize_first(layout, tables, bucket, first_rng, B::dst(all))?
+                backend.quantize_first(layout, tables, bucket, first_rng, B::dst(all))
             }
-        }
+        })?;
         let levels = if second_comm.is_some() { 2 } else { 1 };
         for t in 0..chunks + levels {
             // Chunk t's first send, and where chunk t + 1's first pass writes.
@@ -414,20 +427,30 @@ impl<B: Backend> Grouped<B> {
             };
             let (recv_first_now, recv_first_before) = alternate(recv_first, t);
             let first_flight = match send {
-                Some(send) => Some(first_comm.start_all_to_all(send, B::dst(recv_first_now))?),
+                Some(send) => Some(clock.time(Phase::FirstStart, || {
+                    first_comm.start_all_to_all(send, B::dst(recv_first_now))
+                })?),
                 None => None,
             };
-            let Some(second_comm) = second_comm else {
-                next_out
-                    .map(|out| {
+            let quantize_next = |clock: &mut PhaseClock<'_>, out: Option<B::Dst<'_, u8>>| {
+                out.map(|out| {
+                    clock.time(Phase::FirstPass, || {
                         backend.quantize_first_chunk(layout, tables, t + 1, bucket, first_rng, out)
                     })
-                    .transpose()?;
+                })
+                .transpose()
+            };
+            let Some(second_comm) = second_comm else {
+                quantize_next(clock, next_out)?;
                 if t >= 1 {
                     let recv = B::src(recv_first_before);
-                    backend.reduce_final(layout, t - 1, recv, B::reborrow(&mut shard))?;
+                    clock.time(Phase::LastPass, || {
+                        backend.reduce_final(layout, t - 1, recv, B::reborrow(&mut shard))
+                    })?;
                 }
-                first_flight.map(InFlight::wait).transpose()?;
+                clock.time(Phase::FirstWait, || {
+                    first_flight.map(InFlight::wait).transpose()
+                })?;
                 continue;
             };
             // Two levels: chunk t - 1's second exchange runs beside chunk t's first.
@@ -435,32 +458,39 @@ impl<B: Backend> Grouped<B> {
             let (recv_second_now, recv_second_before) = alternate(recv_second, t);
             let second_flight = if (1..=chunks).contains(&t) {
                 let (send, recv) = (B::src(send_second_before), B::dst(recv_second_before));
-                Some(second_comm.start_all_to_all(send, recv)?)
+                Some(clock.time(Phase::SecondStart, || {
+                    second_comm.start_all_to_all(send, recv)
+                })?)
             } else {
                 None
             };
-            next_out
-                .map(|out| {
-                    backend.quantize_first_chunk(layout, tables, t + 1, bucket, first_rng, out)
-                })
-                .transpose()?;
+            quantize_next(clock, next_out)?;
             if t >= 2 {
                 // Chunk t - 2 arrived in the buffer of chunk t's parity.
                 let recv = B::src(recv_second_now);
-                backend.reduce_final(layout, t - 2, recv, B::reborrow(&mut shard))?;
+                clock.time(Phase::LastPass, || {
+                    backend.reduce_final(layout, t - 2, recv, B::reborrow(&mut shard))
+                })?;
             }
-            if first_flight.map(InFlight::wait).transpose()?.is_some() {
-                backend.requantize_second(
-                    layout,
-                    tables,
-                    my_x1,
-                    t,
-                    B::src(recv_first_now),
-                    second_rng,
-                    B::dst(send_second_now),
-                )?;
+            let arrived = clock.time(Phase::FirstWait, || {
+                first_flight.map(InFlight::wait).transpose()
+            })?;
+            if arrived.is_some() {
+                clock.time(Phase::SecondPass, || {
+                    backend.requantize_second(
+                        layout,
+                        tables,
+                        my_x1,
+                        t,
+                        B::src(recv_first_now),
+                        second_rng,
+                        B::dst(send_second_now),
+                    )
+                })?;
             }
-            second_flight.map(InFlight::wait).transpose()?;
+            clock.time(Phase::SecondWait, || {
+                second_flight.map(InFlight::wait).transpose()
+            })?;
         }
         Ok(())
     }
@@ -476,16 +506,18 @@ impl<B: Backend> GlobalBuffers<B> {
         shard: B::Dst<'_, f32>,
         rounding: Rounding,
         rng: &UniformStream,
+        clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
         match self {
-            Self::I8(b) => b.run(backend, world, bucket, shard, rounding, rng),
-            Self::I16(b) => b.run(backend, world, bucket, shard, rounding, rng),
+            Self::I8(b) => b.run(backend, world, bucket, shard, rounding, rng, clock),
+            Self::I16(b) => b.run(backend, world, bucket, shard, rounding, rng, clock),
         }
     }
 }
 
 impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
     /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize.
+    #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
         backend: &B,
@@ -494,9 +526,12 @@ impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
         shard: B::Dst<'_, f32>,
         rounding: Rounding,
         rng: &UniformStream,
+        clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
-        let local = backend.global_absmax(bucket, B::dst(&mut self.word))?;
-        let absmax = world.all_reduce_max(local)?;
+        let local = clock.time(Phase::FirstPass, || {
+            backend.global_absmax(bucket, B::dst(&mut self.word))
+        })?;
+        let absmax = clock.time(Phase::FirstWait, || world.all_reduce_max(local))?;
         if !absmax.is_finite() {
             return backend.fill(shard, f32::NAN);
         }
@@ -506,8 +541,14 @@ impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
             // All zeros, or an absmax so small that a / K underflows: every code would be 0.
             return backend.fill(shard, 0.0);
         }
-        backend.global_quantize(bucket, scale, k, rounding, rng, B::dst(&mut self.send))?;
-        world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))?;
-        backend.global_dequantize(B::src(&self.recv), scale, shard)
+        clock.time(Phase::FirstPass, || {
+            backend.global_quantize(bucket, scale, k, rounding, rng, B::dst(&mut self.send))
+        })?;
+        clock.time(Phase::SecondWait, || {
+            world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))
+        })?;
+        clock.time(Phase::LastPass, || {
+            backend.global_dequantize(B::src(&self.recv), scale, shard)
+        })
     }
 }

@@ -14,12 +14,14 @@ mod agreement;
 mod gradient;
 mod in_flight;
 pub mod local;
+mod phases;
 mod weight;
 mod wire;
 
 pub use agreement::{check_ranks_agree, check_setup_agrees};
 pub use gradient::{GradReduceScatter, global_k};
 pub use in_flight::{InFlight, PendingExchange};
+pub use phases::PHASE_LOG_ENV;
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;
 
