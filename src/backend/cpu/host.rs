@@ -4,7 +4,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::{global_qsgd, gradient, weight};
+use super::{global_qsgd, gradient, pool, weight};
 use crate::backend::device::{Backend, Element};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
@@ -14,7 +14,8 @@ use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
-/// Host memory: buffers are `Vec`s, views are slices, passes run synchronously with rayon.
+/// Host memory: buffers are `Vec`s, views are slices, passes run synchronously with rayon on
+/// the pool of [`pool::pass_threads`] threads.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Host;
 
@@ -93,7 +94,7 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
-        gradient::quantize_first(layout, bucket, rng, out);
+        pool::install(|| gradient::quantize_first(layout, bucket, rng, out));
         Ok(())
     }
 
@@ -118,7 +119,7 @@ impl Backend for Host {
         }
         let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
         check_len("first-pass chunk buffer", out.len(), chunk_bytes)?;
-        gradient::quantize_first_chunk(layout, chunk, bucket, rng, out);
+        pool::install(|| gradient::quantize_first_chunk(layout, chunk, bucket, rng, out));
         Ok(())
     }
 
@@ -132,7 +133,7 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
-        gradient::requantize_second(layout, my_x1, chunk, recv, rng, out)
+        pool::install(|| gradient::requantize_second(layout, my_x1, chunk, recv, rng, out))
     }
 
     fn reduce_final(
@@ -142,7 +143,7 @@ impl Backend for Host {
         recv: &[u8],
         shard: &mut [f32],
     ) -> Result<()> {
-        gradient::reduce_final(layout, chunk, recv, shard)
+        pool::install(|| gradient::reduce_final(layout, chunk, recv, shard))
     }
 
     fn weight_encode(
@@ -155,7 +156,9 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
-        weight::encode_shard(*layout, encoding, first_index, new, reference, rng, out);
+        pool::install(|| {
+            weight::encode_shard(*layout, encoding, first_index, new, reference, rng, out)
+        });
         Ok(())
     }
 
@@ -169,11 +172,13 @@ impl Backend for Host {
         own_reference: &[bf16],
         params: &mut [bf16],
     ) -> Result<()> {
-        weight::apply_shards(*layout, encoding, plan, me, recv, own_reference, params)
+        pool::install(|| {
+            weight::apply_shards(*layout, encoding, plan, me, recv, own_reference, params)
+        })
     }
 
     fn global_absmax(&self, bucket: &[f32], _word: &mut [u32]) -> Result<f32> {
-        Ok(global_qsgd::local_absmax(bucket))
+        Ok(pool::install(|| global_qsgd::local_absmax(bucket)))
     }
 
     fn global_quantize<T: IntCode + Element>(
@@ -185,7 +190,7 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [T],
     ) -> Result<()> {
-        global_qsgd::quantize(bucket, scale, k, rounding, rng, out);
+        pool::install(|| global_qsgd::quantize(bucket, scale, k, rounding, rng, out));
         Ok(())
     }
 
@@ -195,7 +200,7 @@ impl Backend for Host {
         scale: f32,
         shard: &mut [f32],
     ) -> Result<()> {
-        global_qsgd::dequantize(sum, scale, shard);
+        pool::install(|| global_qsgd::dequantize(sum, scale, shard));
         Ok(())
     }
 }
