@@ -7,8 +7,9 @@ topology and link rate, as a markdown table on stdout and JSON in --out.
         --variants "pipeline_chunks=1;pipeline_chunks=1,threads=1;threads=1"
 
 A variant is `knob=value` pairs for the config plus `threads=N` (RAYON_NUM_THREADS of every
-rank); the empty variant is the defaults (automatic chunks, rayon's default pool: one thread
-per core in every rank process)."""
+rank); the empty variant is the defaults (automatic chunks; the passes' pool of cores /
+LOCAL_WORLD_SIZE threads per rank process, which on one machine emulating several nodes still
+puts more threads than cores on it)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@
 #   bash scripts/bench.sh cpu [ARGS]           cargo bench --bench cpu (fused passes, collectives)
 #   bash scripts/bench.sh gpu [ARGS]           cargo bench --bench gpu (kernels; needs a GPU)
 #   bash scripts/bench.sh cluster [ARGS]       python bench/cluster.py (emulated cluster; root)
+#   bash scripts/bench.sh cluster_phases [ARGS]  python bench/cluster_phases.py (each rank's
+#                                              phase times on the emulated cluster; root)
 #   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
 #
 # The Rust benchmarks get NVRTC on LD_LIBRARY_PATH; the Python harnesses run from the project's
@@ -12,20 +14,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-name=${1:?usage: bash scripts/bench.sh cpu|gpu|cluster|convergence [ARGS]}
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|cluster|cluster_phases|convergence [ARGS]}
 shift
 case "$name" in
   cpu | gpu)
     sdp4bit_nvrtc
     exec cargo bench --locked --bench "$name" -- "$@"
     ;;
-  cluster | convergence)
+  cluster | cluster_phases | convergence)
     sdp4bit_main_venv
     sdp4bit_install_current
     exec python "bench/$name.py" "$@"
     ;;
   *)
-    echo "unknown benchmark '$name': cpu, gpu, cluster or convergence" >&2
+    echo "unknown benchmark '$name': cpu, gpu, cluster, cluster_phases or convergence" >&2
     exit 2
     ;;
 esac
