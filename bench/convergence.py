@@ -13,7 +13,7 @@ reference with a 95% interval, the relative error of the gradient reduce-scatter
 weight all-gather from sdp4bit's telemetry, bytes sent), convergence.json (every run) and
 convergence.png (loss curves and paired differences with their intervals).
 
-    bash scripts/bench.sh convergence --out bench/results        # the full study (~106 min)
+    bash scripts/bench.sh convergence --out bench/results        # the full study (~86 min)
     bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows baseline,SDP4Bit \\
         --val-tokens 8192 --out /tmp/smoke                        # the test command's smoke run
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convergence_stats import interval, paired_difference  # noqa: E402
+from convergence_stats import interval, paired_difference, seeds_for_width  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
@@ -124,18 +124,18 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: The full study's size, from runs of this script on the 2-core machine shared with other
 #: jobs. Megatron rows (load average 4-8): a run took 46 s at 60 steps and 121 s at 600 steps
 #: (means over its rows and seeds), so about 38 s of start-up and evaluation of 1,048,576
-#: held-out tokens plus 0.139 s per training step; 9 rows x 5 seeds = 45 runs of 550 steps take
-#: about 45 x (38 + 550 x 0.139) s = 86 minutes. FSDP2 rows, measured with `--steps 60
+#: held-out tokens plus 0.139 s per training step. FSDP2 rows, measured with `--steps 60
 #: --seeds 1 --rows FSDP2,"FSDP2 QSDP"` and the default 1,048,576 held-out tokens (load
 #: average 11-12): 34 s and 38 s a run, median step 0.171 s (from step 5), so about
-#: 36 - 60 x 0.171 = 26 s of start-up and evaluation (11 s of it evaluation); 2 rows x 5 seeds
-#: = 10 runs of 550 steps take about 10 x (26 + 550 x 0.171) s = 20 minutes. In all about
-#: ESTIMATED_MINUTES = 86 + 20 = 106 minutes. The interval's half-width is t(0.975, n - 1) /
-#: sqrt(n) times the spread of the paired differences: 2.48 for n = 3, 1.24 for n = 5. The
-#: spread measured at 600 steps (baseline and SDP4Bit, 3 seeds) was 0.0051 of a loss of
-#: 1.711, so 5 seeds give about +-0.37% of the loss (bench/results/convergence.md, "Sizing").
-STEPS = 550
-ESTIMATED_MINUTES = 106
+#: 36 - 60 x 0.171 = 26 s of start-up and evaluation (11 s of it evaluation). Every row runs
+#: every seed: 9 Megatron rows x 5 seeds = 45 runs and 2 FSDP2 rows x 5 seeds = 10 runs, so
+#: STEPS training steps take about 45 x (38 + 0.139 STEPS) + 10 x (26 + 0.171 STEPS) seconds:
+#: 86 minutes at 400 steps, inside the 90 minutes the study may take on 2 cores. The
+#: interval's half-width is t(0.975, n - 1) / sqrt(n) times the spread of the paired
+#: differences: 2.48 for n = 3, 1.24 for n = 5 (bench/results/convergence.md says what the
+#: full study measured).
+STEPS = 400
+ESTIMATED_MINUTES = 86
 SEEDS = "1,2,3,4,5"
 VAL_TOKENS = 1_048_576
 COMMON = ["--lr", "3e-3", "--lr-decay", "cosine", "--warmup-steps", "{warmup}",
@@ -149,22 +149,45 @@ def common_args(steps: int, val_tokens: int) -> list[str]:
     return [arg.format(**values) for arg in COMMON]
 
 
-def run(row: Row, seed: int, steps: int, common: list[str], scratch: Path) -> dict:
-    """One training run; its JSON, with the wall time it took."""
+def run(row: Row, seed: int, steps: int, common: list[str], runs_dir: Path) -> dict:
+    """One training run; its JSON, with the wall time it took and the arguments it ran with.
+    A result already in `runs_dir` from the same script and arguments is reused (so a study
+    that stopped part way resumes where it stopped); any other is run again."""
     safe = "".join(c if c.isalnum() else "_" for c in row.name)
-    result = scratch / f"{safe}-seed{seed}.json"
+    result = runs_dir / f"{safe}-seed{seed}.json"
+    command = row.command(seed, steps, common, result)
+    ran_with = [_shown_path(row.script), *row.args, "--seed", str(seed), "--steps", str(steps),
+                *common]
+    if result.exists():
+        data = json.loads(result.read_text())
+        if data.get("ran_with") == ran_with:
+            print(f"{row.name:>13} seed {seed}: validation loss {data['val_loss']:.4f} "
+                  f"(reused from {result})", flush=True)
+            return data
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     start = time.monotonic()
-    done = subprocess.run(row.command(seed, steps, common, result), env=env, cwd=scratch,
-                          capture_output=True, text=True)
+    done = subprocess.run(command, env=env, cwd=runs_dir, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{row.name} seed {seed} failed (exit {done.returncode}):\n{done.stdout}\n"
                  f"{done.stderr[-3000:]}")
     data = json.loads(result.read_text())
     data["seconds"] = time.monotonic() - start
+    data["ran_with"] = ran_with
+    result.write_text(json.dumps(data))
     print(f"{row.name:>13} seed {seed}: validation loss {data['val_loss']:.4f}, "
           f"{data['seconds']:.0f} s", flush=True)
     return data
+
+
+def run_study(rows: list[Row], seeds: list[int], steps: int, common: list[str],
+              runs_dir: Path) -> dict[str, dict[int, dict]]:
+    """Every row for every seed, seed after seed (so a study cut short has whole seeds):
+    row name -> seed -> the run's JSON."""
+    runs: dict[str, dict[int, dict]] = {row.name: {} for row in rows}
+    for seed in seeds:
+        for row in rows:
+            runs[row.name][seed] = run(row, seed, steps, common, runs_dir)
+    return runs
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -192,11 +215,13 @@ def summarize(rows: list[Row], runs: dict[str, dict[int, dict]]) -> dict[str, di
         base_mean = statistics.fmean(base.values())
         losses = {seed: r["val_loss"] for seed, r in by_seed.items()}
         diff = paired_difference(losses, base)
+        deltas = [losses[seed] - base[seed] for seed in losses]
         first = next(iter(by_seed.values()))
         summary[name] = {
             "reference": row.reference,
             "val_loss": asdict(interval(list(losses.values()))),
             "difference": asdict(diff),
+            "difference_spread": statistics.stdev(deltas) if len(deltas) > 1 else None,
             "relative_difference": {"mean": diff.mean / base_mean,
                                     "half_width": diff.half_width / base_mean},
             "grad_rel_l2": mean([e for r in by_seed.values() for e in r["grad_rel_l2"]]),
@@ -324,8 +349,9 @@ def report(args, rows: list[Row], seeds: list[int], summary: dict[str, dict],
         f"- this run: `{shown}`",
         f"- machine: {os.cpu_count()} cores, {cpu_model()}, Python {platform.python_version()}, "
         f"megatron-core {megatron.core.__version__}",
-        f"- date: {started:%Y-%m-%d %H:%M} UTC; {elapsed / 60:.1f} min for "
-        f"{len(rows) * runs_per_row} runs ({per_run:.0f} s each on average)",
+        f"- date: {started:%Y-%m-%d %H:%M} UTC; the {len(rows) * runs_per_row} runs took "
+        f"{per_run * len(rows) * runs_per_row / 60:.1f} min ({per_run:.0f} s each on average; "
+        f"this invocation {elapsed / 60:.1f} min, less where it reused kept runs)",
         *models,
         "- training: lr 3e-3 with warm-up and cosine decay to 3e-4, 8 sequences per rank per "
         "step, W = 4 gloo ranks as 2 nodes x 2 ranks",
@@ -366,6 +392,12 @@ def report(args, rows: list[Row], seeds: list[int], summary: dict[str, dict],
                       f"baseline's loss ({base:.4f}): half-width {verdict[half < 0.005 * base]} "
                       f"0.5%, full width ({200 * half / base:.2f}%) "
                       f"{verdict[2 * half < 0.005 * base]} 0.5%."]
+        spread = summary["SDP4Bit"]["difference_spread"]
+        needed = seeds_for_width(spread, 0.005 * base)
+        lines += [f"At the spread of its paired differences measured here (standard deviation "
+                  f"{spread:.4f}), a full width under 0.5% needs {needed} seeds, about "
+                  f"{needed * len(rows) * per_run / 60:.0f} min for these rows at this run's "
+                  f"{per_run:.0f} s a run."]
     return "\n".join(lines) + "\n"
 
 
@@ -377,6 +409,9 @@ def parse_args() -> argparse.Namespace:
                    help="comma-separated row names, each row's reference row among them")
     p.add_argument("--val-tokens", type=int, default=VAL_TOKENS)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--runs-dir", type=Path,
+                   help="keep each run's JSON here and reuse those of the same arguments "
+                        "(resumes a study that stopped); default: a temporary directory")
     return p.parse_args()
 
 
@@ -396,8 +431,9 @@ def main() -> None:
     clock = time.monotonic()
     common = common_args(args.steps, args.val_tokens)
     with tempfile.TemporaryDirectory() as scratch:
-        runs = {row.name: {seed: run(row, seed, args.steps, common, Path(scratch))
-                           for seed in seeds} for row in rows}
+        runs_dir = args.runs_dir.resolve() if args.runs_dir else Path(scratch)
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        runs = run_study(rows, seeds, args.steps, common, runs_dir)
     summary = summarize(rows, runs)
     text = report(args, rows, seeds, summary, started, time.monotonic() - clock)
     (args.out / "convergence.md").write_text(text)

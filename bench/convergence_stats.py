@@ -83,3 +83,16 @@ def paired_difference(row: dict[int, float], baseline: dict[int, float]) -> Inte
     if set(row) != set(baseline):
         raise ValueError(f"seeds differ: {sorted(row)} vs {sorted(baseline)}")
     return interval([row[seed] - baseline[seed] for seed in sorted(row)])
+
+
+def seeds_for_width(spread: float, width: float) -> int:
+    """The fewest seeds (at least 2) for which the 95% interval of paired differences whose
+    standard deviation is `spread` has a full width, 2 t(0.975, n - 1) spread / sqrt(n), under
+    `width`."""
+    if spread < 0 or width <= 0:
+        raise ValueError(f"seeds_for_width needs spread >= 0 and width > 0, got {spread}, {width}")
+    # t(0.975, n - 1) > 1.959964 (the normal quantile), so no n below this bound can do.
+    n = max(2, math.floor((2 * 1.959964 * spread / width) ** 2))
+    while 2 * t_quantile(0.975, n - 1) * spread / math.sqrt(n) >= width:
+        n += 1
+    return n

@@ -79,3 +79,49 @@ def test_each_row_is_differenced_seed_by_seed_from_its_own_reference():
     curves = convergence.difference_curves(rows, runs, window=1)
     assert [d.mean for d in curves["FSDP2 QSDP"]] == pytest.approx([0.1, 0.03])
     assert [d.mean for d in curves["SDP4Bit"]] == pytest.approx([0.0, 0.01])
+
+
+def test_the_study_runs_seed_after_seed_and_resumes_from_kept_runs(tmp_path, monkeypatch):
+    launched = []
+
+    def fake_launch(command, **_):
+        launched.append(command[command.index("--seed") + 1])
+        out = Path(command[command.index("--json-out") + 1])
+        out.write_text(__import__("json").dumps(_run(2.0, [3.0, 2.0])))
+        return __import__("subprocess").CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(convergence.subprocess, "run", fake_launch)
+    rows = select_rows([BASELINE, "SDP4Bit"])
+    common = convergence.common_args(2, 4096)
+    runs = convergence.run_study(rows, [1, 2], 2, common, tmp_path)
+    assert launched == ["1", "1", "2", "2"]  # whole seeds first
+    assert set(runs) == {BASELINE, "SDP4Bit"} and set(runs["SDP4Bit"]) == {1, 2}
+    assert runs["SDP4Bit"][2]["ran_with"][:3] == ["examples/gpt_cpu/train.py", "--preset",
+                                                  "sdp4bit"]
+    launched.clear()
+    convergence.run_study(rows, [1, 2], 2, common, tmp_path)
+    assert launched == []  # every result kept with the same arguments is reused
+    convergence.run_study(rows, [1, 2], 3, convergence.common_args(3, 4096), tmp_path)
+    assert len(launched) == 4  # other arguments: run again
+
+
+def test_the_report_says_how_many_seeds_a_half_percent_interval_needs(tmp_path):
+    import argparse
+    import datetime
+
+    from convergence_stats import seeds_for_width
+
+    runs = {BASELINE: {s: _run(2.0, [3.0, 2.0]) for s in (1, 2, 3)},
+            "SDP4Bit": {1: _run(2.01, [3.0, 2.01], 10), 2: _run(1.99, [3.0, 1.99], 10),
+                        3: _run(2.03, [3.0, 2.03], 10)}}
+    rows = select_rows(list(runs))
+    summary = convergence.summarize(rows, runs)
+    assert summary["SDP4Bit"]["difference_spread"] == pytest.approx(0.02)
+    args = argparse.Namespace(steps=2, seeds="1,2,3", val_tokens=4096, out=tmp_path)
+    text = convergence.report(args, rows, [1, 2, 3], summary,
+                              datetime.datetime.now(datetime.timezone.utc), 6.0)
+    needed = seeds_for_width(0.02, 0.005 * 2.0)
+    assert needed > 3
+    assert (f"(standard deviation 0.0200), a full width under 0.5% needs {needed} seeds"
+            in text)
+    assert "half-width NOT under 0.5%" in text

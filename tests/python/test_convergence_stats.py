@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from convergence_stats import interval, paired_difference, t_quantile  # noqa: E402
+from convergence_stats import interval, paired_difference, seeds_for_width, t_quantile  # noqa: E402
 
 
 def test_t_quantile_matches_the_closed_forms_for_one_and_two_degrees_of_freedom():
@@ -46,3 +46,18 @@ def test_paired_difference_is_taken_seed_by_seed():
     assert math.isnan(interval([1.0]).half_width)
     with pytest.raises(ValueError, match="seeds differ"):
         paired_difference({1: 2.0}, base)
+
+
+def _full_width(spread: float, n: int) -> float:
+    return 2 * t_quantile(0.975, n - 1) * spread / math.sqrt(n)
+
+
+def test_seeds_for_width_is_the_fewest_seeds_whose_interval_is_narrow_enough():
+    # t(0.975, 5) / sqrt(6) = 1.0497 and t(0.975, 6) / sqrt(7) = 0.9248: 7 seeds for 2 spreads.
+    assert seeds_for_width(1.0, 2.0) == 7
+    for spread, width in ((0.0051, 0.0094), (0.012, 0.0094), (0.3, 0.05)):
+        n = seeds_for_width(spread, width)
+        assert _full_width(spread, n) < width <= _full_width(spread, n - 1) or n == 2
+    assert seeds_for_width(0.0, 0.01) == 2
+    with pytest.raises(ValueError, match="width > 0"):
+        seeds_for_width(0.01, 0.0)
