@@ -621,7 +621,7 @@ fn automatic_chunks_keep_the_padding_of_one_chunk_and_take_the_largest_whole_gro
                 assert_eq!(auto.padded_shard_len, single.padded_shard_len, "{ctx}");
                 let fits = |p: usize| {
                     c.grad.is_grouped()
-                        && auto.padded_shard_len % (p * c.grad.group_size) == 0
+                        && auto.padded_shard_len.is_multiple_of(p * c.grad.group_size)
                         && auto.padded_shard_len / p >= AUTO_MIN_CHUNK_ELEMS
                 };
                 let p = auto.chunks;

@@ -498,6 +498,7 @@ impl<B: Backend> Grouped<B> {
 
 impl<B: Backend> GlobalBuffers<B> {
     /// [`IntBuffers::run`] at this bucket's integer width.
+    #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
         backend: &B,
