@@ -28,14 +28,17 @@ from netns import Cluster, ClusterUnavailable, Link, check_host  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_ranks(cluster: Cluster, per_node: int, argv: list[str], port: int, timeout: float) -> None:
-    """Runs `argv` as every rank (ranks of node k inside namespace k) and waits for all."""
+def run_ranks(cluster: Cluster, per_node: int, argv: list[str], port: int, timeout: float,
+              extra_env: dict | None = None) -> None:
+    """Runs `argv` as every rank (ranks of node k inside namespace k) and waits for all;
+    `extra_env` is added to every rank's environment."""
     world = cluster.nodes * per_node
     procs = []
     for rank in range(world):
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
                "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": cluster.address(0),
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+               **(extra_env or {})}
         procs.append(cluster.popen(rank // per_node, [sys.executable, *argv], env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     failed = []

@@ -52,8 +52,17 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=1 << 22)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--presets", default="sdp4bit,qsdp,global-qsgd,zeropp")
+    p.add_argument("--knobs", default="",
+                   help="knob overrides for every preset, e.g. pipeline_chunks=1")
+    p.add_argument("--phase-log", default="",
+                   help="a directory: the core logs each call's phase times there")
+    p.add_argument("--skip-baseline", action="store_true",
+                   help="time the presets only (the phase runs)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.phase_log:
+        os.environ["SDP4BIT_PHASE_LOG"] = args.phase_log  # read when a bucket is planned
+    knobs = dict(kv.split("=") for kv in args.knobs.split(",") if kv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,18 +89,19 @@ def main() -> None:
 
     # The uncompressed bytes as the core counts them (fp32 reduce-scatter, bf16 all-gather).
     uncompressed = Config("baseline")
-    rows.append({"preset": "baseline", "rs": timed(gloo_rs, args.reps),
-                 "ag": timed(gloo_ag, args.reps),
-                 "comm": timed(lambda: (gloo_rs(), gloo_ag()), args.reps),
-                 "rs_a2a": timed(a2a_rs, args.reps),
-                 "comm_a2a": timed(lambda: (a2a_rs(), gloo_ag()), args.reps),
-                 "rs_bytes": GradReduceScatter(groups, uncompressed, numel, 4000)
-                 .baseline_wire_bytes().total,
-                 "ag_bytes": WeightAllGather(groups, uncompressed, params.clone(), 4000)
-                 .baseline_wire_bytes().total})
+    if not args.skip_baseline:
+        rows.append({"preset": "baseline", "rs": timed(gloo_rs, args.reps),
+                     "ag": timed(gloo_ag, args.reps),
+                     "comm": timed(lambda: (gloo_rs(), gloo_ag()), args.reps),
+                     "rs_a2a": timed(a2a_rs, args.reps),
+                     "comm_a2a": timed(lambda: (a2a_rs(), gloo_ag()), args.reps),
+                     "rs_bytes": GradReduceScatter(groups, uncompressed, numel, 4000)
+                     .baseline_wire_bytes().total,
+                     "ag_bytes": WeightAllGather(groups, uncompressed, params.clone(), 4000)
+                     .baseline_wire_bytes().total})
 
     for bucket_id, preset in enumerate(args.presets.split(",")):
-        config = Config(preset)
+        config = Config.from_knobs(preset, knobs)
         rs = GradReduceScatter(groups, config, numel, bucket_id)
         ag = WeightAllGather(groups, config, params.clone(), bucket_id)
         local_params = params.clone()

@@ -1,5 +1,6 @@
 // TorchComms: the Rust core's exchanges over c10d process groups. Each call wraps the core's
-// buffers as tensors without copying, issues the collective and waits for it; c10d errors
+// buffers as tensors without copying, issues the collective and waits for it (or, for
+// start_all_to_all, returns the pending work for the core to wait on later); c10d errors
 // (timeouts, a peer that left) propagate as exceptions, which the cxx bridge hands to Rust as
 // errors.
 //
@@ -97,15 +98,35 @@ void all_gather_tensors(const Group& group, const at::Tensor& in, const at::Tens
   });
 }
 
+c10::intrusive_ptr<c10d::Work> issue_all_to_all(const Group& group, at::Tensor out,
+                                                at::Tensor in) {
+  std::vector<int64_t> equal_splits;
+  return group->alltoall_base(out, in, equal_splits, equal_splits);
+}
+
 void all_to_all_tensors(const Group& group, const at::Tensor& in, const at::Tensor& out,
                         std::optional<c10::Device> staging) {
-  exchange_on(in, out, staging, [&](at::Tensor o, at::Tensor i) {
-    std::vector<int64_t> equal_splits;
-    group->alltoall_base(o, i, equal_splits, equal_splits)->wait();
-  });
+  exchange_on(in, out, staging,
+              [&](at::Tensor o, at::Tensor i) { issue_all_to_all(group, o, i)->wait(); });
 }
 
 }  // namespace
+
+struct PendingExchange::State {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor staged_in;   // kept alive while the exchange reads it (staged exchanges only)
+  at::Tensor staged_out;  // copied into `out` once the exchange has completed
+  at::Tensor out;
+};
+
+PendingExchange::PendingExchange(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+PendingExchange::~PendingExchange() = default;
+
+void PendingExchange::wait() {
+  state_->work->wait();
+  if (state_->staged_out.defined()) state_->out.copy_(state_->staged_out);
+}
 
 TorchComms::TorchComms(std::unique_ptr<Groups> groups) : groups_(std::move(groups)) {}
 
@@ -163,6 +184,23 @@ void TorchComms::all_to_all(CommLevel level, rust::Slice<const std::uint8_t> sen
   const Group& group = groups_->at(level);
   all_to_all_tensors(group, wrap_host_bytes(send.data(), send.size()),
                      wrap_host_bytes(recv.data(), recv.size()), host_staging(group));
+}
+
+std::unique_ptr<PendingExchange> TorchComms::start_all_to_all(
+    CommLevel level, rust::Slice<const std::uint8_t> send,
+    rust::Slice<std::uint8_t> recv) const {
+  const Group& group = groups_->at(level);
+  auto state = std::make_unique<PendingExchange::State>();
+  at::Tensor in = wrap_host_bytes(send.data(), send.size());
+  state->out = wrap_host_bytes(recv.data(), recv.size());
+  if (std::optional<c10::Device> device = host_staging(group)) {
+    state->staged_in = in.to(*device);
+    state->staged_out = at::empty_like(state->out, state->out.options().device(*device));
+    state->work = issue_all_to_all(group, state->staged_out, state->staged_in);
+  } else {
+    state->work = issue_all_to_all(group, state->out, in);
+  }
+  return std::make_unique<PendingExchange>(std::move(state));
 }
 
 float TorchComms::all_reduce_max(CommLevel level, float value) const {

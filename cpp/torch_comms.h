@@ -14,6 +14,23 @@ namespace sdp4bit::ffi {
 enum class CommLevel : std::uint8_t;
 enum class SumDtype : std::uint8_t;
 
+// An exchange issued by TorchComms::start_all_to_all and not yet waited for; wait() blocks
+// until it has completed (copying staged results back) and rethrows its c10d error.
+class PendingExchange {
+ public:
+  struct State;  // the c10d work and staged tensors, defined with torch in torch_comms.cpp
+
+  explicit PendingExchange(std::unique_ptr<State> state);
+  ~PendingExchange();
+  PendingExchange(const PendingExchange&) = delete;
+  PendingExchange& operator=(const PendingExchange&) = delete;
+
+  void wait();
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
 class TorchComms {
  public:
   struct Groups;  // the c10d process groups, defined with torch in torch_comms.cpp
@@ -30,6 +47,11 @@ class TorchComms {
                   rust::Slice<std::uint8_t> recv) const;
   void all_to_all(CommLevel level, rust::Slice<const std::uint8_t> send,
                   rust::Slice<std::uint8_t> recv) const;
+  // The all-to-all of host bytes, issued and not waited for: the buffers must stay alive
+  // and untouched until the returned exchange's wait() has returned.
+  std::unique_ptr<PendingExchange> start_all_to_all(CommLevel level,
+                                                    rust::Slice<const std::uint8_t> send,
+                                                    rust::Slice<std::uint8_t> recv) const;
   float all_reduce_max(CommLevel level, float value) const;
   // The same exchanges on CUDA memory given by device address, on the current stream of the
   // current CUDA device (the caller sets both).

@@ -6,15 +6,17 @@
 #   bash scripts/bench.sh kernels [ARGS]       cargo bench --bench kernels (static model of the
 #                                              kernels from their SASS; no GPU)
 #   bash scripts/bench.sh cluster [ARGS]       python bench/cluster.py (emulated cluster; root)
+#   bash scripts/bench.sh cluster_phases [ARGS]  python bench/cluster_phases.py (each rank's
+#                                              phase times on the emulated cluster; root)
 #   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
 #
-# The Rust benchmarks get NVRTC on LD_LIBRARY_PATH (and the kernel model ptxas and nvdisasm); the Python harnesses run from the project's
-# virtual environment (its bin first on PATH, scripts/env.sh) with sdp4bit installed from the
-# tree as it is.
+# The Rust benchmarks get NVRTC on LD_LIBRARY_PATH (and the kernel model ptxas and nvdisasm);
+# the Python harnesses run from the project's virtual environment (its bin first on PATH,
+# scripts/env.sh) with sdp4bit installed from the tree as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|convergence [ARGS]}
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_phases|convergence [ARGS]}
 shift
 case "$name" in
   cpu | gpu)
@@ -26,13 +28,13 @@ case "$name" in
     sdp4bit_cuda_tools
     exec cargo bench --locked --bench kernels -- "$@"
     ;;
-  cluster | convergence)
+  cluster | cluster_phases | convergence)
     sdp4bit_main_venv
     sdp4bit_install_current
     exec python "bench/$name.py" "$@"
     ;;
   *)
-    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster or convergence" >&2
+    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster, cluster_phases or convergence" >&2
     exit 2
     ;;
 esac

@@ -109,8 +109,9 @@ pub struct Config {
     pub weight: WeightConfig,
     /// Gradient reduce-scatter codec.
     pub grad: GradConfig,
-    /// Pipeline chunks P per bucket (>= 1).
-    pub pipeline_chunks: usize,
+    /// Pipeline chunks P per bucket, or `None` (the default) to let the plan choose P per
+    /// bucket without changing its bytes (docs/numerics.md §5.4).
+    pub pipeline_chunks: Option<usize>,
     /// Optimizer iteration from which gradients are quantized; earlier steps use the
     /// uncompressed fp32 reduce-scatter (a configured warm-up, not a fallback).
     pub grad_quant_start_step: u64,
@@ -238,7 +239,7 @@ impl Config {
         Self {
             weight: WeightConfig::defaults(w),
             grad: GradConfig::defaults(g),
-            pipeline_chunks: 1,
+            pipeline_chunks: None,
             grad_quant_start_step: 0,
             seed: DEFAULT_SEED,
         }
@@ -314,7 +315,12 @@ impl Config {
                     _ => Some(parse_bits(key, value, &[8, 16])?),
                 };
             }
-            "pipeline_chunks" => self.pipeline_chunks = parse(key, value)?,
+            "pipeline_chunks" => {
+                self.pipeline_chunks = match value {
+                    "auto" => None,
+                    _ => Some(parse(key, value)?),
+                }
+            }
             "grad_quant_start_step" => self.grad_quant_start_step = parse(key, value)?,
             "seed" => self.seed = parse(key, value)?,
             _ => {
@@ -360,10 +366,11 @@ impl Config {
         if let Some(bits) = self.grad.global_bits {
             check_bits("global_qsgd_bits", bits, &[8, 16])?;
         }
-        if self.pipeline_chunks == 0 || self.pipeline_chunks > MAX_PIPELINE_CHUNKS {
+        if let Some(chunks) = self.pipeline_chunks
+            && !(1..=MAX_PIPELINE_CHUNKS).contains(&chunks)
+        {
             return Err(Error::Config(format!(
-                "pipeline_chunks={} must be between 1 and {MAX_PIPELINE_CHUNKS}",
-                self.pipeline_chunks
+                "pipeline_chunks={chunks} must be between 1 and {MAX_PIPELINE_CHUNKS} (or auto)"
             )));
         }
         Ok(())
@@ -488,7 +495,8 @@ pub const KNOBS: &[Knob] = &[
             max: MAX_PIPELINE_CHUNKS as u64,
             multiple_of: 1,
         },
-        doc: "chunks each gradient bucket is exchanged in",
+        doc: "chunks each gradient bucket is exchanged in, pipelined (default auto: chosen per \
+              bucket among the counts that leave its bytes unchanged)",
     },
     Knob {
         name: "grad_quant_start_step",
@@ -528,7 +536,10 @@ impl Config {
                     "grad_rounding" => (g.codec != GradCodec::None).then(|| g.rounding.to_string()),
                     "global_qsgd_bits" => (g.codec == GradCodec::GlobalQsgd)
                         .then(|| g.global_bits.map_or("auto".to_string(), |b| b.to_string())),
-                    "pipeline_chunks" => Some(self.pipeline_chunks.to_string()),
+                    "pipeline_chunks" => Some(
+                        self.pipeline_chunks
+                            .map_or("auto".to_string(), |p| p.to_string()),
+                    ),
                     "grad_quant_start_step" => Some(self.grad_quant_start_step.to_string()),
                     "seed" => Some(self.seed.to_string()),
                     other => unreachable!("knob {other} has no value"),
@@ -669,7 +680,10 @@ impl fmt::Display for Config {
         write!(
             f,
             ";chunks={};grad_start={};seed={}",
-            self.pipeline_chunks, self.grad_quant_start_step, self.seed
+            self.pipeline_chunks
+                .map_or("auto".to_string(), |p| p.to_string()),
+            self.grad_quant_start_step,
+            self.seed
         )
     }
 }

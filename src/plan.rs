@@ -166,12 +166,16 @@ impl BucketPlan {
         let shard_len = numel / world;
         let unit = padding_unit(config);
         let padded_shard_len = shard_len.div_ceil(unit) * unit;
+        let chunks = match config.pipeline_chunks {
+            Some(chunks) => chunks,
+            None => auto_chunks(config, padded_shard_len),
+        };
         Ok(Self {
             numel,
             world,
             shard_len,
             padded_shard_len,
-            chunks: config.pipeline_chunks,
+            chunks,
         })
     }
 
@@ -201,20 +205,50 @@ fn lcm(a: usize, b: usize) -> usize {
     a / gcd(a, b) * b
 }
 
+/// Most chunks the automatic choice cuts a shard into.
+pub const AUTO_MAX_CHUNKS: usize = 8;
+/// Fewest padded-shard elements of one automatically chosen chunk: below this the per-exchange
+/// latency and per-pass start-up would cost more than the overlap gains.
+pub const AUTO_MIN_CHUNK_ELEMS: usize = 1 << 18;
+
 /// The multiple every padded shard must be: `lcm(weight group, grad group * P, Hadamard block)`
-/// over the grouped codecs in use (1 when none is grouped: no padding).
+/// over the grouped codecs in use (1 when none is grouped: no padding), with `P = 1` when the
+/// chunks are chosen automatically (the choice never adds padding).
 fn padding_unit(config: &Config) -> usize {
     let mut unit = 1;
     if config.weight.codec != WeightCodec::None {
         unit = lcm(unit, config.weight.group_size);
     }
     if config.grad.is_grouped() {
-        unit = lcm(unit, config.grad.group_size * config.pipeline_chunks);
+        unit = lcm(
+            unit,
+            config.grad.group_size * config.pipeline_chunks.unwrap_or(1),
+        );
     }
     if let Some(block) = config.grad.hadamard_block {
         unit = lcm(unit, block);
     }
     unit
+}
+
+/// The automatic P of a bucket whose padded shard has `padded_shard_len` elements (docs/numerics.md
+/// §5.4): the largest `P <= AUTO_MAX_CHUNKS` whose chunks hold whole gradient groups (hence
+/// whole Hadamard blocks, which divide the group) of the shard as padded for `P = 1` and at
+/// least `AUTO_MIN_CHUNK_ELEMS` elements; 1 for codecs without groups. A function of the config
+/// and the bucket size only, so every rank that agrees on both chooses the same P, and the
+/// bytes are those of `P = 1`: the same padding, the same groups, the same element indices.
+pub fn auto_chunks(config: &Config, padded_shard_len: usize) -> usize {
+    if !config.grad.is_grouped() {
+        return 1;
+    }
+    let group = config.grad.group_size;
+    (1..=AUTO_MAX_CHUNKS)
+        .rev()
+        .find(|&p| {
+            padded_shard_len.is_multiple_of(p * group)
+                && padded_shard_len / p >= AUTO_MIN_CHUNK_ELEMS
+        })
+        .unwrap_or(1)
 }
 
 /// Which communicator an exchange level runs on.

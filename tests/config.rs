@@ -11,10 +11,12 @@ use sdp4bit_test_support::random::SplitMix64;
 use Rounding::{Nearest, Stochastic};
 
 /// Golden fingerprint of `Config::preset(Preset::Sdp4bit)`. Ranks of different builds compare
-/// fingerprints before the first collective, so this value must NEVER change: a change means
-/// old and new builds can no longer check that they agree. (FNV-1a 64 of the canonical
-/// string pinned in `canonical_form_of_every_preset`.)
-const SDP4BIT_FINGERPRINT: u64 = 0x15f6_f484_ed02_69e6;
+/// fingerprints before the first collective, so this value must not change while the preset
+/// means the same exchanges: a change means old and new builds refuse to work together. It
+/// changed once, deliberately, when the preset's `pipeline_chunks` became `auto` (old builds
+/// exchange one chunk, new ones several: they must refuse each other, not hang).
+/// (FNV-1a 64 of the canonical string pinned in `canonical_form_of_every_preset`.)
+const SDP4BIT_FINGERPRINT: u64 = 0x023a_acbf_2fe6_fb44;
 
 /// FNV-1a 64 written out (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -107,7 +109,7 @@ fn presets_match_the_documented_table() {
 
     for &p in Preset::ALL {
         let c = Config::preset(p);
-        assert_eq!(c.pipeline_chunks, 1, "{p}");
+        assert_eq!(c.pipeline_chunks, None, "{p}: chunks chosen per bucket");
         assert_eq!(c.grad_quant_start_step, 0, "{p}");
         assert_eq!(c.seed, DEFAULT_SEED, "{p}");
         assert_eq!(DEFAULT_SEED, 1234);
@@ -255,9 +257,9 @@ fn every_knob_can_be_set() {
         assert_eq!(c.grad.global_bits, want, "global_qsgd_bits={v}");
     }
     let c = set(Preset::Sdp4bit, &[("pipeline_chunks", "4")]);
-    assert_eq!(c.pipeline_chunks, 4);
+    assert_eq!(c.pipeline_chunks, Some(4));
     let c = set(Preset::Sdp4bit, &[("pipeline_chunks", "64")]);
-    assert_eq!(c.pipeline_chunks, MAX_PIPELINE_CHUNKS);
+    assert_eq!(c.pipeline_chunks, Some(MAX_PIPELINE_CHUNKS));
     let c = set(Preset::Sdp4bit, &[("grad_quant_start_step", "1000")]);
     assert_eq!(c.grad_quant_start_step, 1000);
     let c = set(Preset::Sdp4bit, &[("seed", "18446744073709551615")]);
@@ -482,7 +484,7 @@ fn validate_rejects_hand_built_invalid_configs() {
     c.grad.global_bits = Some(32);
     mentions(&config_err(c.validate()), &["global_qsgd_bits=32"]);
     let mut c = base;
-    c.pipeline_chunks = 0;
+    c.pipeline_chunks = Some(0);
     mentions(&config_err(c.validate()), &["pipeline_chunks=0"]);
     let mut c = base;
     c.weight.group_size = 2048 + 16;
@@ -499,27 +501,27 @@ fn canonical_form_of_every_preset() {
             Preset::Sdp4bit,
             "sdp4bit-config-v1;weight=qwd(bits=4,group=2048,rounding=stochastic);\
              grad=tlq-hs(intra_bits=8,inter_bits=4,group=128,hadamard=32,rounding=stochastic);\
-             chunks=1;grad_start=0;seed=1234",
+             chunks=auto;grad_start=0;seed=1234",
         ),
         (
             Preset::Qsdp,
             "sdp4bit-config-v1;weight=qsdp(bits=8,group=1024,rounding=stochastic);\
-             grad=qsdp(bits=8,group=1024,rounding=stochastic);chunks=1;grad_start=0;seed=1234",
+             grad=qsdp(bits=8,group=1024,rounding=stochastic);chunks=auto;grad_start=0;seed=1234",
         ),
         (
             Preset::GlobalQsgd,
             "sdp4bit-config-v1;weight=none;grad=global-qsgd(bits=auto,rounding=stochastic);\
-             chunks=1;grad_start=0;seed=1234",
+             chunks=auto;grad_start=0;seed=1234",
         ),
         (
             Preset::Zeropp,
             "sdp4bit-config-v1;weight=zeropp(bits=8,group=2048,rounding=nearest);\
              grad=zeropp(intra_bits=4,inter_bits=4,group=128,hadamard=0,rounding=nearest);\
-             chunks=1;grad_start=0;seed=1234",
+             chunks=auto;grad_start=0;seed=1234",
         ),
         (
             Preset::Baseline,
-            "sdp4bit-config-v1;weight=none;grad=none;chunks=1;grad_start=0;seed=1234",
+            "sdp4bit-config-v1;weight=none;grad=none;chunks=auto;grad_start=0;seed=1234",
         ),
     ];
     for (p, s) in want {
@@ -635,7 +637,7 @@ fn fingerprint_equal_iff_configs_equal() {
         ("hadamard_block", &["0", "16", "32", "64"]),
         ("grad_rounding", &["stochastic", "nearest"]),
         ("global_qsgd_bits", &["auto", "8", "16"]),
-        ("pipeline_chunks", &["1", "2", "3"]),
+        ("pipeline_chunks", &["auto", "1", "2", "3"]),
         ("grad_quant_start_step", &["0", "5"]),
         ("seed", &["1", "2"]),
     ];

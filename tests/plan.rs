@@ -1,6 +1,9 @@
 //! Topology, bucket padding, gradient routes and the swizzled layout (docs/numerics.md §5).
 
-use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, level_size, peer_index};
+use sdp4bit::plan::{
+    AUTO_MAX_CHUNKS, AUTO_MIN_CHUNK_ELEMS, BucketPlan, GradLayout, GradRoute, Level, Topology,
+    auto_chunks, level_size, peer_index,
+};
 use sdp4bit::{Config, Error, Preset};
 use sdp4bit_test_support::random::SplitMix64;
 
@@ -272,7 +275,9 @@ fn required_factors(c: &Config) -> Vec<(&'static str, usize)> {
         f.push(("weight group", s.group_size));
     }
     if c.grad.is_grouped() {
-        f.push(("grad group * P", c.grad.group_size * c.pipeline_chunks));
+        // P enters only when set; the automatic choice pads as P = 1 does.
+        let p = c.pipeline_chunks.unwrap_or(1);
+        f.push(("grad group * P", c.grad.group_size * p));
     }
     if let Some(h) = c.grad.hadamard_block {
         f.push(("hadamard block", h));
@@ -293,9 +298,12 @@ fn bucket_padding_for_many_sizes() {
                 let p = BucketPlan::new(numel, w, &c)
                     .unwrap_or_else(|e| panic!("numel {numel} W {w} {c}: {e}"));
                 let ctx = format!("numel {numel}, W {w}, {c}");
+                let chunks = c
+                    .pipeline_chunks
+                    .unwrap_or_else(|| auto_chunks(&c, p.padded_shard_len));
                 assert_eq!(
                     (p.numel, p.world, p.shard_len, p.chunks),
-                    (numel, w, s, c.pipeline_chunks),
+                    (numel, w, s, chunks),
                     "{ctx}"
                 );
                 assert!(p.padded_shard_len >= s, "{ctx}");
@@ -351,7 +359,7 @@ fn bucket_padding_is_minimal() {
             terms.push(s.group_size);
         }
         if c.grad.is_grouped() {
-            terms.push(c.grad.group_size * c.pipeline_chunks);
+            terms.push(c.grad.group_size * c.pipeline_chunks.unwrap_or(1));
         }
         if let Some(h) = c.grad.hadamard_block {
             terms.push(h);
@@ -569,4 +577,82 @@ fn peer_index_and_level_size() {
         assert_eq!(peer_index(&t, Level::Inter, z), z % 2);
         assert_eq!(peer_index(&t, Level::World, z), z);
     }
+}
+
+#[test]
+fn automatic_chunks_keep_the_padding_of_one_chunk_and_take_the_largest_whole_group_count() {
+    // docs/numerics.md §5.4: unset pipeline_chunks picks, per bucket, the largest P up to
+    // AUTO_MAX_CHUNKS whose chunks hold whole gradient groups of the shard padded as for
+    // P = 1 and at least AUTO_MIN_CHUNK_ELEMS elements; so the bytes are those of P = 1.
+    let configs = [
+        cfg(Preset::Sdp4bit, &[]),
+        cfg(
+            Preset::Sdp4bit,
+            &[("grad_group_size", "96"), ("hadamard_block", "32")],
+        ),
+        cfg(Preset::Qsdp, &[]),
+        cfg(Preset::Zeropp, &[]),
+        cfg(Preset::GlobalQsgd, &[]),
+        cfg(Preset::Baseline, &[]),
+    ];
+    let shards = [
+        1usize,
+        AUTO_MIN_CHUNK_ELEMS - 1,
+        AUTO_MIN_CHUNK_ELEMS,
+        2 * AUTO_MIN_CHUNK_ELEMS,
+        3 * AUTO_MIN_CHUNK_ELEMS + 5,
+        1 << 20,
+        1_000_003,
+        9 * AUTO_MIN_CHUNK_ELEMS,
+        5 << 20,
+    ];
+    let mut chosen = std::collections::BTreeSet::new();
+    for c in configs {
+        let one = {
+            let mut one = c;
+            one.pipeline_chunks = Some(1);
+            one
+        };
+        for s in shards {
+            for w in [1usize, 4] {
+                let ctx = format!("{c} S={s} W={w}");
+                let auto = BucketPlan::new(w * s, w, &c).unwrap();
+                let single = BucketPlan::new(w * s, w, &one).unwrap();
+                assert_eq!(auto.padded_shard_len, single.padded_shard_len, "{ctx}");
+                let fits = |p: usize| {
+                    c.grad.is_grouped()
+                        && auto.padded_shard_len.is_multiple_of(p * c.grad.group_size)
+                        && auto.padded_shard_len / p >= AUTO_MIN_CHUNK_ELEMS
+                };
+                let p = auto.chunks;
+                assert!((1..=AUTO_MAX_CHUNKS).contains(&p), "{ctx}: P = {p}");
+                assert!(p == 1 || fits(p), "{ctx}: P = {p} breaks the rule");
+                assert!(
+                    ((p + 1)..=AUTO_MAX_CHUNKS).all(|q| !fits(q)),
+                    "{ctx}: P = {p} is not the largest that fits"
+                );
+                if c.grad.is_grouped() {
+                    assert_eq!(auto.chunk_len() % c.grad.group_size, 0, "{ctx}");
+                    chosen.insert(p);
+                } else {
+                    assert_eq!(p, 1, "{ctx}: no groups, no chunks");
+                }
+            }
+        }
+    }
+    // The sweep reaches several counts, the largest included.
+    assert!(
+        chosen.len() >= 4 && chosen.contains(&AUTO_MAX_CHUNKS),
+        "{chosen:?}"
+    );
+}
+
+#[test]
+fn an_explicit_chunk_count_is_kept_and_pads_for_it() {
+    let c = cfg(Preset::Sdp4bit, &[("pipeline_chunks", "3")]);
+    let p = BucketPlan::new(4 * 1000, 4, &c).unwrap();
+    assert_eq!(p.chunks, 3);
+    assert_eq!(p.padded_shard_len % (3 * 128), 0);
+    let c = cfg(Preset::Sdp4bit, &[("pipeline_chunks", "auto")]);
+    assert_eq!(c.pipeline_chunks, None);
 }

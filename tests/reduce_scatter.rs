@@ -646,7 +646,7 @@ fn wire_bytes_equal_the_bytes_actually_sent() {
                         && matches!(ref_route(&config, &topo, 0), RefRoute::TwoLevel { .. })
                     {
                         let s_pad = rs.plan().padded_shard_len;
-                        let p = config.pipeline_chunks;
+                        let p = rs.plan().chunks;
                         let gc = s_pad / p / 128;
                         let m = topo.nodes();
                         let rec = &intra[0];
@@ -681,5 +681,125 @@ fn non_uniform_nodes_log_a_notice_and_uniform_ones_do_not() {
         let topo = Topology::uniform(m, d).unwrap();
         let rs = GradReduceScatter::new(&config, &topo, 0, d * m * 1237, 0).unwrap();
         assert!(rs.notice().is_none(), "D={d} M={m}: {:?}", rs.notice());
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Pipelined chunks: the same bytes as one chunk
+// ------------------------------------------------------------------------------------------
+
+/// The topologies of the pipeline tests: every route shape (two levels, intra only, inter
+/// only, one level over the world on unequal nodes, W = 2).
+fn pipeline_topologies() -> Vec<(&'static str, Topology)> {
+    vec![
+        ("2x2", Topology::uniform(2, 2).unwrap()),
+        ("4x1", Topology::uniform(1, 4).unwrap()),
+        ("1x4", Topology::uniform(4, 1).unwrap()),
+        ("2x3", Topology::uniform(3, 2).unwrap()),
+        (
+            "unequal",
+            Topology::from_node_labels(&[0, 0, 0, 1]).unwrap(),
+        ),
+        ("2x1", Topology::uniform(1, 2).unwrap()),
+    ]
+}
+
+#[test]
+fn pipelined_chunks_give_the_bytes_of_one_chunk() {
+    // docs/numerics.md §5.4: with the padding of one chunk, P chunks in flight (each chunk's
+    // exchanges overlapping its neighbours' passes) reduce to the same bits as P = 1, for
+    // every route shape and grouped codec, two steps per object (buffers reused).
+    // A multiple of 3 * 8 * 2048 (groups are at most 2048 here): no padding for any P.
+    let per_rank = 3 * 8 * 2048;
+    for (preset, extra) in [
+        (Preset::Sdp4bit, vec![]),
+        (Preset::Qsdp, vec![]),
+        (Preset::Zeropp, vec![]),
+        (Preset::Sdp4bit, vec![("grad_codec", "tlq")]),
+    ] {
+        for (tname, topo) in pipeline_topologies() {
+            let w = topo.world();
+            let numel = w * per_rank;
+            let data: Vec<Vec<Vec<f32>>> = (0..2)
+                .map(|k| rank_grads(0x9e11 ^ k ^ (w as u64) << 8, w, numel, 1.0))
+                .collect();
+            let with = |p: &str| {
+                let mut overrides = extra.clone();
+                overrides.push(("pipeline_chunks", p));
+                cfg(preset, &overrides)
+            };
+            let one = run_steps(&with("1"), &topo, &data, 3, 40);
+            for p in ["2", "3", "4", "8"] {
+                let config = with(p);
+                let rs = GradReduceScatter::new(&config, &topo, 0, numel, 3).unwrap();
+                assert_eq!(rs.plan().chunks.to_string(), p);
+                assert_eq!(rs.plan().padded_shard_len, per_rank, "{preset} P={p}");
+                let piped = run_steps(&config, &topo, &data, 3, 40);
+                for (k, (a, b)) in piped.iter().zip(&one).enumerate() {
+                    for (r, (x, y)) in a.iter().zip(b).enumerate() {
+                        let ctx = format!("{preset} {extra:?} {tname} P={p} step {k} rank {r}");
+                        assert_bits_eq(x, y, &ctx);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn automatic_chunks_pipeline_large_buckets_with_the_bytes_of_one_chunk() {
+    // Unset pipeline_chunks: a large bucket is cut into several chunks in flight, and the
+    // result is bit-identical to P = 1 (what the convergence study measured).
+    let per_rank = 1 << 20;
+    for (tname, topo) in [
+        ("2x2", Topology::uniform(2, 2).unwrap()),
+        ("4x1", Topology::uniform(1, 4).unwrap()),
+    ] {
+        let w = topo.world();
+        let numel = w * per_rank;
+        let data = vec![rank_grads(0xa070 ^ w as u64, w, numel, 1.0)];
+        let auto = cfg(Preset::Sdp4bit, &[]);
+        let rs = GradReduceScatter::new(&auto, &topo, 0, numel, 1).unwrap();
+        assert!(rs.plan().chunks > 1, "{tname}: P = {}", rs.plan().chunks);
+        let piped = run_steps(&auto, &topo, &data, 1, 7);
+        let one = run_steps(
+            &cfg(Preset::Sdp4bit, &[("pipeline_chunks", "1")]),
+            &topo,
+            &data,
+            1,
+            7,
+        );
+        for (r, (x, y)) in piped[0].iter().zip(&one[0]).enumerate() {
+            assert_bits_eq(x, y, &format!("{tname} auto P rank {r}"));
+        }
+    }
+}
+
+#[test]
+fn local_exchanges_in_flight_complete_on_wait_and_reject_a_second_call() {
+    // The in-process Comm's asynchronous all-to-all: every rank publishes, computes, waits;
+    // a second call on the same communicator while one is in flight is an error.
+    let cluster = LocalCluster::new(Topology::uniform(1, 3).unwrap());
+    let results = cluster.run(|c| -> sdp4bit::Result<(Vec<u8>, String)> {
+        let me = c.world.rank() as u8;
+        let send: Vec<u8> = (0..3).map(|to| 10 * me + to).collect();
+        let (mut first, mut recv, mut other) = (vec![0u8; 3], vec![0u8; 3], vec![0u8; 3]);
+        let flight = c.world.start_all_to_all(&send, &mut first)?;
+        let refused = c
+            .world
+            .start_all_to_all(&send, &mut other)
+            .expect_err("a second exchange in flight must be refused")
+            .to_string();
+        flight.wait()?;
+        assert_eq!(first.len(), 3);
+        c.world.start_all_to_all(&send, &mut recv)?.wait()?;
+        assert_eq!(first, recv, "the same exchange twice");
+        Ok((recv, refused))
+    });
+    for (r, result) in results.into_iter().enumerate() {
+        let (recv, refused) = result.unwrap();
+        let want: Vec<u8> = (0..3).map(|from| 10 * from + r as u8).collect();
+        assert_eq!(recv, want, "rank {r}");
+        assert!(refused.contains("in flight"), "{refused}");
     }
 }

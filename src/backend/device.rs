@@ -12,7 +12,7 @@ use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
@@ -79,6 +79,32 @@ pub trait Backend: Debug {
         rng: &UniformStream,
         out: Self::Dst<'_, u8>,
     ) -> Result<()>;
+    /// Whether [`quantize_first_chunk`](Self::quantize_first_chunk) is implemented: the first
+    /// pass then runs chunk by chunk, each chunk's while the one before it is exchanged.
+    /// Backends without it run [`quantize_first`](Self::quantize_first) once per bucket and
+    /// overlap only the later passes with the exchanges.
+    fn first_pass_by_chunk(&self) -> bool {
+        false
+    }
+    /// The first pass of pipeline chunk `chunk` alone (`cpu::gradient::quantize_first_chunk`):
+    /// `out` receives chunk `chunk`'s `first.peers` slabs, the bytes
+    /// [`quantize_first`](Self::quantize_first) writes at that chunk's place. Called only when
+    /// [`first_pass_by_chunk`](Self::first_pass_by_chunk) is true.
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_first_chunk(
+        &self,
+        layout: &GradLayout,
+        tables: &Self::GradTables,
+        chunk: usize,
+        bucket: Self::Src<'_, f32>,
+        rng: &UniformStream,
+        out: Self::Dst<'_, u8>,
+    ) -> Result<()> {
+        let _ = (layout, tables, bucket, rng, out);
+        Err(Error::Plan(format!(
+            "this backend runs the first pass on whole buckets only (chunk {chunk} was asked for)"
+        )))
+    }
     /// `cpu::gradient::requantize_second` for pipeline chunk `chunk`.
     #[allow(clippy::too_many_arguments)]
     fn requantize_second(

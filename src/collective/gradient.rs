@@ -3,7 +3,8 @@
 use crate::backend::cpu::Host;
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
-use crate::collective::{Comm, CommGroups, WireBytes};
+use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
+use crate::collective::{Comm, CommGroups, InFlight, WireBytes};
 use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
@@ -29,6 +30,7 @@ pub struct GradReduceScatter<B: Backend = Host> {
     plan: BucketPlan,
     route: GradRoute,
     engine: Engine<B>,
+    phase_log: Option<PhaseLog>,
 }
 
 #[derive(Debug)]
@@ -43,10 +45,70 @@ enum Engine<B: Backend> {
 struct Grouped<B: Backend> {
     layout: GradLayout,
     tables: B::GradTables,
-    send_first: B::Buffer<u8>,
-    recv_first: B::Buffer<u8>,
-    send_second: B::Buffer<u8>,
-    recv_second: B::Buffer<u8>,
+    send_first: FirstSend<B>,
+    /// Two of each exchange's buffers, used by alternate chunks (chunk `p` in `[p % 2]`), so
+    /// that one chunk's exchange runs while its neighbour is computed; the second is empty
+    /// when P = 1.
+    recv_first: [B::Buffer<u8>; 2],
+    send_second: [B::Buffer<u8>; 2],
+    recv_second: [B::Buffer<u8>; 2],
+}
+
+/// The send buffer of the first exchange.
+#[derive(Debug)]
+enum FirstSend<B: Backend> {
+    /// One chunk's slabs per buffer, chunk `p` in `[p % 2]` (the second empty when P = 1):
+    /// the first pass runs chunk by chunk ([`Backend::first_pass_by_chunk`]).
+    ByChunk([B::Buffer<u8>; 2]),
+    /// All P chunks' slabs, written by one first pass per bucket.
+    Whole(B::Buffer<u8>),
+}
+
+impl<B: Backend> FirstSend<B> {
+    fn new(backend: &B, chunk_bytes: usize, chunks: usize) -> Result<Self> {
+        Ok(if backend.first_pass_by_chunk() {
+            Self::ByChunk(alloc_pair(backend, chunk_bytes, chunks)?)
+        } else {
+            Self::Whole(backend.alloc(chunk_bytes * chunks)?)
+        })
+    }
+
+    /// What the first exchange of chunk `p` sends, and where the first pass of chunk `p + 1`
+    /// writes (`None` when the whole bucket was quantized at once).
+    fn views(&mut self, p: usize, chunk_bytes: usize) -> (B::Src<'_, u8>, Option<B::Dst<'_, u8>>) {
+        match self {
+            Self::ByChunk(pair) => {
+                let (now, next) = alternate(pair, p);
+                (B::src(now), Some(B::dst(next)))
+            }
+            Self::Whole(all) => (
+                B::sub(B::src(all), p * chunk_bytes..(p + 1) * chunk_bytes),
+                None,
+            ),
+        }
+    }
+}
+
+/// Two buffers of `len` elements; the second is empty when a bucket has a single chunk.
+fn alloc_pair<B: Backend, T: Element>(
+    backend: &B,
+    len: usize,
+    chunks: usize,
+) -> Result<[B::Buffer<T>; 2]> {
+    Ok([
+        backend.alloc(len)?,
+        backend.alloc(if chunks > 1 { len } else { 0 })?,
+    ])
+}
+
+/// `(pair[p % 2], pair[(p + 1) % 2])`: chunk `p`'s buffer and its neighbours'.
+fn alternate<T>(pair: &mut [T; 2], p: usize) -> (&mut T, &mut T) {
+    let [even, odd] = pair;
+    if p.is_multiple_of(2) {
+        (even, odd)
+    } else {
+        (odd, even)
+    }
 }
 
 /// Global-QSGD's integer buffers and the backend's absmax scratch word.
@@ -127,12 +189,13 @@ impl<B: Backend> GradReduceScatter<B> {
                 .expect("a route over W > 1 ranks has an exchange");
             let first = layout.first.peers * layout.first.slab.byte_len();
             let second = layout.second.map_or(0, |s| s.peers * s.slab.byte_len());
+            let chunks = plan.chunks;
             Engine::Grouped(Box::new(Grouped {
                 tables: backend.grad_tables(&layout)?,
-                send_first: backend.alloc(first * plan.chunks)?,
-                recv_first: backend.alloc(first)?,
-                send_second: backend.alloc(second)?,
-                recv_second: backend.alloc(second)?,
+                send_first: FirstSend::new(backend, first, chunks)?,
+                recv_first: alloc_pair(backend, first, chunks)?,
+                send_second: alloc_pair(backend, second, chunks)?,
+                recv_second: alloc_pair(backend, second, chunks)?,
                 layout,
             }))
         } else if config.grad.codec == GradCodec::GlobalQsgd {
@@ -151,6 +214,7 @@ impl<B: Backend> GradReduceScatter<B> {
             plan,
             route,
             engine,
+            phase_log: PhaseLog::from_env("reduce_scatter", bucket_id, rank),
         })
     }
 
@@ -250,10 +314,15 @@ impl<B: Backend> GradReduceScatter<B> {
                 stream_id(self.bucket_id, self.rank, stage)?,
             ))
         };
-        match &mut self.engine {
-            Engine::Copy => backend.copy(bucket, shard),
-            _ if !quantize => world.reduce_scatter_sum(bucket, shard),
-            Engine::Exact => world.reduce_scatter_sum(bucket, shard),
+        let mut clock = PhaseClock::start(self.phase_log.as_ref());
+        let result = match &mut self.engine {
+            Engine::Copy => clock.time(Phase::LastPass, || backend.copy(bucket, shard)),
+            Engine::Exact => {
+                clock.time(Phase::FirstWait, || world.reduce_scatter_sum(bucket, shard))
+            }
+            _ if !quantize => {
+                clock.time(Phase::FirstWait, || world.reduce_scatter_sum(bucket, shard))
+            }
             Engine::Grouped(g) => g.run(
                 backend,
                 comms,
@@ -262,6 +331,7 @@ impl<B: Backend> GradReduceScatter<B> {
                 shard,
                 &stream(Stage::GradFirst)?,
                 &stream(Stage::GradSecond)?,
+                &mut clock,
             ),
             Engine::Global(b) => b.run(
                 backend,
@@ -270,8 +340,11 @@ impl<B: Backend> GradReduceScatter<B> {
                 shard,
                 self.config.grad.rounding,
                 &stream(Stage::GlobalQsgd)?,
+                &mut clock,
             ),
-        }
+        };
+        clock.finish(self.plan.chunks);
+        result
     }
 }
 
@@ -296,8 +369,11 @@ pub fn global_k(bits: u8, world: usize) -> i32 {
 }
 
 impl<B: Backend> Grouped<B> {
-    /// Quantize once, then per pipeline chunk: first exchange, (requantize, second exchange),
-    /// dequantize-sum into the shard.
+    /// The pipeline of docs/numerics.md §5.4: per chunk the first pass, the first exchange,
+    /// (the second pass and the second exchange), the last pass. Step `t` starts the
+    /// exchanges of chunk `t` (and the second one of chunk `t - 1`), computes the neighbouring
+    /// chunks while they travel, then waits for them; every communicator has at most one
+    /// exchange in flight and every rank waits in the same order.
     #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
@@ -308,47 +384,113 @@ impl<B: Backend> Grouped<B> {
         mut shard: B::Dst<'_, f32>,
         first_rng: &UniformStream,
         second_rng: &UniformStream,
+        clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
-        let layout = &self.layout;
+        let Self {
+            layout,
+            tables,
+            send_first,
+            recv_first,
+            send_second,
+            recv_second,
+        } = self;
+        let (layout, tables) = (&*layout, &*tables);
         let first_comm = comms.level::<B>(layout.first.level, topology)?;
         let second_comm = match layout.second {
             Some(s) => Some(comms.level::<B>(s.level, topology)?),
             None => None,
         };
-        let tables = &self.tables;
-        backend.quantize_first(
-            layout,
-            tables,
-            bucket,
-            first_rng,
-            B::dst(&mut self.send_first),
-        )?;
         let my_x1 = peer_index(topology, layout.first.level, comms.world.rank());
-        let chunk_bytes = B::len(B::src(&self.recv_first));
-        for p in 0..layout.bucket.chunks {
-            let send = B::sub(
-                B::src(&self.send_first),
-                p * chunk_bytes..(p + 1) * chunk_bytes,
-            );
-            first_comm.all_to_all(send, B::dst(&mut self.recv_first))?;
-            let shard = B::reborrow(&mut shard);
-            match second_comm {
-                Some(second_comm) => {
+        let chunks = layout.bucket.chunks;
+        let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
+        clock.time(Phase::FirstPass, || match send_first {
+            FirstSend::ByChunk(pair) => backend.quantize_first_chunk(
+                layout,
+                tables,
+                0,
+                bucket,
+                first_rng,
+                B::dst(&mut pair[0]),
+            ),
+            FirstSend::Whole(all) => {
+                backend.quantize_first(layout, tables, bucket, first_rng, B::dst(all))
+            }
+        })?;
+        let levels = if second_comm.is_some() { 2 } else { 1 };
+        for t in 0..chunks + levels {
+            // Chunk t's first send, and where chunk t + 1's first pass writes.
+            let (send, next_out) = if t < chunks {
+                let (send, next) = send_first.views(t, chunk_bytes);
+                (Some(send), next.filter(|_| t + 1 < chunks))
+            } else {
+                (None, None)
+            };
+            let (recv_first_now, recv_first_before) = alternate(recv_first, t);
+            let first_flight = match send {
+                Some(send) => Some(clock.time(Phase::FirstStart, || {
+                    first_comm.start_all_to_all(send, B::dst(recv_first_now))
+                })?),
+                None => None,
+            };
+            let quantize_next = |clock: &mut PhaseClock<'_>, out: Option<B::Dst<'_, u8>>| {
+                out.map(|out| {
+                    clock.time(Phase::FirstPass, || {
+                        backend.quantize_first_chunk(layout, tables, t + 1, bucket, first_rng, out)
+                    })
+                })
+                .transpose()
+            };
+            let Some(second_comm) = second_comm else {
+                quantize_next(clock, next_out)?;
+                if t >= 1 {
+                    let recv = B::src(recv_first_before);
+                    clock.time(Phase::LastPass, || {
+                        backend.reduce_final(layout, t - 1, recv, B::reborrow(&mut shard))
+                    })?;
+                }
+                clock.time(Phase::FirstWait, || {
+                    first_flight.map(InFlight::wait).transpose()
+                })?;
+                continue;
+            };
+            // Two levels: chunk t - 1's second exchange runs beside chunk t's first.
+            let (send_second_now, send_second_before) = alternate(send_second, t);
+            let (recv_second_now, recv_second_before) = alternate(recv_second, t);
+            let second_flight = if (1..=chunks).contains(&t) {
+                let (send, recv) = (B::src(send_second_before), B::dst(recv_second_before));
+                Some(clock.time(Phase::SecondStart, || {
+                    second_comm.start_all_to_all(send, recv)
+                })?)
+            } else {
+                None
+            };
+            quantize_next(clock, next_out)?;
+            if t >= 2 {
+                // Chunk t - 2 arrived in the buffer of chunk t's parity.
+                let recv = B::src(recv_second_now);
+                clock.time(Phase::LastPass, || {
+                    backend.reduce_final(layout, t - 2, recv, B::reborrow(&mut shard))
+                })?;
+            }
+            let arrived = clock.time(Phase::FirstWait, || {
+                first_flight.map(InFlight::wait).transpose()
+            })?;
+            if arrived.is_some() {
+                clock.time(Phase::SecondPass, || {
                     backend.requantize_second(
                         layout,
                         tables,
                         my_x1,
-                        p,
-                        B::src(&self.recv_first),
+                        t,
+                        B::src(recv_first_now),
                         second_rng,
-                        B::dst(&mut self.send_second),
-                    )?;
-                    second_comm
-                        .all_to_all(B::src(&self.send_second), B::dst(&mut self.recv_second))?;
-                    backend.reduce_final(layout, p, B::src(&self.recv_second), shard)?;
-                }
-                None => backend.reduce_final(layout, p, B::src(&self.recv_first), shard)?,
+                        B::dst(send_second_now),
+                    )
+                })?;
             }
+            clock.time(Phase::SecondWait, || {
+                second_flight.map(InFlight::wait).transpose()
+            })?;
         }
         Ok(())
     }
@@ -356,6 +498,7 @@ impl<B: Backend> Grouped<B> {
 
 impl<B: Backend> GlobalBuffers<B> {
     /// [`IntBuffers::run`] at this bucket's integer width.
+    #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
         backend: &B,
@@ -364,16 +507,18 @@ impl<B: Backend> GlobalBuffers<B> {
         shard: B::Dst<'_, f32>,
         rounding: Rounding,
         rng: &UniformStream,
+        clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
         match self {
-            Self::I8(b) => b.run(backend, world, bucket, shard, rounding, rng),
-            Self::I16(b) => b.run(backend, world, bucket, shard, rounding, rng),
+            Self::I8(b) => b.run(backend, world, bucket, shard, rounding, rng, clock),
+            Self::I16(b) => b.run(backend, world, bucket, shard, rounding, rng, clock),
         }
     }
 }
 
 impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
     /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize.
+    #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
         backend: &B,
@@ -382,9 +527,12 @@ impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
         shard: B::Dst<'_, f32>,
         rounding: Rounding,
         rng: &UniformStream,
+        clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
-        let local = backend.global_absmax(bucket, B::dst(&mut self.word))?;
-        let absmax = world.all_reduce_max(local)?;
+        let local = clock.time(Phase::FirstPass, || {
+            backend.global_absmax(bucket, B::dst(&mut self.word))
+        })?;
+        let absmax = clock.time(Phase::FirstWait, || world.all_reduce_max(local))?;
         if !absmax.is_finite() {
             return backend.fill(shard, f32::NAN);
         }
@@ -394,8 +542,14 @@ impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
             // All zeros, or an absmax so small that a / K underflows: every code would be 0.
             return backend.fill(shard, 0.0);
         }
-        backend.global_quantize(bucket, scale, k, rounding, rng, B::dst(&mut self.send))?;
-        world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))?;
-        backend.global_dequantize(B::src(&self.recv), scale, shard)
+        clock.time(Phase::FirstPass, || {
+            backend.global_quantize(bucket, scale, k, rounding, rng, B::dst(&mut self.send))
+        })?;
+        clock.time(Phase::SecondWait, || {
+            world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))
+        })?;
+        clock.time(Phase::LastPass, || {
+            backend.global_dequantize(B::src(&self.recv), scale, shard)
+        })
     }
 }

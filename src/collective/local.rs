@@ -1,7 +1,9 @@
 //! An in-process [`Comm`]: W ranks as threads exchanging through shared slots.
 //!
 //! Every collective publishes this rank's bytes (with the length it expects to receive) in its
-//! slot, waits for all ranks, reads what it needs and waits again before slots are reused. The
+//! slot, waits for all ranks, reads what it needs and waits again before slots are reused. An
+//! all-to-all can also be started (published) and collected later
+//! ([`Comm::start_all_to_all`]), so a rank computes while its peers catch up. The
 //! arguments are checked across ranks after the first wait, so a mismatch makes every rank of
 //! that communicator return the same error. The error also *aborts* every communicator of the
 //! cluster (as `ncclCommAbort` would): ranks waiting in another communicator for a peer that
@@ -13,7 +15,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
-use crate::collective::{Comm, CommGroups, SumElement, sum_in_rank_order};
+use crate::collective::{
+    Comm, CommGroups, InFlight, PendingExchange, SumElement, sum_in_rank_order,
+};
 use crate::error::{Error, Result};
 use crate::plan::Topology;
 
@@ -22,6 +26,8 @@ use crate::plan::Topology;
 pub struct LocalGroup {
     size: usize,
     slots: Vec<RwLock<Slot>>,
+    /// Per rank: whether it has an exchange published but not yet collected.
+    in_flight: Vec<AtomicBool>,
     arrivals: Mutex<(usize, u64)>,
     all_arrived: Condvar,
     abort: Arc<AbortState>,
@@ -65,6 +71,7 @@ impl LocalGroup {
         Arc::new(Self {
             size,
             slots: (0..size).map(|_| RwLock::new(Slot::default())).collect(),
+            in_flight: (0..size).map(|_| AtomicBool::new(false)).collect(),
             arrivals: Mutex::new((0, 0)),
             all_arrived: Condvar::new(),
             abort,
@@ -110,6 +117,12 @@ impl LocalGroup {
     }
 
     fn barrier(&self) -> Result<()> {
+        let generation = self.arrive()?;
+        self.wait_for_all(generation)
+    }
+
+    /// Counts this rank in; returns the generation to pass to [`wait_for_all`](Self::wait_for_all).
+    fn arrive(&self) -> Result<u64> {
         self.check_not_aborted()?;
         let mut state = self.arrivals.lock().map_err(|_| poisoned())?;
         let generation = state.1;
@@ -117,8 +130,13 @@ impl LocalGroup {
         if state.0 == self.size {
             *state = (0, generation + 1);
             self.all_arrived.notify_all();
-            return Ok(());
         }
+        Ok(generation)
+    }
+
+    /// Waits until every rank has arrived in `generation`.
+    fn wait_for_all(&self, generation: u64) -> Result<()> {
+        let mut state = self.arrivals.lock().map_err(|_| poisoned())?;
         let deadline = Instant::now() + Self::TIMEOUT;
         while state.1 == generation {
             self.check_not_aborted()?;
@@ -156,6 +174,26 @@ impl LocalComm {
         expect: usize,
         read: impl FnOnce(&[RwLockReadGuard<'_, Slot>]) -> Result<R>,
     ) -> Result<R> {
+        self.check_idle()?;
+        let generation = self.publish(send, expect)?;
+        self.collect(generation, read)
+    }
+
+    /// An error if this rank has an exchange of this communicator in flight.
+    fn check_idle(&self) -> Result<()> {
+        if self.group.in_flight[self.rank].load(Ordering::SeqCst) {
+            return Err(Error::Comm(format!(
+                "rank {}: a collective was called while an exchange of this communicator is \
+                 still in flight (wait for it first)",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `send` into this rank's slot and counts this rank in; the first half of an
+    /// exchange, after which `send` is no longer needed.
+    fn publish(&self, send: &[u8], expect: usize) -> Result<u64> {
         {
             let mut slot = self.group.slots[self.rank]
                 .write()
@@ -164,7 +202,17 @@ impl LocalComm {
             slot.payload.clear();
             slot.payload.extend_from_slice(send);
         }
-        self.group.barrier()?;
+        self.group.arrive()
+    }
+
+    /// The second half of an exchange published in `generation`: waits for every rank, runs
+    /// `read` over the slots, then waits again before the slots may be reused.
+    fn collect<R>(
+        &self,
+        generation: u64,
+        read: impl FnOnce(&[RwLockReadGuard<'_, Slot>]) -> Result<R>,
+    ) -> Result<R> {
+        self.group.wait_for_all(generation)?;
         let result = {
             let slots = self
                 .group
@@ -183,6 +231,44 @@ impl LocalComm {
         self.group.barrier()?;
         result
     }
+}
+
+/// An all-to-all of a [`LocalComm`] published but not yet collected.
+struct LocalAllToAll<'a> {
+    comm: &'a LocalComm,
+    recv: &'a mut [u8],
+    generation: u64,
+}
+
+impl PendingExchange for LocalAllToAll<'_> {
+    fn complete(&mut self) -> Result<()> {
+        let (comm, generation) = (self.comm, self.generation);
+        let result = comm.collect(generation, |slots| {
+            read_all_to_all(comm.size(), comm.rank, slots, self.recv)
+        });
+        comm.group.in_flight[comm.rank].store(false, Ordering::SeqCst);
+        result
+    }
+}
+
+/// What rank `me` of `w` receives from an all-to-all whose ranks published `slots`.
+fn read_all_to_all(
+    w: usize,
+    me: usize,
+    slots: &[RwLockReadGuard<'_, Slot>],
+    recv: &mut [u8],
+) -> Result<()> {
+    let (n, expect) = check_sizes("all_to_all", slots)?;
+    if n % w != 0 || expect != n {
+        return Err(Error::Comm(format!(
+            "all_to_all: {n} bytes in and {expect} out must be equal and split into {w} blocks"
+        )));
+    }
+    let block = n / w;
+    for (dst, slot) in recv.chunks_exact_mut(block.max(1)).zip(slots) {
+        dst.copy_from_slice(&slot.payload[me * block..(me + 1) * block]);
+    }
+    Ok(())
 }
 
 /// Checks that every rank sent `send` bytes and expects `expect`, naming the first that differs.
@@ -228,18 +314,21 @@ impl Comm for LocalComm {
     fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let (w, me) = (self.size(), self.rank);
         self.exchange(send, recv.len(), |slots| {
-            let (n, expect) = check_sizes("all_to_all", slots)?;
-            if n % w != 0 || expect != n {
-                return Err(Error::Comm(format!(
-                    "all_to_all: {n} bytes in and {expect} out must be equal and split into {w} blocks"
-                )));
-            }
-            let block = n / w;
-            for (dst, slot) in recv.chunks_exact_mut(block.max(1)).zip(slots) {
-                dst.copy_from_slice(&slot.payload[me * block..(me + 1) * block]);
-            }
-            Ok(())
+            read_all_to_all(w, me, slots, recv)
         })
+    }
+
+    /// Publishes `send` and returns; the peers' blocks are copied into `recv` when the
+    /// exchange is waited for.
+    fn start_all_to_all<'a>(&'a self, send: &'a [u8], recv: &'a mut [u8]) -> Result<InFlight<'a>> {
+        self.check_idle()?;
+        let generation = self.publish(send, recv.len())?;
+        self.group.in_flight[self.rank].store(true, Ordering::SeqCst);
+        Ok(InFlight::new(LocalAllToAll {
+            comm: self,
+            recv,
+            generation,
+        }))
     }
 
     fn all_reduce_max(&self, value: f32) -> Result<f32> {

@@ -12,12 +12,16 @@
 
 mod agreement;
 mod gradient;
+mod in_flight;
 pub mod local;
+mod phases;
 mod weight;
 mod wire;
 
 pub use agreement::{check_ranks_agree, check_setup_agrees};
 pub use gradient::{GradReduceScatter, global_bits, global_k};
+pub use in_flight::{InFlight, PendingExchange};
+pub use phases::PHASE_LOG_ENV;
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;
 
@@ -79,6 +83,24 @@ pub trait Comm<B: Backend = Host> {
     /// Equal-split all-to-all: block `j` of `send` goes to rank `j`; block `i` of `recv` comes
     /// from rank `i`.
     fn all_to_all(&self, send: B::Src<'_, u8>, recv: B::Dst<'_, u8>) -> Result<()>;
+    /// Starts [`all_to_all`](Self::all_to_all) and returns while it may still run, so the
+    /// caller can compute meanwhile; [`InFlight::wait`] completes it. The buffers stay
+    /// borrowed until then. Callers keep at most one exchange of a communicator in flight
+    /// and make no other call on it before waiting (an implementation may reject both);
+    /// exchanges of different communicators may be in flight together.
+    ///
+    /// The default runs the exchange before returning: correct for every communicator,
+    /// without overlap. Host communicators over threads or sockets override it; a device
+    /// communicator would issue the exchange on a side stream ordered after the passes that
+    /// wrote `send`, and complete when that stream's event has fired.
+    fn start_all_to_all<'a>(
+        &'a self,
+        send: B::Src<'a, u8>,
+        recv: B::Dst<'a, u8>,
+    ) -> Result<InFlight<'a>> {
+        self.all_to_all(send, recv)?;
+        Ok(InFlight::completed())
+    }
     /// The maximum of `value` over all ranks (+Inf wins; callers map NaN to +Inf first).
     fn all_reduce_max(&self, value: f32) -> Result<f32>;
     /// Sums `send` over all ranks and keeps block `rank()` in `recv`

@@ -6,6 +6,7 @@ use crate::backend::Backend;
 use crate::backend::cpu::Host;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
+use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
 use crate::collective::{Comm, WireBytes};
 use crate::config::{Config, WeightCodec};
 use crate::error::{Error, Result};
@@ -34,6 +35,7 @@ pub struct WeightAllGather<B: Backend = Host> {
     bucket_id: u32,
     plan: BucketPlan,
     engine: Engine<B>,
+    phase_log: Option<PhaseLog>,
 }
 
 #[derive(Debug)]
@@ -128,6 +130,7 @@ impl<B: Backend> WeightAllGather<B> {
             bucket_id,
             plan,
             engine,
+            phase_log: PhaseLog::from_env("all_gather", bucket_id, rank),
         })
     }
 
@@ -182,10 +185,15 @@ impl<B: Backend> WeightAllGather<B> {
             )));
         }
         let (plan, rank) = (self.plan, self.rank);
-        match &mut self.engine {
+        let mut clock = PhaseClock::start(self.phase_log.as_ref());
+        let result = match &mut self.engine {
             Engine::Exact { send } => {
-                backend.copy(own_shard::<B>(&plan, rank, B::read(&params)), B::dst(send))?;
-                world.all_gather(B::as_bytes(B::src(send)), B::as_bytes_mut(params))
+                clock.time(Phase::FirstPass, || {
+                    backend.copy(own_shard::<B>(&plan, rank, B::read(&params)), B::dst(send))
+                })?;
+                clock.time(Phase::FirstWait, || {
+                    world.all_gather(B::as_bytes(B::src(send)), B::as_bytes_mut(params))
+                })
             }
             Engine::Quantized {
                 layout,
@@ -199,33 +207,41 @@ impl<B: Backend> WeightAllGather<B> {
                     let rng = UniformStream::new(self.config.seed, step, stream);
                     let new = own_shard::<B>(&plan, rank, B::read(&params));
                     let first = plan.padded_index(rank, 0);
-                    backend.weight_encode(
-                        layout,
-                        *encoding,
-                        first,
-                        new,
-                        B::src(reference),
-                        &rng,
-                        B::dst(send),
-                    )?;
-                    world.all_gather(B::src(send), B::dst(recv))?;
-                    backend.weight_apply(
-                        layout,
-                        *encoding,
-                        &plan,
-                        rank,
-                        B::src(recv),
-                        B::src(reference),
-                        B::reborrow(&mut params),
-                    )?;
+                    clock.time(Phase::FirstPass, || {
+                        backend.weight_encode(
+                            layout,
+                            *encoding,
+                            first,
+                            new,
+                            B::src(reference),
+                            &rng,
+                            B::dst(send),
+                        )
+                    })?;
+                    clock.time(Phase::FirstWait, || {
+                        world.all_gather(B::src(send), B::dst(recv))
+                    })?;
+                    clock.time(Phase::LastPass, || {
+                        backend.weight_apply(
+                            layout,
+                            *encoding,
+                            &plan,
+                            rank,
+                            B::src(recv),
+                            B::src(reference),
+                            B::reborrow(&mut params),
+                        )
+                    })?;
                 }
                 if *encoding == WeightEncoding::Difference {
                     let own = own_shard::<B>(&plan, rank, B::read(&params));
-                    backend.copy(own, B::dst(reference))?;
+                    clock.time(Phase::LastPass, || backend.copy(own, B::dst(reference)))?;
                 }
                 Ok(())
             }
-        }
+        };
+        clock.finish(1);
+        result
     }
 }
 

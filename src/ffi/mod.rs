@@ -257,6 +257,18 @@ mod bridge {
             send: &[u8],
             recv: &mut [u8],
         ) -> Result<()>;
+        /// An all-to-all issued and not yet waited for.
+        type PendingExchange;
+        /// Equal-split all-to-all of bytes, issued without waiting: `send` and `recv` must
+        /// stay alive and untouched until the result's `wait` has returned.
+        fn start_all_to_all(
+            self: &TorchComms,
+            level: CommLevel,
+            send: &[u8],
+            recv: &mut [u8],
+        ) -> Result<UniquePtr<PendingExchange>>;
+        /// Blocks until the exchange has completed; its c10d error, if any.
+        fn wait(self: Pin<&mut PendingExchange>) -> Result<()>;
         /// MAX all-reduce of one float, blocking.
         fn all_reduce_max(self: &TorchComms, level: CommLevel, value: f32) -> Result<f32>;
         /// All-gather of equal byte blocks of CUDA memory (device addresses) on the current

@@ -2,11 +2,16 @@
 //! CUDA buffers.
 
 use std::cell::RefCell;
+use std::marker::PhantomData;
 
-use super::bridge::{CommLevel, SumDtype, TorchComms};
+use cxx::UniquePtr;
+
+use super::bridge::{CommLevel, PendingExchange as CxxPending, SumDtype, TorchComms};
 use crate::backend::cpu::Host;
 use crate::backend::cuda::{Cuda, DeviceSpan};
-use crate::collective::{Comm, CommGroups, SumElement, sum_in_rank_order};
+use crate::collective::{
+    Comm, CommGroups, InFlight, PendingExchange, SumElement, sum_in_rank_order,
+};
 use crate::error::{Error, Result};
 
 /// One level (world, intra- or inter-node) of a [`TorchComms`] as a [`Comm`].
@@ -123,6 +128,27 @@ fn sum_dtype<T: SumElement>() -> Result<SumDtype> {
     }
 }
 
+/// An all-to-all the process group is running on host buffers borrowed for `'a`.
+struct TorchPending<'a> {
+    pending: UniquePtr<CxxPending>,
+    level: CommLevel,
+    _buffers: PhantomData<&'a mut [u8]>,
+}
+
+impl PendingExchange for TorchPending<'_> {
+    fn complete(&mut self) -> Result<()> {
+        let level = self.level;
+        match self.pending.as_mut() {
+            Some(pending) => pending
+                .wait()
+                .map_err(|e| comm_error("all_to_all", level, e)),
+            None => Err(Error::Comm(
+                "all_to_all: the extension returned no pending exchange".to_string(),
+            )),
+        }
+    }
+}
+
 impl Comm for TorchLevel<'_> {
     fn rank(&self) -> usize {
         self.rank
@@ -144,6 +170,21 @@ impl Comm for TorchLevel<'_> {
         self.comms
             .all_to_all(self.level, send, recv)
             .map_err(|e| comm_error("all_to_all", self.level, e))
+    }
+
+    /// Issues the all-to-all on the process group (gloo runs it on its own threads) and
+    /// returns; waiting waits for c10d's work.
+    fn start_all_to_all<'a>(&'a self, send: &'a [u8], recv: &'a mut [u8]) -> Result<InFlight<'a>> {
+        check_all_to_all(self.size, send.len(), recv.len())?;
+        let pending = self
+            .comms
+            .start_all_to_all(self.level, send, recv)
+            .map_err(|e| comm_error("all_to_all", self.level, e))?;
+        Ok(InFlight::new(TorchPending {
+            pending,
+            level: self.level,
+            _buffers: PhantomData,
+        }))
     }
 
     fn all_reduce_max(&self, value: f32) -> Result<f32> {

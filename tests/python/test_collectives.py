@@ -27,6 +27,13 @@ def test_every_preset_equals_the_in_process_collective(name):
             assert rs < rs_base and ag <= ag_base, (preset, rs, rs_base, ag, ag_base)
 
 
+@pytest.mark.parametrize("name", ["W4-2x2", "W4-1x4", "W4-4x1", "W3-unequal-2+1"])
+def test_pipelined_chunks_in_flight_equal_one_chunk(name):
+    labels = TOPOLOGIES[name]
+    reports = run_ranks(len(labels), scenarios.pipelined_chunks_equal_one_chunk, labels)
+    assert reports[0] == ["4", "3", "auto"], reports[0]
+
+
 def test_topology_from_local_world_size():
     labels = [0, 0, 1, 1]
     run_ranks(4, scenarios.byte_equal_to_in_process, labels, ("sdp4bit",), True,

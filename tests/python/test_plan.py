@@ -88,3 +88,31 @@ def test_emulated_cluster_smoke(tmp_path):
     assert (tmp_path / "cluster.png").stat().st_size > 0
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"
+
+
+def test_emulated_cluster_phases_smoke(tmp_path):
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "phases.json"
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts/bench.sh"), "cluster_phases", "--topologies", "2x1",
+         "--rates-mbit", "1000", "--numel", "1048576", "--reps", "1",
+         "--variants", ";pipeline_chunks=1,threads=1", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    rs = [r for r in rows if r["collective"] == "reduce_scatter"]
+    assert sorted((r["variant"], r["rank"]) for r in rs) == [
+        ("defaults", 0), ("defaults", 1), ("pipeline_chunks=1,threads=1", 0),
+        ("pipeline_chunks=1,threads=1", 1)]
+    # 2 x 1: one inter-node level; the automatic P splits a 2^19-element shard in two.
+    assert {r["variant"]: r["chunks"] for r in rs} == {
+        "defaults": 2, "pipeline_chunks=1,threads=1": 1}
+    for r in rows:
+        phases = sum(r[k] for k in r if k.endswith("_ms") and k != "total_ms")
+        assert r["calls"] >= 3 and r["first_pass_ms"] > 0, r
+        assert phases <= r["total_ms"] * 1.5, r  # medians of parts vs the median total
+    assert "| 2x1 | 1 Gbit/s | defaults | reduce_scatter | 0 | 2 |" in result.stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"

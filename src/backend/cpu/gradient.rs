@@ -18,12 +18,26 @@ use super::{run_groups, with_scratch};
 /// First pass: Hadamard (when on) + quantize + swizzle of the whole bucket, all P chunks, into
 /// `out` (`P * first.peers` slabs of the first level).
 pub fn quantize_first(layout: &GradLayout, bucket: &[f32], rng: &UniformStream, out: &mut [u8]) {
+    let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
+    for (p, chunk) in out.chunks_exact_mut(chunk_bytes).enumerate() {
+        quantize_first_chunk(layout, p, bucket, rng, chunk);
+    }
+}
+
+/// The first pass of chunk `p` alone, into `out` (the `first.peers` slabs of chunk `p`, the
+/// bytes [`quantize_first`] writes at `p * first.peers` slabs).
+pub fn quantize_first_chunk(
+    layout: &GradLayout,
+    p: usize,
+    bucket: &[f32],
+    rng: &UniformStream,
+    out: &mut [u8],
+) {
     let first = layout.first;
     let g = first.slab.spec.group_size;
     out.par_chunks_mut(first.slab.byte_len())
         .enumerate()
-        .for_each(|(s, slab)| {
-            let (p, x1) = (s / first.peers, s % first.peers);
+        .for_each(|(x1, slab)| {
             first
                 .slab
                 .par_runs_mut(slab, run_groups(g))

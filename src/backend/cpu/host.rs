@@ -4,17 +4,18 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::{global_qsgd, gradient, weight};
+use super::{global_qsgd, gradient, pool, weight};
 use crate::backend::device::{Backend, Element};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
-use crate::error::{Result, check_len};
+use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
-/// Host memory: buffers are `Vec`s, views are slices, passes run synchronously with rayon.
+/// Host memory: buffers are `Vec`s, views are slices, passes run synchronously with rayon on
+/// the pool of [`pool::pass_threads`] threads.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Host;
 
@@ -93,7 +94,32 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
-        gradient::quantize_first(layout, bucket, rng, out);
+        pool::install(|| gradient::quantize_first(layout, bucket, rng, out));
+        Ok(())
+    }
+
+    fn first_pass_by_chunk(&self) -> bool {
+        true
+    }
+
+    fn quantize_first_chunk(
+        &self,
+        layout: &GradLayout,
+        _tables: &(),
+        chunk: usize,
+        bucket: &[f32],
+        rng: &UniformStream,
+        out: &mut [u8],
+    ) -> Result<()> {
+        if chunk >= layout.bucket.chunks {
+            return Err(Error::Plan(format!(
+                "chunk {chunk} of a bucket of {} chunks",
+                layout.bucket.chunks
+            )));
+        }
+        let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
+        check_len("first-pass chunk buffer", out.len(), chunk_bytes)?;
+        pool::install(|| gradient::quantize_first_chunk(layout, chunk, bucket, rng, out));
         Ok(())
     }
 
@@ -107,7 +133,7 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
-        gradient::requantize_second(layout, my_x1, chunk, recv, rng, out)
+        pool::install(|| gradient::requantize_second(layout, my_x1, chunk, recv, rng, out))
     }
 
     fn reduce_final(
@@ -117,7 +143,7 @@ impl Backend for Host {
         recv: &[u8],
         shard: &mut [f32],
     ) -> Result<()> {
-        gradient::reduce_final(layout, chunk, recv, shard)
+        pool::install(|| gradient::reduce_final(layout, chunk, recv, shard))
     }
 
     fn weight_encode(
@@ -130,7 +156,9 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
-        weight::encode_shard(*layout, encoding, first_index, new, reference, rng, out);
+        pool::install(|| {
+            weight::encode_shard(*layout, encoding, first_index, new, reference, rng, out)
+        });
         Ok(())
     }
 
@@ -144,11 +172,13 @@ impl Backend for Host {
         own_reference: &[bf16],
         params: &mut [bf16],
     ) -> Result<()> {
-        weight::apply_shards(*layout, encoding, plan, me, recv, own_reference, params)
+        pool::install(|| {
+            weight::apply_shards(*layout, encoding, plan, me, recv, own_reference, params)
+        })
     }
 
     fn global_absmax(&self, bucket: &[f32], _word: &mut [u32]) -> Result<f32> {
-        Ok(global_qsgd::local_absmax(bucket))
+        Ok(pool::install(|| global_qsgd::local_absmax(bucket)))
     }
 
     fn global_quantize<T: IntCode + Element>(
@@ -160,7 +190,7 @@ impl Backend for Host {
         rng: &UniformStream,
         out: &mut [T],
     ) -> Result<()> {
-        global_qsgd::quantize(bucket, scale, k, rounding, rng, out);
+        pool::install(|| global_qsgd::quantize(bucket, scale, k, rounding, rng, out));
         Ok(())
     }
 
@@ -170,7 +200,7 @@ impl Backend for Host {
         scale: f32,
         shard: &mut [f32],
     ) -> Result<()> {
-        global_qsgd::dequantize(sum, scale, shard);
+        pool::install(|| global_qsgd::dequantize(sum, scale, shard));
         Ok(())
     }
 }

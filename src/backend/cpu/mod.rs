@@ -10,6 +10,7 @@
 pub mod global_qsgd;
 pub mod gradient;
 mod host;
+pub mod pool;
 pub mod weight;
 
 pub use host::Host;
