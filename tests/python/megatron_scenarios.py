@@ -134,6 +134,17 @@ def _poison_one_gradient(chunk) -> None:
     param.main_grad.view(-1)[7] = float("nan")
 
 
+def _train_step(ddp, optimizer, step: int, rank: int) -> float:
+    """One plain training step on `step`'s batch of data-parallel rank `rank`: gradients synced
+    through the DDP's bucket groups, then the optimizer; returns the loss."""
+    gpt.zero_grads([ddp], optimizer)
+    loss = gpt.token_losses(ddp, windows(step, rank)).mean()
+    loss.backward()
+    gpt.finish_grad_sync([ddp])
+    gpt.optimizer_step(optimizer)
+    return loss.item()
+
+
 def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None,
           check_against_core=False, bucket_size=BUCKET):
     """Trains a few steps; returns (losses, stepped flags, final bf16 params as bytes, (bytes
@@ -189,12 +200,7 @@ def train_with_checkpoint(rank, world, overlap_param, steps, save_at, directory,
         first = common["iteration"]
     losses = []
     for step in range(first, steps):
-        gpt.zero_grads([ddp], optimizer)
-        loss = gpt.token_losses(ddp, windows(step, rank)).mean()
-        loss.backward()
-        gpt.finish_grad_sync([ddp])
-        gpt.optimizer_step(optimizer)
-        losses.append(loss.item())
+        losses.append(_train_step(ddp, optimizer, step, rank))
         if not resume and step + 1 == save_at:
             gpt.flush_param_sync([ddp])  # as Megatron-LM does before saving
             megatron_checkpoint.save(directory, ddp, optimizer, {
@@ -234,10 +240,7 @@ def checkpoint_bugs(rank, world, directory, bucket_size=BUCKET):
         ddp, optimizer, "dp_reshardable", is_loading=True))
     steps = 2
     for step in range(steps):
-        gpt.zero_grads([ddp], optimizer)
-        gpt.token_losses(ddp, windows(step, rank)).mean().backward()
-        gpt.finish_grad_sync([ddp])
-        gpt.optimizer_step(optimizer)
+        _train_step(ddp, optimizer, step, rank)
     found["padded_buckets"] = sum(
         b.numel_unpadded < b.grad_data.numel() for g in ddp.bucket_groups for b in g.buckets)
     found["buckets"] = sum(len(g.buckets) for g in ddp.bucket_groups)
@@ -312,10 +315,7 @@ def telemetry(rank, world, steps, interval):
     ddp = gpt.build_model(SHAPE, SEED, overlap_grad_reduce=True, bucket_size=BUCKET)
     optimizer = gpt.build_optimizer([ddp], lr=LR)
     for step in range(steps):
-        gpt.zero_grads([ddp], optimizer)
-        gpt.token_losses(ddp, windows(step, rank)).mean().backward()
-        gpt.finish_grad_sync([ddp])
-        gpt.optimizer_step(optimizer)
+        _train_step(ddp, optimizer, step, rank)
     integration.disable()
     gpt.shutdown()
     return writer.scalars
@@ -428,10 +428,7 @@ def route_notice(rank, world, steps):
     ddp = gpt.build_model(SHAPE, SEED, overlap_grad_reduce=True, bucket_size=BUCKET)
     optimizer = gpt.build_optimizer([ddp], lr=LR)
     for step in range(steps):
-        gpt.zero_grads([ddp], optimizer)
-        gpt.token_losses(ddp, windows(step, rank)).mean().backward()
-        gpt.finish_grad_sync([ddp])
-        gpt.optimizer_step(optimizer)
+        _train_step(ddp, optimizer, step, rank)
     integration.disable()
     gpt.shutdown()
     return len(ddp.bucket_groups), records.messages
