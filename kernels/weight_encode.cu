@@ -13,6 +13,14 @@
 // else 0 (padding; the slab covers the padded shard); its Philox index is first_index + i.
 #include "common.cuh"
 
+// The bf16 value of element e of a vector of 8 as fp32, a NaN kept as it is (only NaN-ness
+// matters here: a NaN makes its group non-finite, scale NaN and codes 0, whatever its payload).
+__device__ __forceinline__ float element_of(uint4 words, uint32_t e)
+{
+    const uint32_t word = sdp_word_of(words, e / 2);
+    return e % 2 == 0 ? sdp_bf16_low_to_f32_raw(word) : sdp_bf16_high_to_f32_raw(word);
+}
+
 // This lane's run of 8 elements starting at shard element i as fp32 (the difference from the
 // reference when `difference`), zeros past shard_len.
 __device__ __forceinline__ void load_run(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict__ reference,
@@ -25,20 +33,20 @@ __device__ __forceinline__ void load_run(const uint16_t* __restrict__ new_shard,
         const uint4 r = args.difference ? sdp_load_u16x8(reference + i, false) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (uint32_t e = 0; e < 8; ++e) {
-            x[e] = sdp_bf16_to_f32(sdp_half(sdp_word_of(n, e / 2), e % 2));
+            x[e] = element_of(n, e);
             if (args.difference) {
-                x[e] = __fsub_rn(x[e], sdp_bf16_to_f32(sdp_half(sdp_word_of(r, e / 2), e % 2)));
+                x[e] = __fsub_rn(x[e], element_of(r, e));
             }
         }
-        return;
-    }
+    } else {  // Cold path: an unaligned or partial run, element by element.
 #pragma unroll
-    for (uint32_t e = 0; e < 8; ++e) {
-        x[e] = 0.0f;
-        if (i + e < args.shard_len) {
-            x[e] = sdp_bf16_to_f32(new_shard[i + e]);
-            if (args.difference) {
-                x[e] = __fsub_rn(x[e], sdp_bf16_to_f32(reference[i + e]));
+        for (uint32_t e = 0; e < 8; ++e) {
+            x[e] = 0.0f;
+            if (i + e < args.shard_len) {
+                x[e] = sdp_bf16_low_to_f32_raw(new_shard[i + e]);
+                if (args.difference) {
+                    x[e] = __fsub_rn(x[e], sdp_bf16_low_to_f32_raw(reference[i + e]));
+                }
             }
         }
     }
