@@ -331,19 +331,20 @@ __device__ __forceinline__ float sdp_divide_markstein(const sdp_divisor& d, floa
     return __fmaf_rn(r, d.inverse, q0);
 }
 
-// The plain division, out of line: the rarely taken path costs a call in the loops, not a
-// division sequence per element.
-static __device__ __noinline__ float sdp_divide_plain(float x, float s)
+// The plain division of four values, out of line: the rarely taken path costs a call per four
+// values in the loops, not a division sequence per value.
+static __device__ __noinline__ float4 sdp_divide_plain4(float4 x, float s)
 {
-    return __fdiv_rn(x, s);
+    return make_float4(__fdiv_rn(x.x, s), __fdiv_rn(x.y, s), __fdiv_rn(x.z, s), __fdiv_rn(x.w, s));
 }
 
-// q[i] = RN(x[i] / s) for the N values of x: the fast path, redone with the plain division
-// unless its conditions hold for all of them (one branch per run, no path to duplicate code
-// into).
+// q[i] = RN(x[i] / s) for the N values of x (N a multiple of 4): the fast path, redone with the
+// plain division unless its conditions hold for all of them (one branch per run, no path to
+// duplicate code into).
 template <uint32_t N>
 __device__ __forceinline__ void sdp_divide_run(const sdp_divisor& d, const float* x, float* q)
 {
+    static_assert(N % 4 == 0, "runs of 4 values");
     bool fast = d.fast;
 #pragma unroll
     for (uint32_t i = 0; i < N; ++i) {
@@ -355,8 +356,12 @@ __device__ __forceinline__ void sdp_divide_run(const sdp_divisor& d, const float
     }
     if (!fast) {  // Cold path: a run outside the fast path's range.
 #pragma unroll
-        for (uint32_t i = 0; i < N; ++i) {
-            q[i] = sdp_divide_plain(x[i], d.s);
+        for (uint32_t i = 0; i < N; i += 4) {
+            const float4 plain = sdp_divide_plain4(make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), d.s);
+            q[i] = plain.x;
+            q[i + 1] = plain.y;
+            q[i + 2] = plain.z;
+            q[i + 3] = plain.w;
         }
     }
 }

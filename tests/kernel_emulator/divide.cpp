@@ -7,12 +7,15 @@
 
 extern "C" {
 
-// q[i] = x[i] / s[i] through sdp_divide_run<1> with the divisor sdp_divisor_of(s[i], bound[i])
-// (the caller keeps |x[i]| <= bound[i], or bound[i] NaN or Inf).
+// q[i] = x[i] / s[i] through sdp_divide_run with the divisor sdp_divisor_of(s[i], bound[i]), on
+// a run of four copies of x[i] (the caller keeps |x[i]| <= bound[i], or bound[i] NaN or Inf).
 void sdp_test_divide(const float* x, const float* s, const float* bound, float* q, size_t n)
 {
     for (size_t i = 0; i < n; ++i) {
-        sdp_divide_run<1>(sdp_divisor_of(s[i], bound[i]), x + i, q + i);
+        const float run[4] = {x[i], x[i], x[i], x[i]};
+        float quotients[4];
+        sdp_divide_run<4>(sdp_divisor_of(s[i], bound[i]), run, quotients);
+        q[i] = quotients[0];
     }
 }
 
