@@ -214,11 +214,9 @@ struct sdp_philox_block {
     uint32_t w0, w1, w2, w3;
 };
 
-// Philox4x32-10 of counter (block low, block high, step, stream) under key (key_lo, key_hi)
-// (rng::philox4x32_10): ten rounds of the Random123 reference algorithm, each two 32 x 32 ->
-// 64-bit multiplies (one instruction each), two three-way XORs and the key schedule's two
-// additions. Random123's known-answer vector: counter {0, 0, 0, 0}, key {0, 0} ->
-// {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}.
+// Philox4x32-10 of counter (block low, block high, step, stream) under key (key_lo, key_hi):
+// ten rounds of the Random123 reference algorithm. Random123's known-answer vector: counter
+// {0, 0, 0, 0}, key {0, 0} -> {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}.
 __device__ __forceinline__ sdp_philox_block sdp_philox(const sdp_rng& rng, uint64_t block)
 {
     uint32_t c0 = (uint32_t)block;
@@ -233,12 +231,14 @@ __device__ __forceinline__ sdp_philox_block sdp_philox(const sdp_rng& rng, uint6
             k0 += SDP_PHILOX_W0;
             k1 += SDP_PHILOX_W1;
         }
-        const uint64_t p0 = (uint64_t)SDP_PHILOX_M0 * c0;
-        const uint64_t p1 = (uint64_t)SDP_PHILOX_M1 * c2;
-        c0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
-        c1 = (uint32_t)p1;
-        c2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
-        c3 = (uint32_t)p0;
+        const uint32_t hi0 = __umulhi(SDP_PHILOX_M0, c0);
+        const uint32_t lo0 = SDP_PHILOX_M0 * c0;
+        const uint32_t hi1 = __umulhi(SDP_PHILOX_M1, c2);
+        const uint32_t lo1 = SDP_PHILOX_M1 * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
     }
     sdp_philox_block b;
     b.w0 = c0;
@@ -336,6 +336,16 @@ __device__ __forceinline__ float sdp_divide_markstein(const sdp_divisor& d, floa
 static __device__ __noinline__ float4 sdp_divide_plain4(float4 x, float s)
 {
     return make_float4(__fdiv_rn(x.x, s), __fdiv_rn(x.y, s), __fdiv_rn(x.z, s), __fdiv_rn(x.w, s));
+}
+
+// q[i] = RN(x[i] / s) for the N values of x, each an IEEE division.
+template <uint32_t N>
+__device__ __forceinline__ void sdp_divide_each(float s, const float* x, float* q)
+{
+#pragma unroll
+    for (uint32_t i = 0; i < N; ++i) {
+        q[i] = __fdiv_rn(x[i], s);
+    }
 }
 
 // q[i] = RN(x[i] / s) for the N values of x (N a multiple of 4): the fast path, redone with the
@@ -783,10 +793,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
                     // Runs of 4 divide with __fdiv_rn: per group, the reciprocal and the
                     // fallback cost more than the division they save over 4 values, and the
                     // reciprocal's register does not fit the gradient kernels' 64.
-#pragma unroll
-                    for (uint32_t k = 0; k < E; ++k) {
-                        quotient[k] = __fdiv_rn(x[k], meta.scale);
-                    }
+                    sdp_divide_each<E>(meta.scale, x, quotient);
                 }
             }
             // The Philox words after the quotients: fewer values live at once.
