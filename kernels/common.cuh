@@ -7,7 +7,9 @@
 // src/codec/quant.rs, src/codec/slab.rs) bit for bit. Kernels are compiled by NVRTC with
 // --fmad=false --prec-div=true --ftz=false; on top of that all quantize / dequantize / sum /
 // Hadamard arithmetic uses the explicit round-to-nearest intrinsics (__fadd_rn, __fsub_rn,
-// __fmul_rn, __fdiv_rn), which are never contracted into a fused multiply-add.
+// __fmul_rn, __fdiv_rn), which are never contracted into a fused multiply-add. The explicit
+// fused multiply-adds (__fmaf_rn) stand only where their single rounding is exactly the
+// operation's (docs/numerics.md §1.4): a sum with a sign, t + u, the division's correction.
 //
 // Launch contract of every kernel: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic
 // shared memory, fewer than 2^32 work units (the kernels split a unit index into slab, group
@@ -46,6 +48,11 @@
 #pragma once
 
 #include "sdp4bit_abi.h"
+
+// An out-of-line device function (the host emulation defines its own).
+#ifndef SDP_NOINLINE
+#define SDP_NOINLINE __noinline__
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Launch shape and work distribution.
@@ -333,7 +340,7 @@ __device__ __forceinline__ float sdp_divide_markstein(const sdp_divisor& d, floa
 
 // The plain division of four values, out of line: the rarely taken path costs a call per four
 // values in the loops, not a division sequence per value.
-static __device__ __noinline__ float4 sdp_divide_plain4(float4 x, float s)
+static __device__ SDP_NOINLINE float4 sdp_divide_plain4(float4 x, float s)
 {
     return make_float4(__fdiv_rn(x.x, s), __fdiv_rn(x.y, s), __fdiv_rn(x.z, s), __fdiv_rn(x.w, s));
 }

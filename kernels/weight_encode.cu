@@ -24,7 +24,7 @@ __device__ __forceinline__ float element_of(uint4 words, uint32_t e)
 // Shard elements i .. i + 3 as fp32 (the difference from the reference when `difference`), one
 // by one, zeros past shard_len: the fallback of load_run, out of line (a call per four
 // elements in the loop, not the element-by-element code).
-static __device__ __noinline__ float4 load_four(const uint16_t* __restrict__ new_shard,
+static __device__ SDP_NOINLINE float4 load_four(const uint16_t* __restrict__ new_shard,
                                                 const uint16_t* __restrict__ reference, uint64_t shard_len,
                                                 bool difference, uint64_t i)
 {

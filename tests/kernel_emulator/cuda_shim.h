@@ -15,8 +15,8 @@
 //   divergent warp. (Like PTX on sm_70+, lanes may arrive from different call sites.)
 // - Floating point is the host's IEEE binary32 arithmetic with denormals (the emulator checks
 //   they are not flushed): the _rn intrinsics are plain operators (the build passes
-//   -ffp-contract=off, so nothing is fused into an FMA), and floorf, rintf, fminf and fmaxf
-//   are the host libm's.
+//   -ffp-contract=off, so nothing is fused into an FMA), __fmaf_rn is libm's exact fmaf, and
+//   floorf, rintf, fminf and fmaxf are the host libm's.
 //
 // Limits:
 // - Warps never run concurrently, so races between warps (two warps writing the same bytes,
@@ -52,7 +52,10 @@ static_assert(FLT_EVAL_METHOD == 0, "the emulation needs binary32 float arithmet
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline)) inline
+// kernels/common.cuh's out-of-line functions (__noinline__ on the GPU; not a macro for
+// __noinline__ itself, which libstdc++ uses in attributes): defined in every translation unit
+// that includes them, never inlined.
+#define SDP_NOINLINE __attribute__((noinline)) inline
 #define __launch_bounds__(...)
 
 // threadIdx, blockIdx, blockDim, gridDim: set by the emulator for the lane that runs.
