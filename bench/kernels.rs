@@ -767,7 +767,12 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
         "Per kernel, one representative configuration; the kernel is compiled once more with \
          that configuration as constants (a wrapper kernel), and the instructions of its \
          grid-stride loop body, one work unit, are counted in the SASS, cold paths included \
-         (an upper bound on what a warp issues per unit). The estimate is the smallest of:\n\n\
+         (an upper bound on what a warp issues per unit in the loop body). A function the \
+         compiler keeps out of line counts as its call only, not its body: the compiler's own \
+         division slow path, and the kernels' out-of-line fallbacks (the exact division for \
+         scales or values outside the fast path's range, element-wise loads of unaligned or \
+         partial runs), which valid, aligned buckets do not reach. The estimate is the smallest \
+         of:\n\n\
          - HBM3: {hbm:.2} TB/s, for the bytes the kernel reads and writes per element;\n\
          - issue: {mp} multiprocessors x {issue} warp instructions per clock x {clock:.2} GHz, \
            every loop-body instruction issued once per unit;\n\
