@@ -126,13 +126,17 @@ struct sdp_weight_apply {
 };
 
 // global_absmax(const float* bucket, uint32_t* abs_bits, params): *abs_bits = max over the
-// bucket of (bits & 0x7fffffff) (atomicMax; the caller zeroes it first); >= 0x7f800000 means
-// a NaN/Inf is present. (backend::cpu::global_qsgd::local_absmax)
+// bucket of min(bits & 0x7fffffff, 0x7f800000) (atomicMax; the caller zeroes it first): the
+// bits of max |x|, or of +Inf when a NaN or Inf is present, so the word read as an f32 is
+// what a MAX all-reduce maximises. (backend::cpu::global_qsgd::local_absmax)
 //
 // global_quantize_i8 / global_quantize_i16(const float* bucket, int8_t*/int16_t* out, params):
-// out[i] = clamp(R(x[i] / scale), -k, k), uniforms of element i of the bucket.
+// out[i] = clamp(R(x[i] / s), -k, k), uniforms of element i of the bucket.
 // global_dequantize_i8 / global_dequantize_i16(const int8_t*/int16_t* sum, float* out, params):
-// out[i] = f32(sum[i]) * scale. (backend::cpu::global_qsgd)
+// out[i] = f32(sum[i]) * s. (backend::cpu::global_qsgd)
+// s is `scale` when `absmax` is 0; otherwise `absmax` is the device address of the global
+// absmax a (one f32 the kernels read) and s = a / k, with docs/numerics.md §7.2's special
+// cases: a not finite: codes 0 and every output NaN; s = 0: codes 0 and every output 0.
 struct sdp_global {
     struct sdp_rng rng;
     uint64_t numel;
@@ -140,4 +144,5 @@ struct sdp_global {
     int32_t k;
     uint32_t stochastic;
     uint32_t reserved;
+    uint64_t absmax;
 };

@@ -320,19 +320,18 @@ impl Synthetic {
             (Kernel::GlobalQuantizeI16, Kernel::GlobalDequantizeI16)
         };
         let bucket = backend.stage(&self.values)?;
-        let mut word = backend.alloc::<u32>(1)?;
-        let absmax = backend.global_absmax(B::src(&bucket), B::dst(&mut word))?;
-        // The maximum as the pass returns it (the host computes it without the scratch word).
+        let mut word = backend.alloc::<f32>(1)?;
+        backend.global_absmax(B::src(&bucket), B::dst(&mut word))?;
+        // The peers are copies of this rank, so the all-reduced maximum is this rank's.
         let mut passes = vec![Pass {
             kernel: Kernel::GlobalAbsmax,
-            bytes: absmax.to_bits().to_le_bytes().to_vec(),
+            bytes: bytes_of(&backend.fetch(&word)?),
         }];
         let k = global_k(bits, self.plan.world);
-        let scale = absmax / k as f32;
         let mut codes = backend.alloc::<T>(self.plan.numel)?;
         backend.global_quantize(
             B::src(&bucket),
-            scale,
+            B::src(&word),
             k,
             self.config.grad.rounding,
             &self.rng(Stage::GlobalQsgd)?,
@@ -346,7 +345,7 @@ impl Synthetic {
         let shard_len = self.plan.shard_len;
         let own = backend.stage(&codes[self.rank * shard_len..(self.rank + 1) * shard_len])?;
         let mut shard = backend.alloc::<f32>(shard_len)?;
-        backend.global_dequantize(B::src(&own), scale, B::dst(&mut shard))?;
+        backend.global_dequantize(B::src(&own), B::src(&word), k, B::dst(&mut shard))?;
         passes.push(Pass {
             kernel: dequantize,
             bytes: bytes_of(&backend.fetch(&shard)?),

@@ -122,7 +122,8 @@ enum GlobalBuffers<B: Backend> {
 struct IntBuffers<B: Backend, T: Element> {
     send: B::Buffer<T>,
     recv: B::Buffer<T>,
-    word: B::Buffer<u32>,
+    /// The absmax: this rank's, then (all-reduced in place) the global one the passes read.
+    word: B::Buffer<f32>,
 }
 
 impl<B: Backend, T: Element> IntBuffers<B, T> {
@@ -517,7 +518,10 @@ impl<B: Backend> GlobalBuffers<B> {
 }
 
 impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
-    /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize.
+    /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize
+    /// (docs/numerics.md §7.2). The global absmax stays in `word`, in the backend's memory,
+    /// and the passes read their scale from it, so on a device nothing waits on the host; a
+    /// non-finite absmax or a zero scale make every code 0 and the shard all NaN or all 0.
     #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
@@ -529,27 +533,28 @@ impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
         rng: &UniformStream,
         clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
-        let local = clock.time(Phase::FirstPass, || {
+        clock.time(Phase::FirstPass, || {
             backend.global_absmax(bucket, B::dst(&mut self.word))
         })?;
-        let absmax = clock.time(Phase::FirstWait, || world.all_reduce_max(local))?;
-        if !absmax.is_finite() {
-            return backend.fill(shard, f32::NAN);
-        }
+        clock.time(Phase::FirstWait, || {
+            world.all_reduce_max_in_place(B::dst(&mut self.word))
+        })?;
         let k = global_k(T::BITS, world.size());
-        let scale = absmax / k as f32;
-        if scale == 0.0 {
-            // All zeros, or an absmax so small that a / K underflows: every code would be 0.
-            return backend.fill(shard, 0.0);
-        }
         clock.time(Phase::FirstPass, || {
-            backend.global_quantize(bucket, scale, k, rounding, rng, B::dst(&mut self.send))
+            backend.global_quantize(
+                bucket,
+                B::src(&self.word),
+                k,
+                rounding,
+                rng,
+                B::dst(&mut self.send),
+            )
         })?;
         clock.time(Phase::SecondWait, || {
             world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))
         })?;
         clock.time(Phase::LastPass, || {
-            backend.global_dequantize(B::src(&self.recv), scale, shard)
+            backend.global_dequantize(B::src(&self.recv), B::src(&self.word), k, shard)
         })
     }
 }

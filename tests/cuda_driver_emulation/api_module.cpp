@@ -10,6 +10,8 @@
 // warp emulator.
 #include "model.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 namespace emu {
@@ -198,6 +200,19 @@ std::string check_signature(const Function& f, const HostKernel& k)
     return {};
 }
 
+// The device address of the absmax word the parameter struct `args` of kernel `name` names (a
+// Global-QSGD rounding or dequantization scaled by the all-reduced absmax), or 0.
+uint64_t global_absmax_address(const std::string& name, const std::vector<uint8_t>& args)
+{
+    const bool reads_scale = name.rfind("global_quantize", 0) == 0 || name.rfind("global_dequantize", 0) == 0;
+    if (!reads_scale || args.size() != sizeof(sdp_global)) {
+        return 0;
+    }
+    uint64_t addr = 0;
+    std::memcpy(&addr, args.data() + offsetof(sdp_global, absmax), sizeof addr);
+    return addr;
+}
+
 }  // namespace
 }  // namespace emu
 
@@ -356,6 +371,20 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
     }
     const size_t last = f->params.back().first;
     std::vector<uint8_t> args(block.begin() + static_cast<long>(last), block.end());
+    // Global-QSGD's rounding and dequantization may read their scale from a device word whose
+    // address is a field of their parameter struct: an access like a pointer argument's.
+    if (const uint64_t addr = global_absmax_address(f->name, args); addr != 0) {
+        std::string why;
+        Allocation* a = check_range(addr, 4, ctx->device, why);
+        if (a == nullptr) {
+            report_fault(device, where + "the absmax word of its parameters: " + why);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        op->accesses.push_back(Access{a, addr - a->base, addr - a->base + 4, false});
+        if (std::find(allocations.begin(), allocations.end(), a) == allocations.end()) {
+            allocations.push_back(a);
+        }
+    }
     const unsigned order = static_cast<unsigned>(d.completed_by_kind["kernel"] % 3);
     const uint64_t seed = d.seed ^ (0x9e3779b97f4a7c15ull * (d.completed_by_kind["kernel"] + 1));
     // An injected fault: the byte of the first written argument to flip after the kernel ran.

@@ -5,7 +5,7 @@ use std::ops::Range;
 use half::bf16;
 
 use super::{global_qsgd, gradient, pool, weight};
-use crate::backend::device::{Backend, Element};
+use crate::backend::device::{Backend, Element, GlobalScale, global_scale};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
@@ -177,30 +177,46 @@ impl Backend for Host {
         })
     }
 
-    fn global_absmax(&self, bucket: &[f32], _word: &mut [u32]) -> Result<f32> {
-        Ok(pool::install(|| global_qsgd::local_absmax(bucket)))
+    fn global_absmax(&self, bucket: &[f32], word: &mut [f32]) -> Result<()> {
+        check_len("absmax word", word.len(), 1)?;
+        word[0] = pool::install(|| global_qsgd::local_absmax(bucket));
+        Ok(())
     }
 
     fn global_quantize<T: IntCode + Element>(
         &self,
         bucket: &[f32],
-        scale: f32,
+        absmax: &[f32],
         k: i32,
         rounding: Rounding,
         rng: &UniformStream,
         out: &mut [T],
     ) -> Result<()> {
-        pool::install(|| global_qsgd::quantize(bucket, scale, k, rounding, rng, out));
+        check_len("absmax word", absmax.len(), 1)?;
+        match global_scale(absmax[0], k) {
+            GlobalScale::Scaled(scale) => {
+                pool::install(|| global_qsgd::quantize(bucket, scale, k, rounding, rng, out))
+            }
+            GlobalScale::Zeros | GlobalScale::Nans => out.fill(T::zeroed()),
+        }
         Ok(())
     }
 
     fn global_dequantize<T: IntCode + Element>(
         &self,
         sum: &[T],
-        scale: f32,
+        absmax: &[f32],
+        k: i32,
         shard: &mut [f32],
     ) -> Result<()> {
-        pool::install(|| global_qsgd::dequantize(sum, scale, shard));
+        check_len("absmax word", absmax.len(), 1)?;
+        match global_scale(absmax[0], k) {
+            GlobalScale::Scaled(scale) => {
+                pool::install(|| global_qsgd::dequantize(sum, scale, shard))
+            }
+            GlobalScale::Zeros => shard.fill(0.0),
+            GlobalScale::Nans => shard.fill(f32::NAN),
+        }
         Ok(())
     }
 }
