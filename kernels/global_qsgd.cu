@@ -208,23 +208,59 @@ __device__ __forceinline__ void global_load_sums(const int16_t* __restrict__ sum
     }
 }
 
+// The largest and smallest value of a Code.
+template <class Code>
+__device__ __forceinline__ int32_t global_code_max()
+{
+    return sizeof(Code) == 1 ? 127 : 32767;
+}
+
+// Records that the sum of element i overflowed when block r was added: the status word keeps
+// the largest 0xffffffff - (r * numel + i), so the smallest (r, i), the first overflow of a
+// sum in rank order (collective::sum_in_rank_order), is what it names; 0 means none.
+__device__ __forceinline__ void global_record_overflow(const sdp_global& args, uint32_t r, uint64_t i)
+{
+    if (args.status != 0) {
+        atomicMax(reinterpret_cast<unsigned int*>(args.status), 0xffffffffu - (uint32_t)(r * args.numel + i));
+    }
+}
+
 // out[i] = f32(sum[i]) * scale (NaN or 0 by global_scale's outcome), one run of 4 per thread
-// and step.
+// and step, where sum[i] is the sum in rank order of element i of the `blocks` consecutive
+// blocks of numel integers at `sum` (one block when `blocks` is 0 or 1), each partial sum
+// checked: an element whose sum overflows the Code is NaN and recorded in the status word.
 template <class Code>
 __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, float* __restrict__ out,
                                                   const sdp_global& args)
 {
-    const bool vector = sdp_aligned(sum, 4 * sizeof(Code)) && sdp_aligned(out, 16);
+    const uint32_t blocks = args.blocks > 1 ? args.blocks : 1;
+    bool vector = sdp_aligned(out, 16);
+    for (uint32_t r = 0; r < blocks; ++r) {
+        vector = vector && sdp_aligned(sum + r * args.numel, 4 * sizeof(Code));
+    }
     const GlobalScale scale = global_scale(args);
     const float fill = scale.outcome == GLOBAL_NANS ? sdp_nan() : 0.0f;
     for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
         float x[4] = {fill, fill, fill, fill};
         if (scale.outcome == GLOBAL_SCALED) {
-            int32_t c[4];
-            global_load_sums(sum, args, b, vector, c);
+            int32_t acc[4];
+            global_load_sums(sum, args, b, vector, acc);
+            bool overflow[4] = {false, false, false, false};
+            for (uint32_t r = 1; r < blocks; ++r) {
+                int32_t c[4];
+                global_load_sums(sum + r * args.numel, args, b, vector, c);
+#pragma unroll
+                for (uint32_t e = 0; e < 4; ++e) {
+                    acc[e] += c[e];
+                    if (!overflow[e] && (acc[e] > global_code_max<Code>() || acc[e] < -global_code_max<Code>() - 1)) {
+                        overflow[e] = true;
+                        global_record_overflow(args, r, 4 * b + e);
+                    }
+                }
+            }
 #pragma unroll
             for (uint32_t e = 0; e < 4; ++e) {
-                x[e] = __fmul_rn((float)c[e], scale.s);
+                x[e] = overflow[e] ? sdp_nan() : __fmul_rn((float)acc[e], scale.s);
             }
         }
         if (vector && 4 * b + 4 <= args.numel) {

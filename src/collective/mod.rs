@@ -57,16 +57,20 @@ pub fn sum_in_rank_order<'a, T: SumElement>(
             continue;
         }
         for (i, (acc, v)) in recv.iter_mut().zip(part).enumerate() {
-            *acc = T::checked_sum(*acc, v).ok_or_else(|| {
-                Error::Comm(format!(
-                    "reduce_scatter ({}): sum overflows at element {} of {len}",
-                    T::DTYPE,
-                    first_index + i
-                ))
-            })?;
+            *acc =
+                T::checked_sum(*acc, v).ok_or_else(|| sum_overflow::<T>(first_index + i, len))?;
         }
     }
     Ok(())
+}
+
+/// The error of a sum of `T`s (a `len`-element block) that overflows at global element
+/// `element`, whether the host or a device found it.
+pub(crate) fn sum_overflow<T: SumElement>(element: usize, len: usize) -> Error {
+    Error::Comm(format!(
+        "reduce_scatter ({}): sum overflows at element {element} of {len}",
+        T::DTYPE
+    ))
 }
 
 /// A communicator of `size()` ranks exchanging buffers of backend `B` (host memory unless

@@ -200,17 +200,34 @@ std::string check_signature(const Function& f, const HostKernel& k)
     return {};
 }
 
-// The device address of the absmax word the parameter struct `args` of kernel `name` names (a
-// Global-QSGD rounding or dequantization scaled by the all-reduced absmax), or 0.
-uint64_t global_absmax_address(const std::string& name, const std::vector<uint8_t>& args)
+// A word of device memory a kernel reaches through its parameter struct, not a pointer
+// argument.
+struct StructWord {
+    uint64_t addr;
+    bool write;
+    const char* what;
+};
+
+// The words the parameter struct `args` of kernel `name` names: Global-QSGD's absmax word
+// (rounding and dequantization scaled by the all-reduced absmax, read) and status word (a
+// dequantization summing rank blocks, written).
+std::vector<StructWord> struct_words(const std::string& name, const std::vector<uint8_t>& args)
 {
-    const bool reads_scale = name.rfind("global_quantize", 0) == 0 || name.rfind("global_dequantize", 0) == 0;
-    if (!reads_scale || args.size() != sizeof(sdp_global)) {
-        return 0;
+    const bool quantize = name.rfind("global_quantize", 0) == 0;
+    const bool dequantize = name.rfind("global_dequantize", 0) == 0;
+    std::vector<StructWord> words;
+    if ((!quantize && !dequantize) || args.size() != sizeof(sdp_global)) {
+        return words;
     }
-    uint64_t addr = 0;
-    std::memcpy(&addr, args.data() + offsetof(sdp_global, absmax), sizeof addr);
-    return addr;
+    sdp_global p{};
+    std::memcpy(&p, args.data(), sizeof p);
+    if (p.absmax != 0) {
+        words.push_back(StructWord{p.absmax, false, "absmax word"});
+    }
+    if (dequantize && p.status != 0) {
+        words.push_back(StructWord{p.status, true, "status word"});
+    }
+    return words;
 }
 
 }  // namespace
@@ -371,16 +388,16 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
     }
     const size_t last = f->params.back().first;
     std::vector<uint8_t> args(block.begin() + static_cast<long>(last), block.end());
-    // Global-QSGD's rounding and dequantization may read their scale from a device word whose
-    // address is a field of their parameter struct: an access like a pointer argument's.
-    if (const uint64_t addr = global_absmax_address(f->name, args); addr != 0) {
+    // Global-QSGD's kernels may reach device words whose addresses are fields of their
+    // parameter struct: accesses like a pointer argument's.
+    for (const StructWord& w : struct_words(f->name, args)) {
         std::string why;
-        Allocation* a = check_range(addr, 4, ctx->device, why);
+        Allocation* a = check_range(w.addr, 4, ctx->device, why);
         if (a == nullptr) {
-            report_fault(device, where + "the absmax word of its parameters: " + why);
+            report_fault(device, where + "the " + w.what + " of its parameters: " + why);
             return CUDA_ERROR_INVALID_VALUE;
         }
-        op->accesses.push_back(Access{a, addr - a->base, addr - a->base + 4, false});
+        op->accesses.push_back(Access{a, w.addr - a->base, w.addr - a->base + 4, w.write});
         if (std::find(allocations.begin(), allocations.end(), a) == allocations.end()) {
             allocations.push_back(a);
         }

@@ -373,6 +373,37 @@ impl Backend for Cuda {
             .global_quantize_scaled_by(self.stream, bucket, absmax, k, rounding, rng, out)
     }
 
+    fn sums_exchanged_blocks(&self) -> bool {
+        true
+    }
+
+    fn global_sum_dequantize<T: IntCode + Element>(
+        &self,
+        blocks: DeviceSpan<T>,
+        world: usize,
+        absmax: DeviceSpan<f32>,
+        k: i32,
+        status: DeviceSpan<u32>,
+        shard: DeviceSpan<f32>,
+    ) -> Result<()> {
+        self.kernels
+            .global_sum_dequantize(self.stream, blocks, world, absmax, k, status, shard)
+    }
+
+    fn take_sum_status(&self, status: DeviceSpan<u32>) -> Result<u32> {
+        check_len("integer sum status word", status.len(), 1)?;
+        let word = self.download(status)?;
+        let stream = self.stream.raw();
+        self.kernels.with_context(|| {
+            // SAFETY: `status` is one u32 of device memory of this context; `stream` belongs
+            // to it.
+            unsafe { sys::cuMemsetD32Async(status.addr(), 0, 1, stream) }
+                .result()
+                .map_err(driver_error("cuMemsetD32Async"))
+        })?;
+        Ok(word[0])
+    }
+
     fn global_dequantize<T: IntCode + Element>(
         &self,
         sum: DeviceSpan<T>,

@@ -141,6 +141,15 @@ impl<T> DeviceSpan<T> {
         Ok(())
     }
 
+    /// The first `len` elements of `span` (at most its length).
+    fn first(span: Self, len: usize) -> Self {
+        Self {
+            addr: span.addr,
+            len: len.min(span.len),
+            _element: PhantomData,
+        }
+    }
+
     /// The byte range of the span.
     fn range(&self) -> (u64, u64) {
         (self.addr, self.addr + self.bytes())
@@ -576,6 +585,53 @@ impl Kernels {
         check_positive_k(k)?;
         let params = SdpGlobal::dequantize(sum.len(), 0.0).scaled_by_absmax_at(absmax.addr(), k);
         self.launch_global_dequantize(stream, sum, params, &[absmax.range()], out)
+    }
+
+    /// `global_dequantize_i8` / `_i16` of the sum in rank order of the `world` blocks of
+    /// `blocks` (block `r` from rank `r`, each `out.len()` integers), at the scale of the
+    /// global absmax in `absmax` (as [`global_dequantize_scaled_by`](Self::global_dequantize_scaled_by)):
+    /// the reduce-scatter's sum and the dequantization in one pass. An element whose sum
+    /// overflows `T` (checked after each addition, as `collective::sum_in_rank_order` checks)
+    /// is NaN, and the first overflow in rank order is recorded in `status` (one u32 the
+    /// caller zeroes; [`overflow_from_status`](super::abi::overflow_from_status) reads it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn global_sum_dequantize<T: IntCode>(
+        &self,
+        stream: Stream,
+        blocks: DeviceSpan<T>,
+        world: usize,
+        absmax: DeviceSpan<f32>,
+        k: i32,
+        status: DeviceSpan<u32>,
+        out: DeviceSpan<f32>,
+    ) -> Result<()> {
+        let numel = out.len();
+        let total = world.checked_mul(numel).filter(|&n| n < u32::MAX as usize);
+        if world == 0 || total.is_none() {
+            return Err(Error::Buffer(format!(
+                "Global-QSGD sums {world} blocks of {numel} integers: at most 2^32 - 2 in all"
+            )));
+        }
+        blocks.check("integer blocks", world * numel, 1)?;
+        absmax.check("global absmax word", 1, 1)?;
+        status.check("integer sum status word", 1, 1)?;
+        check_positive_k(k)?;
+        check_disjoint(
+            "integer sum status word",
+            status.range(),
+            &[blocks.range(), absmax.range()],
+        )?;
+        let params =
+            SdpGlobal::sum_and_dequantize(numel, to_u32("world size", world)?, status.addr())
+                .scaled_by_absmax_at(absmax.addr(), k);
+        let blocks_start = DeviceSpan::<T>::first(blocks, numel);
+        self.launch_global_dequantize(
+            stream,
+            blocks_start,
+            params,
+            &[blocks.range(), absmax.range(), status.range()],
+            out,
+        )
     }
 
     fn launch_global_dequantize<T: IntCode>(
