@@ -38,6 +38,9 @@ pub struct EmulatedComm<'a> {
     stream: *mut c_void,
     /// Where the exchanges `start_all_to_all` starts run, ordered by events.
     side: SideStream,
+    /// Whether waiting for a started exchange orders the compute stream after it (false only
+    /// to show that the emulation catches the race).
+    order_completion: bool,
     /// The same ranks on the host, for `all_reduce_max`.
     host: &'a sdp4bit::collective::local::LocalComm,
 }
@@ -118,6 +121,9 @@ impl Comm<Cuda> for EmulatedComm<'_> {
                 bytes(recv),
             )
         })?;
+        if !self.order_completion {
+            return Ok(InFlight::completed());
+        }
         Ok(InFlight::new(exchange))
     }
 
@@ -160,6 +166,7 @@ pub struct Rank<'a> {
 /// The communicators of a topology, as [`LocalCluster`] builds them, in the emulation.
 pub struct EmulatedCluster {
     topology: Topology,
+    order_completion: bool,
     world: Handle,
     intra: Vec<Handle>,
     inter: Vec<Handle>,
@@ -187,10 +194,20 @@ impl EmulatedCluster {
         };
         Self {
             topology: topology.clone(),
+            order_completion: true,
             world: Handle(e.comm_create(topology.world())),
             intra,
             inter,
             host: LocalCluster::new(topology.clone()),
+        }
+    }
+
+    /// The same cluster whose started exchanges complete without ordering the compute stream
+    /// after them: a broken communicator, whose races the emulation must report.
+    pub fn without_exchange_waits(self) -> Self {
+        Self {
+            order_completion: false,
+            ..self
         }
     }
 
@@ -217,6 +234,7 @@ impl EmulatedCluster {
                 size,
                 stream: stream.cu_stream().cast(),
                 side: SideStream::new(kernels).expect("a side stream"),
+                order_completion: self.order_completion,
                 host,
             };
             let world = comm(self.world, me, t.world(), host.world);

@@ -250,3 +250,46 @@ fn overflow_scenario() {
     let faults = emulation().take_faults(-1);
     assert!(faults.is_empty(), "the emulation reported:\n{faults}");
 }
+
+/// Pipelined chunks whose exchanges run on side streams, through a communicator that forgets
+/// to order the compute stream after them: the passes reading a chunk's receive buffer race
+/// with the exchange writing it, which the emulation reports (so the end-to-end sweep, where
+/// none is reported, shows that every event wait is there).
+#[test]
+fn a_missing_exchange_wait_is_caught() {
+    let Some(output) = run_isolated(
+        "hot_path::a_missing_exchange_wait_is_caught",
+        &[],
+        missing_wait_scenario,
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+fn missing_wait_scenario() {
+    let topo = Topology::uniform(2, 2).expect("2x2");
+    let config: Config = cfg(Preset::Sdp4bit, &[("pipeline_chunks", "3")]);
+    let numel = 4 * 307;
+    let grads = vec![vec![0.5f32; numel]; 4];
+    let results = EmulatedCluster::new(&topo)
+        .without_exchange_waits()
+        .run(|rank| {
+            let me = rank.comms.world.rank();
+            let mut rs =
+                GradReduceScatter::with_backend(&rank.backend, &config, &topo, me, numel, 4)
+                    .expect("device plan");
+            let mut shard = upload(rank, &vec![0.0f32; rs.plan().shard_len]);
+            let bucket = upload(rank, &grads[me]);
+            run_device(rank, &mut rs, &bucket, &mut shard).map_err(|e| e.to_string())
+        });
+    let faults = emulation().take_faults(-1);
+    assert!(
+        faults.contains("race on") && faults.contains("collective all_to_all"),
+        "no race between an exchange and the passes was reported:\n{faults}\n{results:?}"
+    );
+    assert!(
+        results.iter().any(Result::is_err),
+        "the racing launch was refused on some rank: {results:?}"
+    );
+}
