@@ -234,10 +234,9 @@ __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, 
                                                   const sdp_global& args)
 {
     const uint32_t blocks = args.blocks > 1 ? args.blocks : 1;
-    bool vector = sdp_aligned(out, 16);
-    for (uint32_t r = 0; r < blocks; ++r) {
-        vector = vector && sdp_aligned(sum + r * args.numel, 4 * sizeof(Code));
-    }
+    // Every block is aligned like the first when numel is a multiple of a run.
+    const bool vector = sdp_aligned(out, 16) && sdp_aligned(sum, 4 * sizeof(Code)) &&
+        (blocks == 1 || args.numel % 4 == 0);
     const GlobalScale scale = global_scale(args);
     const float fill = scale.outcome == GLOBAL_NANS ? sdp_nan() : 0.0f;
     for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
@@ -245,22 +244,26 @@ __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, 
         if (scale.outcome == GLOBAL_SCALED) {
             int32_t acc[4];
             global_load_sums(sum, args, b, vector, acc);
-            bool overflow[4] = {false, false, false, false};
+            // Bit e: element e's sum has overflowed.
+            uint32_t overflow = 0;
+            const Code* block = sum;
             for (uint32_t r = 1; r < blocks; ++r) {
+                block += args.numel;
                 int32_t c[4];
-                global_load_sums(sum + r * args.numel, args, b, vector, c);
+                global_load_sums(block, args, b, vector, c);
 #pragma unroll
                 for (uint32_t e = 0; e < 4; ++e) {
                     acc[e] += c[e];
-                    if (!overflow[e] && (acc[e] > global_code_max<Code>() || acc[e] < -global_code_max<Code>() - 1)) {
-                        overflow[e] = true;
+                    const bool outside = acc[e] > global_code_max<Code>() || acc[e] < -global_code_max<Code>() - 1;
+                    if (outside && (overflow & (1u << e)) == 0) {
+                        overflow |= 1u << e;
                         global_record_overflow(args, r, 4 * b + e);
                     }
                 }
             }
 #pragma unroll
             for (uint32_t e = 0; e < 4; ++e) {
-                x[e] = overflow[e] ? sdp_nan() : __fmul_rn((float)acc[e], scale.s);
+                x[e] = (overflow & (1u << e)) != 0 ? sdp_nan() : __fmul_rn((float)acc[e], scale.s);
             }
         }
         if (vector && 4 * b + 4 <= args.numel) {
