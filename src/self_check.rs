@@ -24,6 +24,7 @@ use crate::backend::cuda::{Cuda, Kernels, Stream, format_driver_version};
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::collective::{global_bits, global_k};
 use crate::config::{Config, GradCodec, WeightCodec};
@@ -313,7 +314,11 @@ impl Synthetic {
     }
 
     /// Absmax, integer rounding, dequantization of this rank's own codes.
-    fn global<B: Staging, T: IntCode + Element>(&self, backend: &B, bits: u8) -> Result<Vec<Pass>> {
+    fn global<B: Staging, T: IntCode + SumElement + Element>(
+        &self,
+        backend: &B,
+        bits: u8,
+    ) -> Result<Vec<Pass>> {
         let (quantize, dequantize) = if bits == 8 {
             (Kernel::GlobalQuantizeI8, Kernel::GlobalDequantizeI8)
         } else {
@@ -342,10 +347,22 @@ impl Synthetic {
             kernel: quantize,
             bytes: bytes_of(&codes),
         });
+        // What the all-to-all delivers from W copies of this rank: its own shard's codes W
+        // times, summed (and checked) by the dequantization as on a device.
         let shard_len = self.plan.shard_len;
-        let own = backend.stage(&codes[self.rank * shard_len..(self.rank + 1) * shard_len])?;
+        let own = &codes[self.rank * shard_len..(self.rank + 1) * shard_len];
+        let blocks = backend.stage(&own.repeat(self.plan.world))?;
+        let mut status = backend.alloc::<u32>(1)?;
+        backend.take_sum_status(B::dst(&mut status))?;
         let mut shard = backend.alloc::<f32>(shard_len)?;
-        backend.global_dequantize(B::src(&own), B::src(&word), k, B::dst(&mut shard))?;
+        backend.global_sum_dequantize(
+            B::src(&blocks),
+            self.plan.world,
+            B::src(&word),
+            k,
+            B::dst(&mut status),
+            B::dst(&mut shard),
+        )?;
         passes.push(Pass {
             kernel: dequantize,
             bytes: bytes_of(&backend.fetch(&shard)?),

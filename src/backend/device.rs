@@ -10,6 +10,7 @@ use half::bf16;
 
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
@@ -168,10 +169,11 @@ pub trait Backend: Debug {
         rng: &UniformStream,
         out: Self::Dst<'_, T>,
     ) -> Result<()>;
-    /// Whether Global-QSGD's integer sum is a pass of this backend
-    /// ([`global_sum_dequantize`](Self::global_sum_dequantize), over the blocks an all-to-all
-    /// delivered) rather than the communicator's reduce-scatter: a device sums and checks for
-    /// overflow without the host, recording an overflow in a status word.
+    /// Whether Global-QSGD's collective sums its integers with this backend's
+    /// [`global_sum_dequantize`](Self::global_sum_dequantize) over the blocks an all-to-all
+    /// delivered, rather than with the communicator's reduce-scatter (which returns an
+    /// overflow as an error at once) and [`global_dequantize`](Self::global_dequantize): a
+    /// device sums and checks without the host, recording an overflow in a status word.
     fn sums_exchanged_blocks(&self) -> bool {
         false
     }
@@ -179,11 +181,12 @@ pub trait Backend: Debug {
     /// `shard.len()` integers), each partial sum checked for overflow as
     /// `collective::sum_in_rank_order` checks, then
     /// [`global_dequantize`](Self::global_dequantize) of it. An element whose sum overflows is
-    /// NaN and the first overflow in rank order is recorded in `status` (one u32, zero when
-    /// none; [`take_sum_status`](Self::take_sum_status) reads it). Called only when
-    /// [`sums_exchanged_blocks`](Self::sums_exchanged_blocks) is true.
+    /// NaN and the first overflow `(r, i)` in rank order is recorded in `status` (one u32: it
+    /// keeps the largest `u32::MAX - (r * shard.len() + i)`, 0 when none;
+    /// [`take_sum_status`](Self::take_sum_status) reads it). Sums are checked only when the
+    /// scale is [`GlobalScale::Scaled`] (the other cases write every element regardless).
     #[allow(clippy::too_many_arguments)]
-    fn global_sum_dequantize<T: IntCode + Element>(
+    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
         &self,
         blocks: Self::Src<'_, T>,
         world: usize,
@@ -191,21 +194,10 @@ pub trait Backend: Debug {
         k: i32,
         status: Self::Dst<'_, u32>,
         shard: Self::Dst<'_, f32>,
-    ) -> Result<()> {
-        let _ = (blocks, absmax, k, status, shard);
-        Err(Error::Plan(format!(
-            "this backend sums integers in the communicator (a sum of {world} blocks was asked for)"
-        )))
-    }
+    ) -> Result<()>;
     /// The status word of [`global_sum_dequantize`](Self::global_sum_dequantize), set to zero
-    /// afterwards; waits for the passes enqueued before. Called only when
-    /// [`sums_exchanged_blocks`](Self::sums_exchanged_blocks) is true.
-    fn take_sum_status(&self, status: Self::Dst<'_, u32>) -> Result<u32> {
-        let _ = status;
-        Err(Error::Plan(
-            "this backend sums integers in the communicator and keeps no status word".to_string(),
-        ))
-    }
+    /// afterwards; waits for the passes enqueued before.
+    fn take_sum_status(&self, status: Self::Dst<'_, u32>) -> Result<u32>;
     /// `cpu::global_qsgd::dequantize` at the scale of the global absmax in `absmax` (as
     /// [`global_quantize`](Self::global_quantize)): every element NaN for
     /// [`GlobalScale::Nans`], 0 for [`GlobalScale::Zeros`].

@@ -18,6 +18,7 @@ use super::module::{Kernels, driver_error};
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result, check_len};
@@ -377,7 +378,7 @@ impl Backend for Cuda {
         true
     }
 
-    fn global_sum_dequantize<T: IntCode + Element>(
+    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
         &self,
         blocks: DeviceSpan<T>,
         world: usize,
