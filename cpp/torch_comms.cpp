@@ -230,6 +230,20 @@ void TorchComms::all_to_all_device(CommLevel level, std::uint64_t send, std::siz
                      wrap(recv, recv_bytes, at::kByte, device), device_staging(group));
 }
 
+// Global-QSGD's absmax word stays in device memory: NCCL reduces it on the current stream (the
+// work's wait() orders that stream after it, without blocking the host); a gloo group reduces
+// a host copy.
+void TorchComms::all_reduce_max_device(CommLevel level, std::uint64_t word) const {
+  const Group& group = groups_->at(level);
+  at::Tensor value = wrap(word, 1, at::kFloat, current_cuda_device());
+  std::optional<c10::Device> staging = device_staging(group);
+  std::vector<at::Tensor> tensors{staging ? value.to(*staging) : value};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  group->allreduce(tensors, options)->wait();
+  if (staging) value.copy_(tensors[0]);
+}
+
 // An all-to-all, then the sum of the W received blocks on the device: floats left to right in
 // rank order ((b0 + b1) + b2 ...), as the host path sums, integers (exact in any order, never
 // overflowing by Global-QSGD's bound) in one reduction kernel. The same bits as the in-process

@@ -62,6 +62,8 @@ class TorchComms {
   void reduce_scatter_device(CommLevel level, SumDtype dtype, std::uint64_t send,
                              std::size_t send_numel, std::uint64_t recv,
                              std::size_t recv_numel) const;
+  // The MAX all-reduce of the one float at device address `word`, in place.
+  void all_reduce_max_device(CommLevel level, std::uint64_t word) const;
 
  private:
   std::unique_ptr<Groups> groups_;

@@ -32,9 +32,12 @@ __device__ __forceinline__ void global_load_run(const float* __restrict__ x, con
     }
 }
 
-// global_absmax(bucket, abs_bits): *abs_bits = max over the bucket of (bits & 0x7fffffff), the
-// caller zeroes it first; >= 0x7f800000 means a NaN or Inf is present (local_absmax returns
-// +Inf then).
+// The bits of +Inf: global_absmax's word for a bucket holding a NaN or Inf.
+#define GLOBAL_INF_BITS 0x7f800000u
+
+// global_absmax(bucket, abs_bits): *abs_bits = max over the bucket of min(bits & 0x7fffffff,
+// +Inf's bits), the caller zeroes it first: the f32 max |x|, or +Inf when a NaN or Inf is
+// present (local_absmax), which a MAX all-reduce of the word as an f32 maximises.
 extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_absmax(const float* __restrict__ bucket, uint32_t* __restrict__ abs_bits, sdp_global args)
 {
@@ -49,17 +52,41 @@ global_absmax(const float* __restrict__ bucket, uint32_t* __restrict__ abs_bits,
             m = bits > m ? bits : m;
         }
     }
+    m = m < GLOBAL_INF_BITS ? m : GLOBAL_INF_BITS;
     m = sdp_warp_max_u32(m);
     if (sdp_lane() == 0 && m != 0) {
         atomicMax(abs_bits, m);
     }
 }
 
+// What a launch scales by (docs/numerics.md §7.2 steps 2 and 4): `scale`, or a / k for the
+// global absmax a the launch reads from device memory, where a not finite makes every output
+// NaN and a / k = 0 every output 0 (in both cases every code is 0, so the integer sum stays 0).
+enum GlobalOutcome : uint32_t { GLOBAL_SCALED = 0, GLOBAL_ZEROS = 1, GLOBAL_NANS = 2 };
+
+struct GlobalScale {
+    float s;
+    GlobalOutcome outcome;
+};
+
+__device__ __forceinline__ GlobalScale global_scale(const sdp_global& args)
+{
+    if (args.absmax == 0) {
+        return GlobalScale{args.scale, GLOBAL_SCALED};
+    }
+    const float a = *reinterpret_cast<const float*>(args.absmax);
+    if (!sdp_is_finite(a)) {
+        return GlobalScale{0.0f, GLOBAL_NANS};
+    }
+    const float s = __fdiv_rn(a, (float)args.k);
+    return s == 0.0f ? GlobalScale{0.0f, GLOBAL_ZEROS} : GlobalScale{s, GLOBAL_SCALED};
+}
+
 // The code of x: clamp(R(x / scale), -k, k) with R = floor(x / scale + u) (stochastic) or
 // round half to even; a NaN code becomes 0 (quantize_task and quant::code_bits).
-__device__ __forceinline__ int32_t global_code(const sdp_global& args, float x, float u)
+__device__ __forceinline__ int32_t global_code(const sdp_global& args, float scale, float x, float u)
 {
-    const float t = __fdiv_rn(x, args.scale);
+    const float t = __fdiv_rn(x, scale);
     float c = args.stochastic ? floorf(__fadd_rn(t, u)) : rintf(t);
     if (c != c) {
         return 0;
@@ -114,17 +141,20 @@ __device__ __forceinline__ void global_quantize(const float* __restrict__ bucket
                                                 const sdp_global& args)
 {
     const bool vector = sdp_aligned(bucket, 16) && sdp_aligned(out, 4 * sizeof(Code));
+    const GlobalScale scale = global_scale(args);
     for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
-        float x[4];
-        global_load_run(bucket, args, b, vector, x);
-        float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (args.stochastic) {
-            sdp_uniforms4(args.rng, 4 * b, u);
-        }
-        int32_t c[4];
+        int32_t c[4] = {0, 0, 0, 0};
+        if (scale.outcome == GLOBAL_SCALED) {
+            float x[4];
+            global_load_run(bucket, args, b, vector, x);
+            float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (args.stochastic) {
+                sdp_uniforms4(args.rng, 4 * b, u);
+            }
 #pragma unroll
-        for (uint32_t e = 0; e < 4; ++e) {
-            c[e] = global_code(args, x[e], u[e]);
+            for (uint32_t e = 0; e < 4; ++e) {
+                c[e] = global_code(args, scale.s, x[e], u[e]);
+            }
         }
         global_store_codes(out, args, b, vector, c);
     }
@@ -178,19 +208,63 @@ __device__ __forceinline__ void global_load_sums(const int16_t* __restrict__ sum
     }
 }
 
-// out[i] = f32(sum[i]) * scale, one run of 4 per thread and step.
+// The largest and smallest value of a Code.
+template <class Code>
+__device__ __forceinline__ int32_t global_code_max()
+{
+    return sizeof(Code) == 1 ? 127 : 32767;
+}
+
+// Records that the sum of element i overflowed when block r was added: the status word keeps
+// the largest 0xffffffff - (r * numel + i), so the smallest (r, i), the first overflow of a
+// sum in rank order (collective::sum_in_rank_order), is what it names; 0 means none.
+__device__ __forceinline__ void global_record_overflow(const sdp_global& args, uint32_t r, uint64_t i)
+{
+    if (args.status != 0) {
+        atomicMax(reinterpret_cast<unsigned int*>(args.status), 0xffffffffu - (uint32_t)(r * args.numel + i));
+    }
+}
+
+// out[i] = f32(sum[i]) * scale (NaN or 0 by global_scale's outcome), one run of 4 per thread
+// and step, where sum[i] is the sum in rank order of element i of the `blocks` consecutive
+// blocks of numel integers at `sum` (one block when `blocks` is 0 or 1), each partial sum
+// checked: an element whose sum overflows the Code is NaN and recorded in the status word.
 template <class Code>
 __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, float* __restrict__ out,
                                                   const sdp_global& args)
 {
-    const bool vector = sdp_aligned(sum, 4 * sizeof(Code)) && sdp_aligned(out, 16);
+    const uint32_t blocks = args.blocks > 1 ? args.blocks : 1;
+    // Every block is aligned like the first when numel is a multiple of a run.
+    const bool vector = sdp_aligned(out, 16) && sdp_aligned(sum, 4 * sizeof(Code)) &&
+        (blocks == 1 || args.numel % 4 == 0);
+    const GlobalScale scale = global_scale(args);
+    const float fill = scale.outcome == GLOBAL_NANS ? sdp_nan() : 0.0f;
     for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
-        int32_t c[4];
-        global_load_sums(sum, args, b, vector, c);
-        float x[4];
+        float x[4] = {fill, fill, fill, fill};
+        if (scale.outcome == GLOBAL_SCALED) {
+            int32_t acc[4];
+            global_load_sums(sum, args, b, vector, acc);
+            // Bit e: element e's sum has overflowed.
+            uint32_t overflow = 0;
+            const Code* block = sum;
+            for (uint32_t r = 1; r < blocks; ++r) {
+                block += args.numel;
+                int32_t c[4];
+                global_load_sums(block, args, b, vector, c);
 #pragma unroll
-        for (uint32_t e = 0; e < 4; ++e) {
-            x[e] = __fmul_rn((float)c[e], args.scale);
+                for (uint32_t e = 0; e < 4; ++e) {
+                    acc[e] += c[e];
+                    const bool outside = acc[e] > global_code_max<Code>() || acc[e] < -global_code_max<Code>() - 1;
+                    if (outside && (overflow & (1u << e)) == 0) {
+                        overflow |= 1u << e;
+                        global_record_overflow(args, r, 4 * b + e);
+                    }
+                }
+            }
+#pragma unroll
+            for (uint32_t e = 0; e < 4; ++e) {
+                x[e] = (overflow & (1u << e)) != 0 ? sdp_nan() : __fmul_rn((float)acc[e], scale.s);
+            }
         }
         if (vector && 4 * b + 4 <= args.numel) {
             sdp_store_f32x4(out + 4 * b, x);

@@ -126,18 +126,29 @@ struct sdp_weight_apply {
 };
 
 // global_absmax(const float* bucket, uint32_t* abs_bits, params): *abs_bits = max over the
-// bucket of (bits & 0x7fffffff) (atomicMax; the caller zeroes it first); >= 0x7f800000 means
-// a NaN/Inf is present. (backend::cpu::global_qsgd::local_absmax)
+// bucket of min(bits & 0x7fffffff, 0x7f800000) (atomicMax; the caller zeroes it first): the
+// bits of max |x|, or of +Inf when a NaN or Inf is present, so the word read as an f32 is
+// what a MAX all-reduce maximises. (backend::cpu::global_qsgd::local_absmax)
 //
 // global_quantize_i8 / global_quantize_i16(const float* bucket, int8_t*/int16_t* out, params):
-// out[i] = clamp(R(x[i] / scale), -k, k), uniforms of element i of the bucket.
+// out[i] = clamp(R(x[i] / s), -k, k), uniforms of element i of the bucket.
 // global_dequantize_i8 / global_dequantize_i16(const int8_t*/int16_t* sum, float* out, params):
-// out[i] = f32(sum[i]) * scale. (backend::cpu::global_qsgd)
+// out[i] = f32(sum[i]) * s (backend::cpu::global_qsgd), where sum[i] is element i of `sum`, or,
+// when `blocks` > 1, the sum in rank order of element i of the `blocks` consecutive blocks of
+// numel integers at `sum` (collective::sum_in_rank_order), each partial sum checked: an element
+// whose sum overflows is NaN, and when `status` is not 0 (the device address of a u32 the
+// caller zeroes) the first overflow (r, i) in rank order is recorded there as the largest
+// 0xffffffff - (r * numel + i).
+// s is `scale` when `absmax` is 0; otherwise `absmax` is the device address of the global
+// absmax a (one f32 the kernels read) and s = a / k, with docs/numerics.md §7.2's special
+// cases: a not finite: codes 0 and every output NaN; s = 0: codes 0 and every output 0.
 struct sdp_global {
     struct sdp_rng rng;
     uint64_t numel;
     float scale;
     int32_t k;
     uint32_t stochastic;
-    uint32_t reserved;
+    uint32_t blocks;
+    uint64_t absmax;
+    uint64_t status;
 };

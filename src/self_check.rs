@@ -24,6 +24,7 @@ use crate::backend::cuda::{Cuda, Kernels, Stream, format_driver_version};
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::collective::{global_bits, global_k};
 use crate::config::{Config, GradCodec, WeightCodec};
@@ -313,26 +314,29 @@ impl Synthetic {
     }
 
     /// Absmax, integer rounding, dequantization of this rank's own codes.
-    fn global<B: Staging, T: IntCode + Element>(&self, backend: &B, bits: u8) -> Result<Vec<Pass>> {
+    fn global<B: Staging, T: IntCode + SumElement + Element>(
+        &self,
+        backend: &B,
+        bits: u8,
+    ) -> Result<Vec<Pass>> {
         let (quantize, dequantize) = if bits == 8 {
             (Kernel::GlobalQuantizeI8, Kernel::GlobalDequantizeI8)
         } else {
             (Kernel::GlobalQuantizeI16, Kernel::GlobalDequantizeI16)
         };
         let bucket = backend.stage(&self.values)?;
-        let mut word = backend.alloc::<u32>(1)?;
-        let absmax = backend.global_absmax(B::src(&bucket), B::dst(&mut word))?;
-        // The maximum as the pass returns it (the host computes it without the scratch word).
+        let mut word = backend.alloc::<f32>(1)?;
+        backend.global_absmax(B::src(&bucket), B::dst(&mut word))?;
+        // The peers are copies of this rank, so the all-reduced maximum is this rank's.
         let mut passes = vec![Pass {
             kernel: Kernel::GlobalAbsmax,
-            bytes: absmax.to_bits().to_le_bytes().to_vec(),
+            bytes: bytes_of(&backend.fetch(&word)?),
         }];
         let k = global_k(bits, self.plan.world);
-        let scale = absmax / k as f32;
         let mut codes = backend.alloc::<T>(self.plan.numel)?;
         backend.global_quantize(
             B::src(&bucket),
-            scale,
+            B::src(&word),
             k,
             self.config.grad.rounding,
             &self.rng(Stage::GlobalQsgd)?,
@@ -343,10 +347,22 @@ impl Synthetic {
             kernel: quantize,
             bytes: bytes_of(&codes),
         });
+        // What the all-to-all delivers from W copies of this rank: its own shard's codes W
+        // times, summed (and checked) by the dequantization as on a device.
         let shard_len = self.plan.shard_len;
-        let own = backend.stage(&codes[self.rank * shard_len..(self.rank + 1) * shard_len])?;
+        let own = &codes[self.rank * shard_len..(self.rank + 1) * shard_len];
+        let blocks = backend.stage(&own.repeat(self.plan.world))?;
+        let mut status = backend.alloc::<u32>(1)?;
+        backend.take_sum_status(B::dst(&mut status))?;
         let mut shard = backend.alloc::<f32>(shard_len)?;
-        backend.global_dequantize(B::src(&own), scale, B::dst(&mut shard))?;
+        backend.global_sum_dequantize(
+            B::src(&blocks),
+            self.plan.world,
+            B::src(&word),
+            k,
+            B::dst(&mut status),
+            B::dst(&mut shard),
+        )?;
         passes.push(Pass {
             kernel: dequantize,
             bytes: bytes_of(&backend.fetch(&shard)?),

@@ -10,6 +10,7 @@ use half::bf16;
 
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
@@ -151,25 +152,86 @@ pub trait Backend: Debug {
         params: Self::Dst<'_, bf16>,
     ) -> Result<()>;
 
-    /// `cpu::global_qsgd::local_absmax`, returned to the host. `word` is one `u32` of scratch
-    /// the CUDA backend reduces into (the host backend does not use it).
-    fn global_absmax(&self, bucket: Self::Src<'_, f32>, word: Self::Dst<'_, u32>) -> Result<f32>;
-    /// `cpu::global_qsgd::quantize`.
+    /// `cpu::global_qsgd::local_absmax` written into `word` (one f32: `max |x|`, or +Inf when
+    /// the bucket holds a NaN or Inf), which the communicator's `all_reduce_max_in_place`
+    /// then maximises over the ranks; nothing comes back to the host.
+    fn global_absmax(&self, bucket: Self::Src<'_, f32>, word: Self::Dst<'_, f32>) -> Result<()>;
+    /// `cpu::global_qsgd::quantize` at the scale `s = a / k` of the global absmax `a`, the one
+    /// f32 of `absmax`, by [`global_scale`]: every code 0 when it says [`GlobalScale::Nans`]
+    /// or [`GlobalScale::Zeros`].
     #[allow(clippy::too_many_arguments)]
     fn global_quantize<T: IntCode + Element>(
         &self,
         bucket: Self::Src<'_, f32>,
-        scale: f32,
+        absmax: Self::Src<'_, f32>,
         k: i32,
         rounding: Rounding,
         rng: &UniformStream,
         out: Self::Dst<'_, T>,
     ) -> Result<()>;
-    /// `cpu::global_qsgd::dequantize`.
+    /// Whether Global-QSGD's collective sums its integers with this backend's
+    /// [`global_sum_dequantize`](Self::global_sum_dequantize) over the blocks an all-to-all
+    /// delivered, rather than with the communicator's reduce-scatter (which returns an
+    /// overflow as an error at once) and [`global_dequantize`](Self::global_dequantize): a
+    /// device sums and checks without the host, recording an overflow in a status word.
+    fn sums_exchanged_blocks(&self) -> bool {
+        false
+    }
+    /// The sum in rank order of the `world` blocks of `blocks` (block `r` from rank `r`, each
+    /// `shard.len()` integers), each partial sum checked for overflow as
+    /// `collective::sum_in_rank_order` checks, then
+    /// [`global_dequantize`](Self::global_dequantize) of it. An element whose sum overflows is
+    /// NaN and the first overflow `(r, i)` in rank order is recorded in `status` (one u32: it
+    /// keeps the largest `u32::MAX - (r * shard.len() + i)`, 0 when none;
+    /// [`take_sum_status`](Self::take_sum_status) reads it). Sums are checked only when the
+    /// scale is [`GlobalScale::Scaled`] (the other cases write every element regardless).
+    #[allow(clippy::too_many_arguments)]
+    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
+        &self,
+        blocks: Self::Src<'_, T>,
+        world: usize,
+        absmax: Self::Src<'_, f32>,
+        k: i32,
+        status: Self::Dst<'_, u32>,
+        shard: Self::Dst<'_, f32>,
+    ) -> Result<()>;
+    /// The status word of [`global_sum_dequantize`](Self::global_sum_dequantize), set to zero
+    /// afterwards; waits for the passes enqueued before.
+    fn take_sum_status(&self, status: Self::Dst<'_, u32>) -> Result<u32>;
+    /// `cpu::global_qsgd::dequantize` at the scale of the global absmax in `absmax` (as
+    /// [`global_quantize`](Self::global_quantize)): every element NaN for
+    /// [`GlobalScale::Nans`], 0 for [`GlobalScale::Zeros`].
     fn global_dequantize<T: IntCode + Element>(
         &self,
         sum: Self::Src<'_, T>,
-        scale: f32,
+        absmax: Self::Src<'_, f32>,
+        k: i32,
         shard: Self::Dst<'_, f32>,
     ) -> Result<()>;
+}
+
+/// What Global-QSGD scales by, from the global absmax `a` and K (docs/numerics.md §7.2 steps 2
+/// and 4; `kernels/global_qsgd.cu`'s `global_scale` is the same rule).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GlobalScale {
+    /// `s = a / K`, positive and finite.
+    Scaled(f32),
+    /// `a / K` is 0 (an all-zero bucket, or `a` so small that the division underflows): every
+    /// shard is all zeros.
+    Zeros,
+    /// `a` is not finite (a NaN or Inf in some rank's bucket): every shard is all NaN.
+    Nans,
+}
+
+/// The [`GlobalScale`] of global absmax `absmax` and largest code `k`.
+pub fn global_scale(absmax: f32, k: i32) -> GlobalScale {
+    if !absmax.is_finite() {
+        return GlobalScale::Nans;
+    }
+    let s = absmax / k as f32;
+    if s == 0.0 {
+        GlobalScale::Zeros
+    } else {
+        GlobalScale::Scaled(s)
+    }
 }

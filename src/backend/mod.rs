@@ -6,4 +6,4 @@ pub mod cpu;
 pub mod cuda;
 mod device;
 
-pub use device::{Backend, Element};
+pub use device::{Backend, Element, GlobalScale, global_scale};

@@ -1,10 +1,11 @@
 //! The gradient reduce-scatter of one bucket (docs/numerics.md §7.1, §7.2, §7.4).
 
 use crate::backend::cpu::Host;
+use crate::backend::cuda::abi::overflow_from_status;
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
 use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
-use crate::collective::{Comm, CommGroups, InFlight, WireBytes};
+use crate::collective::{Comm, CommGroups, InFlight, SumElement, WireBytes, sum_overflow};
 use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
@@ -121,17 +122,31 @@ enum GlobalBuffers<B: Backend> {
 #[derive(Debug)]
 struct IntBuffers<B: Backend, T: Element> {
     send: B::Buffer<T>,
+    /// The summed shard (sums in the communicator), else empty.
     recv: B::Buffer<T>,
-    word: B::Buffer<u32>,
+    /// The W blocks the all-to-all delivers (sums in a pass of the backend), else empty.
+    blocks: B::Buffer<T>,
+    /// The first overflow of the backend's sum (sums in a pass of the backend), else empty.
+    status: B::Buffer<u32>,
+    /// The absmax: this rank's, then (all-reduced in place) the global one the passes read.
+    word: B::Buffer<f32>,
 }
 
 impl<B: Backend, T: Element> IntBuffers<B, T> {
     fn new(backend: &B, numel: usize, shard_len: usize) -> Result<Self> {
-        Ok(Self {
+        let by_pass = backend.sums_exchanged_blocks();
+        let mut buffers = Self {
             send: backend.alloc(numel)?,
-            recv: backend.alloc(shard_len)?,
+            recv: backend.alloc(if by_pass { 0 } else { shard_len })?,
+            blocks: backend.alloc(if by_pass { numel } else { 0 })?,
+            status: backend.alloc(usize::from(by_pass))?,
             word: backend.alloc(1)?,
-        })
+        };
+        if by_pass {
+            // Zeroes the word (its first contents are unspecified); set-up may wait.
+            backend.take_sum_status(B::dst(&mut buffers.status))?;
+        }
+        Ok(buffers)
     }
 }
 
@@ -269,6 +284,21 @@ impl<B: Backend> GradReduceScatter<B> {
                 WireBytes::to_every_peer(t, me, self.plan.shard_len * width)
             }
             Engine::Exact => self.baseline_wire_bytes(),
+        }
+    }
+
+    /// Reports an overflow of Global-QSGD's integer sum that a backend summing on a device
+    /// ([`Backend::sums_exchanged_blocks`]) recorded in the steps since the last call, with
+    /// the error the host path returns from the step itself (docs/numerics.md §7.2; the
+    /// overflowing elements of the shard are NaN meanwhile). Waits for the passes enqueued on
+    /// `backend`: call it where the caller synchronises with the step anyway. `Ok` for other
+    /// codecs and backends.
+    pub fn check_integer_sums(&mut self, backend: &B) -> Result<()> {
+        let (rank, shard_len) = (self.rank, self.plan.shard_len);
+        match &mut self.engine {
+            Engine::Global(GlobalBuffers::I8(b)) => b.check_sums(backend, rank, shard_len),
+            Engine::Global(GlobalBuffers::I16(b)) => b.check_sums(backend, rank, shard_len),
+            _ => Ok(()),
         }
     }
 
@@ -516,8 +546,11 @@ impl<B: Backend> GlobalBuffers<B> {
     }
 }
 
-impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
-    /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize.
+impl<B: Backend, T: IntCode + Element + SumElement> IntBuffers<B, T> {
+    /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize
+    /// (docs/numerics.md §7.2). The global absmax stays in `word`, in the backend's memory,
+    /// and the passes read their scale from it, so on a device nothing waits on the host; a
+    /// non-finite absmax or a zero scale make every code 0 and the shard all NaN or all 0.
     #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
@@ -529,27 +562,60 @@ impl<B: Backend, T: IntCode + Element> IntBuffers<B, T> {
         rng: &UniformStream,
         clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
-        let local = clock.time(Phase::FirstPass, || {
+        clock.time(Phase::FirstPass, || {
             backend.global_absmax(bucket, B::dst(&mut self.word))
         })?;
-        let absmax = clock.time(Phase::FirstWait, || world.all_reduce_max(local))?;
-        if !absmax.is_finite() {
-            return backend.fill(shard, f32::NAN);
-        }
-        let k = global_k(T::BITS, world.size());
-        let scale = absmax / k as f32;
-        if scale == 0.0 {
-            // All zeros, or an absmax so small that a / K underflows: every code would be 0.
-            return backend.fill(shard, 0.0);
-        }
-        clock.time(Phase::FirstPass, || {
-            backend.global_quantize(bucket, scale, k, rounding, rng, B::dst(&mut self.send))
+        clock.time(Phase::FirstWait, || {
+            world.all_reduce_max_in_place(B::dst(&mut self.word))
         })?;
+        let k = global_k(T::BITS, world.size());
+        clock.time(Phase::FirstPass, || {
+            backend.global_quantize(
+                bucket,
+                B::src(&self.word),
+                k,
+                rounding,
+                rng,
+                B::dst(&mut self.send),
+            )
+        })?;
+        if backend.sums_exchanged_blocks() {
+            clock.time(Phase::SecondWait, || {
+                world.all_to_all(
+                    B::as_bytes(B::src(&self.send)),
+                    B::as_bytes_mut(B::dst(&mut self.blocks)),
+                )
+            })?;
+            return clock.time(Phase::LastPass, || {
+                backend.global_sum_dequantize(
+                    B::src(&self.blocks),
+                    world.size(),
+                    B::src(&self.word),
+                    k,
+                    B::dst(&mut self.status),
+                    shard,
+                )
+            });
+        }
         clock.time(Phase::SecondWait, || {
             world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))
         })?;
         clock.time(Phase::LastPass, || {
-            backend.global_dequantize(B::src(&self.recv), scale, shard)
+            backend.global_dequantize(B::src(&self.recv), B::src(&self.word), k, shard)
         })
+    }
+
+    /// The overflow the backend's sum recorded since the last call, as the error the host
+    /// sum returns at once ([`sum_in_rank_order`](crate::collective::sum_in_rank_order));
+    /// waits for the backend's passes.
+    fn check_sums(&mut self, backend: &B, rank: usize, shard_len: usize) -> Result<()> {
+        if !backend.sums_exchanged_blocks() {
+            return Ok(());
+        }
+        let status = backend.take_sum_status(B::dst(&mut self.status))?;
+        match overflow_from_status(status, shard_len) {
+            Some((_, element)) => Err(sum_overflow::<T>(rank * shard_len + element, shard_len)),
+            None => Ok(()),
+        }
     }
 }

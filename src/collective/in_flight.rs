@@ -1,13 +1,16 @@
 //! Exchanges in flight: what [`Comm::start_all_to_all`](super::Comm::start_all_to_all)
 //! returns, so that the chunk loop can compute while a chunk travels.
 
+use crate::backend::cuda::DeviceExchange;
 use crate::error::Result;
 
 /// What a [`Comm`](super::Comm) implementation keeps of an exchange it has started: a host
 /// communicator's pending work, or (on a device) the event its exchange stream records.
 pub trait PendingExchange {
-    /// Blocks until the exchange has completed (its receive buffer holds the result and its
-    /// buffers may be reused) and returns its result. Called once.
+    /// Completes the exchange and returns its result. Called once. On the host it blocks until
+    /// the receive buffer holds the result and the buffers may be reused; on a device it
+    /// orders the compute stream after the exchange, so that holds for every pass enqueued
+    /// later, and returns at once (an error of the exchange then surfaces on the stream).
     fn complete(&mut self) -> Result<()>;
 }
 
@@ -18,6 +21,14 @@ pub trait PendingExchange {
 #[must_use = "an exchange in flight must be waited for"]
 pub struct InFlight<'a> {
     pending: Option<Box<dyn PendingExchange + 'a>>,
+}
+
+/// A device exchange on a side stream completes by ordering the compute stream after it: the
+/// host does not wait.
+impl PendingExchange for DeviceExchange {
+    fn complete(&mut self) -> Result<()> {
+        DeviceExchange::complete(self)
+    }
 }
 
 impl<'a> InFlight<'a> {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::collective::{
     Comm, CommGroups, InFlight, PendingExchange, SumElement, sum_in_rank_order,
 };
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, check_len};
 use crate::plan::Topology;
 
 /// Shared state of one in-process communicator.
@@ -339,6 +339,12 @@ impl Comm for LocalComm {
                 .map(|s| f32::from_le_bytes(s.payload[..4].try_into().expect("4 bytes")))
                 .fold(f32::NEG_INFINITY, f32::max))
         })
+    }
+
+    fn all_reduce_max_in_place(&self, word: &mut [f32]) -> Result<()> {
+        check_len("all_reduce_max word", word.len(), 1)?;
+        word[0] = self.all_reduce_max(word[0])?;
+        Ok(())
     }
 
     fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()> {

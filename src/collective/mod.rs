@@ -57,16 +57,20 @@ pub fn sum_in_rank_order<'a, T: SumElement>(
             continue;
         }
         for (i, (acc, v)) in recv.iter_mut().zip(part).enumerate() {
-            *acc = T::checked_sum(*acc, v).ok_or_else(|| {
-                Error::Comm(format!(
-                    "reduce_scatter ({}): sum overflows at element {} of {len}",
-                    T::DTYPE,
-                    first_index + i
-                ))
-            })?;
+            *acc =
+                T::checked_sum(*acc, v).ok_or_else(|| sum_overflow::<T>(first_index + i, len))?;
         }
     }
     Ok(())
+}
+
+/// The error of a sum of `T`s (a `len`-element block) that overflows at global element
+/// `element`, whether the host or a device found it.
+pub(crate) fn sum_overflow<T: SumElement>(element: usize, len: usize) -> Error {
+    Error::Comm(format!(
+        "reduce_scatter ({}): sum overflows at element {element} of {len}",
+        T::DTYPE
+    ))
 }
 
 /// A communicator of `size()` ranks exchanging buffers of backend `B` (host memory unless
@@ -91,8 +95,9 @@ pub trait Comm<B: Backend = Host> {
     ///
     /// The default runs the exchange before returning: correct for every communicator,
     /// without overlap. Host communicators over threads or sockets override it; a device
-    /// communicator would issue the exchange on a side stream ordered after the passes that
-    /// wrote `send`, and complete when that stream's event has fired.
+    /// communicator issues the exchange on a side stream ordered after the passes that wrote
+    /// `send`, and waiting orders the compute stream after it, so the host never blocks
+    /// ([`SideStream`](crate::backend::cuda::SideStream)).
     fn start_all_to_all<'a>(
         &'a self,
         send: B::Src<'a, u8>,
@@ -103,6 +108,11 @@ pub trait Comm<B: Backend = Host> {
     }
     /// The maximum of `value` over all ranks (+Inf wins; callers map NaN to +Inf first).
     fn all_reduce_max(&self, value: f32) -> Result<f32>;
+    /// Replaces the one f32 of `word` by its maximum over all ranks (+Inf wins; callers map
+    /// NaN to +Inf first), as a collective on `B`'s memory: a device communicator orders it
+    /// after the passes that wrote `word` and before those enqueued after the call, without
+    /// waiting on the host (c10d's MAX all-reduce of a tensor over that memory).
+    fn all_reduce_max_in_place(&self, word: B::Dst<'_, f32>) -> Result<()>;
     /// Sums `send` over all ranks and keeps block `rank()` in `recv`
     /// (`send.len() == size() * recv.len()`). Host communicators sum in rank order
     /// ([`sum_in_rank_order`]); integer sums are exact in any order.

@@ -290,6 +290,9 @@ mod bridge {
             recv: u64,
             recv_bytes: usize,
         ) -> Result<()>;
+        /// MAX all-reduce of the one f32 at device address `word`, in place, as
+        /// `all_gather_device`.
+        fn all_reduce_max_device(self: &TorchComms, level: CommLevel, word: u64) -> Result<()>;
         /// Sum reduce-scatter of `dtype` elements of CUDA memory, as `all_gather_device`.
         fn reduce_scatter_device(
             self: &TorchComms,

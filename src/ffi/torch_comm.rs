@@ -12,7 +12,7 @@ use crate::backend::cuda::{Cuda, DeviceSpan};
 use crate::collective::{
     Comm, CommGroups, InFlight, PendingExchange, SumElement, sum_in_rank_order,
 };
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, check_len};
 
 /// One level (world, intra- or inter-node) of a [`TorchComms`] as a [`Comm`].
 ///
@@ -193,6 +193,12 @@ impl Comm for TorchLevel<'_> {
             .map_err(|e| comm_error("all_reduce_max", self.level, e))
     }
 
+    fn all_reduce_max_in_place(&self, word: &mut [f32]) -> Result<()> {
+        check_len("all_reduce_max word", word.len(), 1)?;
+        word[0] = Comm::<Host>::all_reduce_max(self, word[0])?;
+        Ok(())
+    }
+
     fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         check_reduce_scatter::<T>(self.size, send.len(), recv.len())?;
         let mut scratch = self.scratch.borrow_mut();
@@ -234,6 +240,13 @@ impl Comm<Cuda> for TorchLevel<'_> {
 
     fn all_reduce_max(&self, value: f32) -> Result<f32> {
         Comm::<Host>::all_reduce_max(self, value)
+    }
+
+    fn all_reduce_max_in_place(&self, word: DeviceSpan<f32>) -> Result<()> {
+        check_len("all_reduce_max word", word.len(), 1)?;
+        self.comms
+            .all_reduce_max_device(self.level, word.addr())
+            .map_err(|e| comm_error("all_reduce_max", self.level, e))
     }
 
     fn reduce_scatter_sum<T: SumElement>(

@@ -42,6 +42,7 @@ CUresult submit(std::unique_lock<std::mutex>& lock, const char* call, Context* c
     if (!wait) {
         return CUDA_SUCCESS;
     }
+    count_host_sync(call);
     if (const CUresult r = wait_for(lock, stream->id, seq, stream->last); r != CUDA_SUCCESS) {
         return r;
     }
@@ -197,6 +198,8 @@ CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t bytes)
 
 CUresult cuMemFree_v2(CUdeviceptr ptr)
 {
+    // The driver synchronises the device before it frees.
+    count_host_sync("cuMemFree");
     std::lock_guard<std::mutex> guard(driver().mutex);
     Context* ctx = nullptr;
     if (const CUresult r = context_check("cuMemFree", &ctx); r != CUDA_SUCCESS) {

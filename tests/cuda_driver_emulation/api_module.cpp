@@ -10,6 +10,8 @@
 // warp emulator.
 #include "model.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 namespace emu {
@@ -198,6 +200,36 @@ std::string check_signature(const Function& f, const HostKernel& k)
     return {};
 }
 
+// A word of device memory a kernel reaches through its parameter struct, not a pointer
+// argument.
+struct StructWord {
+    uint64_t addr;
+    bool write;
+    const char* what;
+};
+
+// The words the parameter struct `args` of kernel `name` names: Global-QSGD's absmax word
+// (rounding and dequantization scaled by the all-reduced absmax, read) and status word (a
+// dequantization summing rank blocks, written).
+std::vector<StructWord> struct_words(const std::string& name, const std::vector<uint8_t>& args)
+{
+    const bool quantize = name.rfind("global_quantize", 0) == 0;
+    const bool dequantize = name.rfind("global_dequantize", 0) == 0;
+    std::vector<StructWord> words;
+    if ((!quantize && !dequantize) || args.size() != sizeof(sdp_global)) {
+        return words;
+    }
+    sdp_global p{};
+    std::memcpy(&p, args.data(), sizeof p);
+    if (p.absmax != 0) {
+        words.push_back(StructWord{p.absmax, false, "absmax word"});
+    }
+    if (dequantize && p.status != 0) {
+        words.push_back(StructWord{p.status, true, "status word"});
+    }
+    return words;
+}
+
 }  // namespace
 }  // namespace emu
 
@@ -356,6 +388,20 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
     }
     const size_t last = f->params.back().first;
     std::vector<uint8_t> args(block.begin() + static_cast<long>(last), block.end());
+    // Global-QSGD's kernels may reach device words whose addresses are fields of their
+    // parameter struct: accesses like a pointer argument's.
+    for (const StructWord& w : struct_words(f->name, args)) {
+        std::string why;
+        Allocation* a = check_range(w.addr, 4, ctx->device, why);
+        if (a == nullptr) {
+            report_fault(device, where + "the " + w.what + " of its parameters: " + why);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        op->accesses.push_back(Access{a, w.addr - a->base, w.addr - a->base + 4, w.write});
+        if (std::find(allocations.begin(), allocations.end(), a) == allocations.end()) {
+            allocations.push_back(a);
+        }
+    }
     const unsigned order = static_cast<unsigned>(d.completed_by_kind["kernel"] % 3);
     const uint64_t seed = d.seed ^ (0x9e3779b97f4a7c15ull * (d.completed_by_kind["kernel"] + 1));
     // An injected fault: the byte of the first written argument to flip after the kernel ran.

@@ -70,6 +70,7 @@ CUresult cuStreamDestroy_v2(CUstream stream)
 
 CUresult cuStreamSynchronize(CUstream stream)
 {
+    count_host_sync("cuStreamSynchronize");
     std::unique_lock<std::mutex> lock(driver().mutex);
     Context* ctx = nullptr;
     if (const CUresult r = context_check("cuStreamSynchronize", &ctx); r != CUDA_SUCCESS) {
@@ -123,6 +124,7 @@ CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned flags)
 
 CUresult cuCtxSynchronize(void)
 {
+    count_host_sync("cuCtxSynchronize");
     Driver& d = driver();
     std::unique_lock<std::mutex> lock(d.mutex);
     Context* ctx = nullptr;
@@ -215,6 +217,7 @@ CUresult cuEventQuery(CUevent event)
 
 CUresult cuEventSynchronize(CUevent event)
 {
+    count_host_sync("cuEventSynchronize");
     std::unique_lock<std::mutex> lock(driver().mutex);
     if (const CUresult r = entry_check("cuEventSynchronize"); r != CUDA_SUCCESS) {
         return r;

@@ -3,6 +3,7 @@
 // buffer); the operations of one collective meet on the ranks' stream workers, each copies
 // (or sums, in rank order) what it receives from its peers' send buffers, and none completes
 // before all have read (so no peer's later work can overwrite a send buffer still being read).
+// A MAX all-reduce of an f32 word (in place) reads every rank's word before any rank writes.
 // Calls are matched by their order on the communicator, as NCCL matches them; a rank whose
 // peers never arrive, or whose peers called a different collective or sizes, fails its
 // operation (a fault, sticky on its context).
@@ -17,7 +18,7 @@ namespace {
 
 constexpr auto kMeetTimeout = std::chrono::seconds(60);
 
-enum class CollectiveKind : int { all_gather = 0, all_to_all = 1, reduce_scatter_sum = 2 };
+enum class CollectiveKind : int { all_gather = 0, all_to_all = 1, reduce_scatter_sum = 2, all_reduce_max = 3 };
 
 // The element types a reduce-scatter sums (the Rust `SumElement`s).
 enum class DType : int { f32 = 0, i8 = 1, i16 = 2 };
@@ -35,6 +36,8 @@ struct Post {
 struct Meeting {
     std::vector<Post> posts;
     size_t arrived = 0;
+    // Ranks that have read every peer's word (all-reduces, which write where they read).
+    size_t read = 0;
     size_t finished = 0;
 };
 
@@ -56,6 +59,8 @@ const char* kind_name(CollectiveKind kind)
         return "all_to_all";
     case CollectiveKind::reduce_scatter_sum:
         return "reduce_scatter_sum";
+    case CollectiveKind::all_reduce_max:
+        return "all_reduce_max";
     }
     return "?";
 }
@@ -65,6 +70,7 @@ std::pair<const uint8_t*, size_t> incoming(const Post& from, const Post& mine, i
 {
     switch (mine.kind) {
     case CollectiveKind::all_gather:
+    case CollectiveKind::all_reduce_max:
         return {from.send, from.send_bytes};
     case CollectiveKind::all_to_all:
     case CollectiveKind::reduce_scatter_sum: {
@@ -104,6 +110,13 @@ std::string check_posts(const std::vector<Post>& posts)
                 std::to_string(p.send_bytes) + " bytes, rank 0 " + kind_name(first.kind) + " of " +
                 std::to_string(first.send_bytes);
         }
+        if (first.kind == CollectiveKind::all_reduce_max) {
+            if (p.dtype != DType::f32 || p.send_bytes != 4 || p.recv_bytes != 4) {
+                return "rank " + std::to_string(r) + ": all_reduce_max of " + std::to_string(p.send_bytes) +
+                    " bytes in, " + std::to_string(p.recv_bytes) + " out (one f32 each)";
+            }
+            continue;
+        }
         const size_t want = first.kind == CollectiveKind::all_gather ? p.send_bytes * n
             : first.kind == CollectiveKind::all_to_all             ? p.send_bytes
                                                                    : p.send_bytes / n;
@@ -115,7 +128,23 @@ std::string check_posts(const std::vector<Post>& posts)
     return {};
 }
 
-// What one rank's operation does once all have arrived: fills its receive buffer.
+// The maximum of every rank's word (+Inf wins; a NaN is an error: callers map it to +Inf).
+std::string max_of_words(const std::vector<Post>& posts, float& max)
+{
+    max = -std::numeric_limits<float>::infinity();
+    for (size_t r = 0; r < posts.size(); ++r) {
+        float v = 0.0f;
+        std::memcpy(&v, posts[r].send, 4);
+        if (v != v) {
+            return "all_reduce_max: rank " + std::to_string(r) + " passed a NaN";
+        }
+        max = v > max ? v : max;
+    }
+    return {};
+}
+
+// What one rank's operation does once all have arrived: fills its receive buffer (not for
+// all-reduces, which meet writes).
 std::string receive(const std::vector<Post>& posts, int rank)
 {
     const int size = static_cast<int>(posts.size());
@@ -169,7 +198,16 @@ Outcome meet(Communicator& comm, uint64_t call, int rank, const Post& post)
         return {CUDA_ERROR_LAUNCH_TIMEOUT, what + ": the other ranks never arrived"};
     }
     std::string err = check_posts(m.posts);
-    if (err.empty()) {
+    if (err.empty() && post.kind == CollectiveKind::all_reduce_max) {
+        float max = 0.0f;
+        err = max_of_words(m.posts, max);
+        ++m.read;
+        comm.changed.notify_all();
+        comm.changed.wait(lock, [&] { return m.read == m.posts.size(); });
+        if (err.empty()) {
+            std::memcpy(post.recv, &max, 4);
+        }
+    } else if (err.empty()) {
         // The peers' send buffers are read outside the lock: nobody writes them until all
         // have finished.
         lock.unlock();
@@ -209,7 +247,8 @@ SDP4BIT_EXPORT void* sdp4bit_emu_comm_create(int size)
 }
 
 // Enqueues rank `rank`'s part of a collective of `kind` (0 all-gather, 1 all-to-all, 2
-// reduce-scatter sum of `dtype` 0 f32, 1 i8, 2 i16) on `stream` of the current context: it
+// reduce-scatter sum of `dtype` 0 f32, 1 i8, 2 i16, 3 in-place MAX all-reduce of one f32, where
+// `send` and `recv` are the same word) on `stream` of the current context: it
 // reads `send_bytes` at `send` and writes `recv_bytes` at `recv`, both device memory of that
 // context's device.
 SDP4BIT_EXPORT CUresult sdp4bit_emu_comm_enqueue(void* handle, int rank, int kind, int dtype, CUdeviceptr send,
@@ -222,7 +261,7 @@ SDP4BIT_EXPORT CUresult sdp4bit_emu_comm_enqueue(void* handle, int rank, int kin
         return r;
     }
     auto* comm = static_cast<Communicator*>(handle);
-    if (comm == nullptr || rank < 0 || rank >= comm->size || kind < 0 || kind > 2 || dtype < 0 || dtype > 2) {
+    if (comm == nullptr || rank < 0 || rank >= comm->size || kind < 0 || kind > 3 || dtype < 0 || dtype > 2) {
         return CUDA_ERROR_INVALID_VALUE;
     }
     Stream* s = resolve_stream(stream, ctx);

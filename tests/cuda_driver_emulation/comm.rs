@@ -1,7 +1,8 @@
 //! `Comm<Cuda>` over the emulated driver: every exchange is an operation on the rank's stream
 //! (`sdp4bit_emu_comm_enqueue`), met by the same call of the other ranks on their streams and
-//! matched by call order, as NCCL's collectives are. `all_reduce_max` exchanges a host value
-//! and goes through an in-process host communicator.
+//! matched by call order, as NCCL's collectives are; `all_reduce_max_in_place` too (a MAX
+//! all-reduce of a device word). `all_reduce_max` exchanges a host value and goes through an
+//! in-process host communicator.
 //!
 //! [`EmulatedCluster`] runs one closure per rank on its own thread with its device (rank `r`
 //! on device `r % devices`), a stream of that device's primary context, the `Cuda` backend on
@@ -11,9 +12,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use sdp4bit::backend::cuda::{Cuda, DeviceSpan, Kernels, Stream};
+use sdp4bit::backend::cuda::{Cuda, DeviceSpan, Kernels, SideStream, Stream};
 use sdp4bit::collective::local::LocalCluster;
-use sdp4bit::collective::{Comm, CommGroups, SumElement};
+use sdp4bit::collective::{Comm, CommGroups, InFlight, SumElement};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Error, Result};
 
@@ -33,7 +34,13 @@ pub struct EmulatedComm<'a> {
     comm: Handle,
     rank: usize,
     size: usize,
+    /// The rank's compute stream, where the passes and the blocking exchanges run.
     stream: *mut c_void,
+    /// Where the exchanges `start_all_to_all` starts run, ordered by events.
+    side: SideStream,
+    /// Whether waiting for a started exchange orders the compute stream after it (false only
+    /// to show that the emulation catches the race).
+    order_completion: bool,
     /// The same ranks on the host, for `all_reduce_max`.
     host: &'a sdp4bit::collective::local::LocalComm,
 }
@@ -42,13 +49,27 @@ pub struct EmulatedComm<'a> {
 const ALL_GATHER: i32 = 0;
 const ALL_TO_ALL: i32 = 1;
 const REDUCE_SCATTER_SUM: i32 = 2;
+const ALL_REDUCE_MAX: i32 = 3;
+/// The element type of float collectives.
+const F32: i32 = 0;
 
 impl EmulatedComm<'_> {
     fn enqueue(&self, kind: i32, dtype: i32, send: (u64, usize), recv: (u64, usize)) -> Result<()> {
+        self.enqueue_on(self.stream, kind, dtype, send, recv)
+    }
+
+    fn enqueue_on(
+        &self,
+        stream: *mut c_void,
+        kind: i32,
+        dtype: i32,
+        send: (u64, usize),
+        recv: (u64, usize),
+    ) -> Result<()> {
         // SAFETY: the handle comes from comm_create; the stream is this rank's live stream and
         // its context is current on this thread; the driver checks the buffers.
         let code = unsafe {
-            emulation().comm_enqueue(self.comm.0, self.rank, kind, dtype, send, recv, self.stream)
+            emulation().comm_enqueue(self.comm.0, self.rank, kind, dtype, send, recv, stream)
         };
         if code != 0 {
             return Err(Error::Comm(format!(
@@ -81,8 +102,43 @@ impl Comm<Cuda> for EmulatedComm<'_> {
         self.enqueue(ALL_TO_ALL, 0, bytes(send), bytes(recv))
     }
 
+    /// On the side stream, ordered after the compute stream's work by an event; waiting
+    /// orders the compute stream after it (`SideStream`), so the next chunk's passes run
+    /// meanwhile.
+    fn start_all_to_all<'a>(
+        &'a self,
+        send: DeviceSpan<u8>,
+        recv: DeviceSpan<u8>,
+    ) -> Result<InFlight<'a>> {
+        // SAFETY: the rank's live compute stream, of the context the side stream belongs to.
+        let main = unsafe { Stream::from_raw(self.stream as usize) };
+        let exchange = self.side.start(main, |side| {
+            self.enqueue_on(
+                side.handle() as *mut c_void,
+                ALL_TO_ALL,
+                0,
+                bytes(send),
+                bytes(recv),
+            )
+        })?;
+        if !self.order_completion {
+            return Ok(InFlight::completed());
+        }
+        Ok(InFlight::new(exchange))
+    }
+
     fn all_reduce_max(&self, value: f32) -> Result<f32> {
         self.host.all_reduce_max(value)
+    }
+
+    fn all_reduce_max_in_place(&self, word: DeviceSpan<f32>) -> Result<()> {
+        if word.len() != 1 {
+            return Err(Error::Comm(format!(
+                "all_reduce_max word of {} elements, not 1",
+                word.len()
+            )));
+        }
+        self.enqueue(ALL_REDUCE_MAX, F32, bytes(word), bytes(word))
     }
 
     fn reduce_scatter_sum<T: SumElement>(
@@ -91,7 +147,7 @@ impl Comm<Cuda> for EmulatedComm<'_> {
         recv: DeviceSpan<T>,
     ) -> Result<()> {
         let dtype = match T::DTYPE {
-            "float32" => 0,
+            "float32" => F32,
             "int8" => 1,
             "int16" => 2,
             other => return Err(Error::Comm(format!("no emulated sum of {other}"))),
@@ -110,6 +166,7 @@ pub struct Rank<'a> {
 /// The communicators of a topology, as [`LocalCluster`] builds them, in the emulation.
 pub struct EmulatedCluster {
     topology: Topology,
+    order_completion: bool,
     world: Handle,
     intra: Vec<Handle>,
     inter: Vec<Handle>,
@@ -137,10 +194,20 @@ impl EmulatedCluster {
         };
         Self {
             topology: topology.clone(),
+            order_completion: true,
             world: Handle(e.comm_create(topology.world())),
             intra,
             inter,
             host: LocalCluster::new(topology.clone()),
+        }
+    }
+
+    /// The same cluster whose started exchanges complete without ordering the compute stream
+    /// after them: a broken communicator, whose races the emulation must report.
+    pub fn without_exchange_waits(self) -> Self {
+        Self {
+            order_completion: false,
+            ..self
         }
     }
 
@@ -166,6 +233,8 @@ impl EmulatedCluster {
                 rank,
                 size,
                 stream: stream.cu_stream().cast(),
+                side: SideStream::new(kernels).expect("a side stream"),
+                order_completion: self.order_completion,
                 host,
             };
             let world = comm(self.world, me, t.world(), host.world);

@@ -1,6 +1,7 @@
 //! `GradReduceScatter<Cuda>` and `WeightAllGather<Cuda>` over [`EmulatedCluster`] against the
 //! same collectives on `Host` over `LocalCluster`: the same bytes on every rank, step after
-//! step (the objects and their buffers reused), and qWD replicas bit-identical.
+//! step (the objects and their buffers reused), qWD replicas bit-identical, and no host
+//! synchronisation inside either collective (set-up excluded).
 
 use half::bf16;
 use sdp4bit::backend::cuda::{Cuda, DeviceBuffer};
@@ -12,6 +13,7 @@ use sdp4bit::{Config, WeightCodec};
 use sdp4bit_test_support::random::SplitMix64;
 
 use super::comm::{EmulatedCluster, Rank};
+use super::library::emulation;
 
 /// Steps each object runs (fresh data each step, buffers reused).
 pub const STEPS: u64 = 3;
@@ -64,6 +66,17 @@ pub fn download<T: Element + Default>(rank: &Rank<'_>, buffer: &DeviceBuffer<T>)
             .expect("download");
     }
     host
+}
+
+/// Fails when the calling rank's thread waited for the device (a stream, context or event
+/// synchronisation, a synchronous copy, memset or free) since the emulation's counts were last
+/// taken: the collectives only enqueue work.
+fn assert_no_host_sync(name: &str, collective: &str, rank: usize, step: usize) {
+    let syncs = emulation().take_host_syncs();
+    assert!(
+        syncs.is_empty(),
+        "{name}: rank {rank} step {step}: the {collective} waited on the host for the device: {syncs:?}"
+    );
 }
 
 /// A gradient bucket: gaussian values of several scales, with NaN, +Inf and -Inf placed at
@@ -136,6 +149,7 @@ pub fn compare_reduce_scatter(
         let mut out = Vec::new();
         for (step, grads) in data.iter().enumerate() {
             let bucket = upload(rank, &grads[me]);
+            let _set_up = emulation().take_host_syncs();
             rs.run_on(
                 &rank.backend,
                 &rank.comms,
@@ -144,6 +158,7 @@ pub fn compare_reduce_scatter(
                 step as u64,
             )
             .unwrap_or_else(|e| panic!("{name}: CUDA step {step}: {e}"));
+            assert_no_host_sync(name, "reduce-scatter", me, step);
             out.push(download(rank, &shard));
         }
         out
@@ -214,6 +229,7 @@ pub fn compare_all_gather(config: &Config, name: &str, topo: &Topology, numel: u
             let mut host_params = download(rank, &params);
             own(&mut host_params, new, me, s);
             overwrite(&mut params, &host_params);
+            let _set_up = emulation().take_host_syncs();
             ag.run_on(
                 &rank.backend,
                 rank.comms.world,
@@ -221,6 +237,7 @@ pub fn compare_all_gather(config: &Config, name: &str, topo: &Topology, numel: u
                 step as u64,
             )
             .unwrap_or_else(|e| panic!("{name}: CUDA step {step}: {e}"));
+            assert_no_host_sync(name, "all-gather", me, step);
             out.push(download(rank, &params));
         }
         out

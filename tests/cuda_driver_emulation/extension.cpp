@@ -1,11 +1,40 @@
 // What the emulated driver exports beyond the CUDA driver API, for the tests that use it: the
 // faults it detected, the seed of its random delays and orders, how many operations of each
-// kind it has run (so a test can tell that work really went through it), and an injected
-// kernel fault (a kernel that writes one wrong byte).
+// kind it has run (so a test can tell that work really went through it), the host
+// synchronisations each thread made, and an injected kernel fault (a kernel that writes one
+// wrong byte).
 #include "model.h"
 
 #include <cstdlib>
 #include <cstring>
+
+namespace emu {
+namespace {
+
+// The blocking calls the calling thread made since it last took them, one name per line.
+thread_local std::string host_syncs;
+
+char* copy_text(const std::string& text)
+{
+    if (text.empty()) {
+        return nullptr;
+    }
+    char* out = static_cast<char*>(std::malloc(text.size() + 1));
+    if (out != nullptr) {
+        std::memcpy(out, text.c_str(), text.size() + 1);
+    }
+    return out;
+}
+
+}  // namespace
+
+void count_host_sync(const char* call)
+{
+    host_syncs += call;
+    host_syncs += '\n';
+}
+
+}  // namespace emu
 
 extern "C" {
 
@@ -13,14 +42,16 @@ extern "C" {
 // from the log; NULL when there are none. Free the text with sdp4bit_emu_free.
 SDP4BIT_EXPORT char* sdp4bit_emu_take_faults(int device)
 {
-    const std::string taken = emu::take_faults(device);
-    if (taken.empty()) {
-        return nullptr;
-    }
-    char* text = static_cast<char*>(std::malloc(taken.size() + 1));
-    if (text != nullptr) {
-        std::memcpy(text, taken.c_str(), taken.size() + 1);
-    }
+    return emu::copy_text(emu::take_faults(device));
+}
+
+// The calls of the calling thread that blocked it until device work had run (see
+// count_host_sync), one name per line, since it last took them; NULL when there were none.
+// Free the text with sdp4bit_emu_free.
+SDP4BIT_EXPORT char* sdp4bit_emu_take_host_syncs(void)
+{
+    char* text = emu::copy_text(emu::host_syncs);
+    emu::host_syncs.clear();
     return text;
 }
 

@@ -200,6 +200,27 @@ impl Emulation {
         }
     }
 
+    /// Takes (clears) the calls of the calling thread that blocked it until device work had
+    /// run since it last took them: stream, context and event synchronisations, synchronous
+    /// copies (every copy into host memory, which is pageable), memsets and frees, one name
+    /// per call.
+    pub fn take_host_syncs(&self) -> Vec<String> {
+        let take =
+            self.symbol::<unsafe extern "C" fn() -> *mut c_char>(b"sdp4bit_emu_take_host_syncs\0");
+        let free = self.symbol::<unsafe extern "C" fn(*mut c_char)>(b"sdp4bit_emu_free\0");
+        // SAFETY: the function returns NULL or a NUL-terminated string the caller frees with
+        // sdp4bit_emu_free, done here once it is copied.
+        unsafe {
+            let text = take();
+            if text.is_null() {
+                return Vec::new();
+            }
+            let taken = CStr::from_ptr(text).to_string_lossy().into_owned();
+            free(text);
+            taken.lines().map(str::to_owned).collect()
+        }
+    }
+
     /// Operations of `kind` ("kernel", "copy", "memset", "collective", ...) completed so far.
     pub fn completed(&self, kind: &CStr) -> u64 {
         let completed =

@@ -13,6 +13,9 @@
 //!   3, three steps with odd sizes and NaN / Inf: the same bytes as `Host`
 //!   ([`end_to_end`]); `end_to_end_capped_grids`: buckets larger than a capped grid covers;
 //! - `fault_*`: injected faults are caught ([`faults`]);
+//! - the hot path without the host ([`hot_path`]): host synchronisations are counted (and
+//!   `end_to_end` finds none inside either collective), Global-QSGD's special buckets and an
+//!   overflow of its integer sum on the device;
 //! - `gpu_suite_runs_on_the_emulation`: `tests/cuda_gpu.rs`, unchanged, in a child process
 //!   that finds the emulation as its `libcuda.so` ([`gpu_suite`]).
 //!
@@ -24,6 +27,7 @@ mod comm;
 mod end_to_end;
 mod faults;
 mod gpu_suite;
+mod hot_path;
 mod images;
 mod library;
 mod self_check;

@@ -240,6 +240,11 @@ std::string take_faults(int device);
 // Installs the exit check (once).
 void install_exit_check();
 
+// Counts a call that blocks the calling thread until device work has run (a stream, context or
+// event synchronisation, a synchronous copy, memset or free, a copy into pageable host memory)
+// against the calling thread (extension.cpp: sdp4bit_emu_take_host_syncs). Not locked.
+void count_host_sync(const char* call);
+
 // The driver's CUDA version cuDriverGetVersion reports (api_context.cpp).
 int emulated_driver_version();
 

@@ -5,9 +5,10 @@ use std::ops::Range;
 use half::bf16;
 
 use super::{global_qsgd, gradient, pool, weight};
-use crate::backend::device::{Backend, Element};
+use crate::backend::device::{Backend, Element, GlobalScale, global_scale};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result, check_len};
@@ -177,30 +178,102 @@ impl Backend for Host {
         })
     }
 
-    fn global_absmax(&self, bucket: &[f32], _word: &mut [u32]) -> Result<f32> {
-        Ok(pool::install(|| global_qsgd::local_absmax(bucket)))
+    fn global_absmax(&self, bucket: &[f32], word: &mut [f32]) -> Result<()> {
+        check_len("absmax word", word.len(), 1)?;
+        word[0] = pool::install(|| global_qsgd::local_absmax(bucket));
+        Ok(())
     }
 
     fn global_quantize<T: IntCode + Element>(
         &self,
         bucket: &[f32],
-        scale: f32,
+        absmax: &[f32],
         k: i32,
         rounding: Rounding,
         rng: &UniformStream,
         out: &mut [T],
     ) -> Result<()> {
-        pool::install(|| global_qsgd::quantize(bucket, scale, k, rounding, rng, out));
+        check_len("absmax word", absmax.len(), 1)?;
+        match global_scale(absmax[0], k) {
+            GlobalScale::Scaled(scale) => {
+                pool::install(|| global_qsgd::quantize(bucket, scale, k, rounding, rng, out))
+            }
+            GlobalScale::Zeros | GlobalScale::Nans => out.fill(T::zeroed()),
+        }
         Ok(())
+    }
+
+    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
+        &self,
+        blocks: &[T],
+        world: usize,
+        absmax: &[f32],
+        k: i32,
+        status: &mut [u32],
+        shard: &mut [f32],
+    ) -> Result<()> {
+        let n = shard.len();
+        check_len("integer blocks", blocks.len(), world * n)?;
+        check_len("integer sum status word", status.len(), 1)?;
+        check_len("absmax word", absmax.len(), 1)?;
+        let scale = match global_scale(absmax[0], k) {
+            GlobalScale::Scaled(scale) => scale,
+            GlobalScale::Zeros => {
+                shard.fill(0.0);
+                return Ok(());
+            }
+            GlobalScale::Nans => {
+                shard.fill(f32::NAN);
+                return Ok(());
+            }
+        };
+        let Some(first) = blocks.get(..n) else {
+            return Ok(());
+        };
+        let mut sum = first.to_vec();
+        let mut overflowed = vec![false; n];
+        for (r, block) in blocks.chunks_exact(n).enumerate().skip(1) {
+            for (i, (acc, &v)) in sum.iter_mut().zip(block).enumerate() {
+                if overflowed[i] {
+                    continue;
+                }
+                match T::checked_sum(*acc, v) {
+                    Some(total) => *acc = total,
+                    None => {
+                        overflowed[i] = true;
+                        let key = u32::try_from(r * n + i).unwrap_or(u32::MAX);
+                        status[0] = status[0].max(u32::MAX - key);
+                    }
+                }
+            }
+        }
+        pool::install(|| global_qsgd::dequantize(&sum, scale, shard));
+        for (x, _) in shard.iter_mut().zip(&overflowed).filter(|(_, o)| **o) {
+            *x = f32::NAN;
+        }
+        Ok(())
+    }
+
+    fn take_sum_status(&self, status: &mut [u32]) -> Result<u32> {
+        check_len("integer sum status word", status.len(), 1)?;
+        Ok(std::mem::take(&mut status[0]))
     }
 
     fn global_dequantize<T: IntCode + Element>(
         &self,
         sum: &[T],
-        scale: f32,
+        absmax: &[f32],
+        k: i32,
         shard: &mut [f32],
     ) -> Result<()> {
-        pool::install(|| global_qsgd::dequantize(sum, scale, shard));
+        check_len("absmax word", absmax.len(), 1)?;
+        match global_scale(absmax[0], k) {
+            GlobalScale::Scaled(scale) => {
+                pool::install(|| global_qsgd::dequantize(sum, scale, shard))
+            }
+            GlobalScale::Zeros => shard.fill(0.0),
+            GlobalScale::Nans => shard.fill(f32::NAN),
+        }
         Ok(())
     }
 }

@@ -179,14 +179,31 @@ pub struct SdpGlobal {
     pub rng: SdpRng,
     /// Elements.
     pub numel: u64,
-    /// The global scale `s = a / K` (quantize, dequantize).
+    /// The global scale `s = a / K` (quantize, dequantize) when `absmax` is 0.
     pub scale: f32,
-    /// K, the largest code magnitude (quantize only).
+    /// K, the largest code magnitude (quantize; dequantize when `absmax` is set).
     pub k: i32,
     /// 1: stochastic rounding, 0: round half to even (quantize only).
     pub stochastic: u32,
-    /// 0.
-    pub reserved: u32,
+    /// Dequantize: the rank blocks of `numel` integers summed in rank order (0 or 1: one).
+    pub blocks: u32,
+    /// 0, or the device address of the global absmax `a` (one f32): the kernels then scale by
+    /// `a / K` read from device memory, with docs/numerics.md §7.2's special cases.
+    pub absmax: u64,
+    /// Dequantize: 0, or the device address of a u32 (zeroed by the caller) where the first
+    /// integer overflow of the sum is recorded as `0xffffffff - (r * numel + i)`, the largest
+    /// kept (see [`overflow_from_status`]).
+    pub status: u64,
+}
+
+/// The first overflow `(block, element)` of a sum in rank order that the status word of a
+/// dequantize launch summing blocks of `numel` integers holds, or `None` when it is 0.
+pub fn overflow_from_status(status: u32, numel: usize) -> Option<(usize, usize)> {
+    if status == 0 || numel == 0 {
+        return None;
+    }
+    let key = (u32::MAX - status) as usize;
+    Some((key / numel, key % numel))
 }
 
 // The sizes `sizeof` gives for the header's structs (x86-64 and aarch64 alike: fixed-width
@@ -200,7 +217,7 @@ const _: () = assert!(size_of::<SdpGradSecond>() == 136);
 const _: () = assert!(size_of::<SdpGradFinal>() == 80);
 const _: () = assert!(size_of::<SdpWeightEncode>() == 72);
 const _: () = assert!(size_of::<SdpWeightApply>() == 56);
-const _: () = assert!(size_of::<SdpGlobal>() == 40);
+const _: () = assert!(size_of::<SdpGlobal>() == 56);
 // A few offsets `offsetof` gives, where padding could hide.
 const _: () = assert!(std::mem::offset_of!(SdpGradFirst, rng) == 64);
 const _: () = assert!(std::mem::offset_of!(SdpGradFirst, peers1) == 80);
@@ -210,6 +227,8 @@ const _: () = assert!(std::mem::offset_of!(SdpGradFinal, peers) == 64);
 const _: () = assert!(std::mem::offset_of!(SdpWeightEncode, difference) == 64);
 const _: () = assert!(std::mem::offset_of!(SdpWeightApply, world) == 40);
 const _: () = assert!(std::mem::offset_of!(SdpGlobal, scale) == 24);
+const _: () = assert!(std::mem::offset_of!(SdpGlobal, absmax) == 40);
+const _: () = assert!(std::mem::offset_of!(SdpGlobal, status) == 48);
 
 /// `value` as a `u32` field, or an error naming the field.
 pub(crate) fn to_u32(what: &str, value: usize) -> Result<u32> {
@@ -417,7 +436,9 @@ impl SdpGlobal {
             scale,
             k,
             stochastic: stochastic(rounding),
-            reserved: 0,
+            blocks: 0,
+            absmax: 0,
+            status: 0,
         }
     }
 
@@ -429,7 +450,30 @@ impl SdpGlobal {
             scale,
             k: 0,
             stochastic: 0,
-            reserved: 0,
+            blocks: 0,
+            absmax: 0,
+            status: 0,
+        }
+    }
+
+    /// `global_dequantize_*` summing `blocks` rank blocks of `numel` integers in rank order
+    /// before scaling, recording the first overflow at device address `status`.
+    pub fn sum_and_dequantize(numel: usize, blocks: u32, status: u64) -> Self {
+        Self {
+            blocks,
+            status,
+            ..Self::dequantize(numel, 0.0)
+        }
+    }
+
+    /// These parameters scaling by `a / k` for the global absmax `a` at device address
+    /// `absmax` instead of by `scale`.
+    pub fn scaled_by_absmax_at(self, absmax: u64, k: i32) -> Self {
+        Self {
+            scale: 0.0,
+            k,
+            absmax,
+            ..self
         }
     }
 }

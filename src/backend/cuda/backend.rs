@@ -3,8 +3,8 @@
 //! async copy / memset) on the caller's stream, so the collectives of
 //! [`crate::collective`] run on device memory unchanged.
 //!
-//! Only Global-QSGD's absmax waits for the device: its scale is a kernel argument, so the
-//! reduced maximum comes back to the host (one 4-byte copy and a stream synchronisation).
+//! No pass waits for the device: Global-QSGD's kernels read the all-reduced absmax from
+//! device memory (docs/cuda.md).
 
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -13,11 +13,12 @@ use cudarc::driver::result as driver;
 use cudarc::driver::sys;
 use half::bf16;
 
-use super::launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
+use super::launch::{DeviceSpan, Stream, dest_table};
 use super::module::{Kernels, driver_error};
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
+use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result, check_len};
@@ -353,42 +354,65 @@ impl Backend for Cuda {
         )
     }
 
-    fn global_absmax(&self, bucket: DeviceSpan<f32>, word: DeviceSpan<u32>) -> Result<f32> {
-        self.kernels.global_absmax(self.stream, bucket, word)?;
-        let mut bits = [0u32];
-        let stream = self.stream.raw();
-        self.kernels.with_context(|| {
-            // SAFETY: `word` is one u32 of device memory of this context; the stream is
-            // synchronised before `bits` is read or dropped.
-            unsafe {
-                driver::memcpy_dtoh_async(&mut bits, word.addr(), stream)
-                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-                driver::stream::synchronize(stream).map_err(driver_error("cuStreamSynchronize"))
-            }
-        })?;
-        Ok(absmax_from_bits(bits[0]))
+    fn global_absmax(&self, bucket: DeviceSpan<f32>, word: DeviceSpan<f32>) -> Result<()> {
+        // SAFETY: the same device memory; the kernel leaves the bits of a non-negative f32 or
+        // +Inf in it.
+        let bits = unsafe { DeviceSpan::<u32>::from_raw(word.addr(), word.len()) };
+        self.kernels.global_absmax(self.stream, bucket, bits)
     }
 
     fn global_quantize<T: IntCode + Element>(
         &self,
         bucket: DeviceSpan<f32>,
-        scale: f32,
+        absmax: DeviceSpan<f32>,
         k: i32,
         rounding: Rounding,
         rng: &UniformStream,
         out: DeviceSpan<T>,
     ) -> Result<()> {
         self.kernels
-            .global_quantize(self.stream, bucket, scale, k, rounding, rng, out)
+            .global_quantize_scaled_by(self.stream, bucket, absmax, k, rounding, rng, out)
+    }
+
+    fn sums_exchanged_blocks(&self) -> bool {
+        true
+    }
+
+    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
+        &self,
+        blocks: DeviceSpan<T>,
+        world: usize,
+        absmax: DeviceSpan<f32>,
+        k: i32,
+        status: DeviceSpan<u32>,
+        shard: DeviceSpan<f32>,
+    ) -> Result<()> {
+        self.kernels
+            .global_sum_dequantize(self.stream, blocks, world, absmax, k, status, shard)
+    }
+
+    fn take_sum_status(&self, status: DeviceSpan<u32>) -> Result<u32> {
+        check_len("integer sum status word", status.len(), 1)?;
+        let word = self.download(status)?;
+        let stream = self.stream.raw();
+        self.kernels.with_context(|| {
+            // SAFETY: `status` is one u32 of device memory of this context; `stream` belongs
+            // to it.
+            unsafe { sys::cuMemsetD32Async(status.addr(), 0, 1, stream) }
+                .result()
+                .map_err(driver_error("cuMemsetD32Async"))
+        })?;
+        Ok(word[0])
     }
 
     fn global_dequantize<T: IntCode + Element>(
         &self,
         sum: DeviceSpan<T>,
-        scale: f32,
+        absmax: DeviceSpan<f32>,
+        k: i32,
         shard: DeviceSpan<f32>,
     ) -> Result<()> {
         self.kernels
-            .global_dequantize(self.stream, sum, scale, shard)
+            .global_dequantize_scaled_by(self.stream, sum, absmax, k, shard)
     }
 }

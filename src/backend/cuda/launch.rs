@@ -56,6 +56,12 @@ impl Stream {
         Self(handle)
     }
 
+    /// The raw handle, as [`from_raw`](Self::from_raw) takes it (for a communicator that
+    /// enqueues on the stream itself).
+    pub fn handle(self) -> usize {
+        self.0
+    }
+
     /// The driver handle.
     pub(super) fn raw(self) -> sys::CUstream {
         self.0 as sys::CUstream
@@ -135,6 +141,15 @@ impl<T> DeviceSpan<T> {
         Ok(())
     }
 
+    /// The first `len` elements of `span` (at most its length).
+    fn first(span: Self, len: usize) -> Self {
+        Self {
+            addr: span.addr,
+            len: len.min(span.len),
+            _element: PhantomData,
+        }
+    }
+
     /// The byte range of the span.
     fn range(&self) -> (u64, u64) {
         (self.addr, self.addr + self.bytes())
@@ -162,9 +177,9 @@ pub fn dest_table(layout: &GradLayout) -> Result<Vec<u32>> {
         .collect()
 }
 
-/// `max |x|` from the bits `global_absmax` leaves (`bits & 0x7fffffff` maximised over the
-/// bucket): `+Inf` when a NaN or Inf was present, as `cpu::global_qsgd::local_absmax`
-/// returns.
+/// `max |x|` from the bits `global_absmax` leaves (`bits & 0x7fffffff`, capped at +Inf's,
+/// maximised over the bucket): `+Inf` when a NaN or Inf was present, as
+/// `cpu::global_qsgd::local_absmax` returns.
 pub fn absmax_from_bits(bits: u32) -> f32 {
     if crate::codec::quant::bits_non_finite(bits) {
         f32::INFINITY
@@ -447,7 +462,8 @@ impl Kernels {
 
     /// `global_absmax` (= `cpu::global_qsgd::local_absmax`, in bits): zeroes `abs_bits` (one
     /// `u32`) on the stream, then leaves in it the maximum over `bucket` of
-    /// `bits & 0x7fffffff`; [`absmax_from_bits`] turns it into the CPU's value.
+    /// `bits & 0x7fffffff` capped at +Inf's bits, which are the bits of the CPU's value (read
+    /// as an f32, what a MAX all-reduce maximises); [`absmax_from_bits`] reads it on the host.
     pub fn global_absmax(
         &self,
         stream: Stream,
@@ -487,6 +503,40 @@ impl Kernels {
         rng: &UniformStream,
         out: DeviceSpan<T>,
     ) -> Result<()> {
+        let params = SdpGlobal::quantize(bucket.len(), scale, k, rounding, rng);
+        self.launch_global_quantize(stream, bucket, params, &[], out)
+    }
+
+    /// [`global_quantize`](Self::global_quantize) at the scale `s = a / k` of the global
+    /// absmax `a` the kernel reads from `absmax` (one f32 of device memory, written by work
+    /// ordered before on `stream`), so the host never waits for it: every code is 0 when `a`
+    /// is not finite or `s` is 0 (docs/numerics.md §7.2).
+    #[allow(clippy::too_many_arguments)]
+    pub fn global_quantize_scaled_by<T: IntCode>(
+        &self,
+        stream: Stream,
+        bucket: DeviceSpan<f32>,
+        absmax: DeviceSpan<f32>,
+        k: i32,
+        rounding: Rounding,
+        rng: &UniformStream,
+        out: DeviceSpan<T>,
+    ) -> Result<()> {
+        absmax.check("global absmax word", 1, 1)?;
+        check_positive_k(k)?;
+        let params = SdpGlobal::quantize(bucket.len(), 0.0, k, rounding, rng)
+            .scaled_by_absmax_at(absmax.addr(), k);
+        self.launch_global_quantize(stream, bucket, params, &[absmax.range()], out)
+    }
+
+    fn launch_global_quantize<T: IntCode>(
+        &self,
+        stream: Stream,
+        bucket: DeviceSpan<f32>,
+        mut params: SdpGlobal,
+        read: &[(u64, u64)],
+        out: DeviceSpan<T>,
+    ) -> Result<()> {
         let kernel = match T::BITS {
             8 => Kernel::GlobalQuantizeI8,
             16 => Kernel::GlobalQuantizeI16,
@@ -494,8 +544,9 @@ impl Kernels {
         };
         bucket.check("gradient bucket", bucket.len(), 1)?;
         out.check("integer send buffer", bucket.len(), 1)?;
-        check_disjoint("integer send buffer", out.range(), &[bucket.range()])?;
-        let mut params = SdpGlobal::quantize(bucket.len(), scale, k, rounding, rng);
+        let mut inputs = vec![bucket.range()];
+        inputs.extend_from_slice(read);
+        check_disjoint("integer send buffer", out.range(), &inputs)?;
         let (mut a0, mut a1) = (bucket.addr(), out.addr());
         self.launch(
             kernel,
@@ -515,6 +566,82 @@ impl Kernels {
         scale: f32,
         out: DeviceSpan<f32>,
     ) -> Result<()> {
+        let params = SdpGlobal::dequantize(sum.len(), scale);
+        self.launch_global_dequantize(stream, sum, params, &[], out)
+    }
+
+    /// [`global_dequantize`](Self::global_dequantize) at the scale `s = a / k` of the global
+    /// absmax `a` the kernel reads from `absmax`: every output is NaN when `a` is not finite
+    /// and 0 when `s` is 0 (docs/numerics.md §7.2).
+    pub fn global_dequantize_scaled_by<T: IntCode>(
+        &self,
+        stream: Stream,
+        sum: DeviceSpan<T>,
+        absmax: DeviceSpan<f32>,
+        k: i32,
+        out: DeviceSpan<f32>,
+    ) -> Result<()> {
+        absmax.check("global absmax word", 1, 1)?;
+        check_positive_k(k)?;
+        let params = SdpGlobal::dequantize(sum.len(), 0.0).scaled_by_absmax_at(absmax.addr(), k);
+        self.launch_global_dequantize(stream, sum, params, &[absmax.range()], out)
+    }
+
+    /// `global_dequantize_i8` / `_i16` of the sum in rank order of the `world` blocks of
+    /// `blocks` (block `r` from rank `r`, each `out.len()` integers), at the scale of the
+    /// global absmax in `absmax` (as [`global_dequantize_scaled_by`](Self::global_dequantize_scaled_by)):
+    /// the reduce-scatter's sum and the dequantization in one pass. An element whose sum
+    /// overflows `T` (checked after each addition, as `collective::sum_in_rank_order` checks)
+    /// is NaN, and the first overflow in rank order is recorded in `status` (one u32 the
+    /// caller zeroes; [`overflow_from_status`](super::abi::overflow_from_status) reads it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn global_sum_dequantize<T: IntCode>(
+        &self,
+        stream: Stream,
+        blocks: DeviceSpan<T>,
+        world: usize,
+        absmax: DeviceSpan<f32>,
+        k: i32,
+        status: DeviceSpan<u32>,
+        out: DeviceSpan<f32>,
+    ) -> Result<()> {
+        let numel = out.len();
+        let total = world.checked_mul(numel).filter(|&n| n < u32::MAX as usize);
+        if world == 0 || total.is_none() {
+            return Err(Error::Buffer(format!(
+                "Global-QSGD sums {world} blocks of {numel} integers: at most 2^32 - 2 in all"
+            )));
+        }
+        blocks.check("integer blocks", world * numel, 1)?;
+        absmax.check("global absmax word", 1, 1)?;
+        status.check("integer sum status word", 1, 1)?;
+        check_positive_k(k)?;
+        check_disjoint(
+            "integer sum status word",
+            status.range(),
+            &[blocks.range(), absmax.range()],
+        )?;
+        let params =
+            SdpGlobal::sum_and_dequantize(numel, to_u32("world size", world)?, status.addr())
+                .scaled_by_absmax_at(absmax.addr(), k);
+        let blocks_start = DeviceSpan::<T>::first(blocks, numel);
+        self.launch_global_dequantize(
+            stream,
+            blocks_start,
+            params,
+            &[blocks.range(), absmax.range(), status.range()],
+            out,
+        )
+    }
+
+    fn launch_global_dequantize<T: IntCode>(
+        &self,
+        stream: Stream,
+        sum: DeviceSpan<T>,
+        mut params: SdpGlobal,
+        read: &[(u64, u64)],
+        out: DeviceSpan<f32>,
+    ) -> Result<()> {
         let kernel = match T::BITS {
             8 => Kernel::GlobalDequantizeI8,
             16 => Kernel::GlobalDequantizeI16,
@@ -522,8 +649,9 @@ impl Kernels {
         };
         sum.check("integer receive buffer", sum.len(), 1)?;
         out.check("gradient shard", sum.len(), 1)?;
-        check_disjoint("gradient shard", out.range(), &[sum.range()])?;
-        let mut params = SdpGlobal::dequantize(sum.len(), scale);
+        let mut inputs = vec![sum.range()];
+        inputs.extend_from_slice(read);
+        check_disjoint("gradient shard", out.range(), &inputs)?;
         let (mut a0, mut a1) = (sum.addr(), out.addr());
         self.launch(
             kernel,
@@ -532,6 +660,17 @@ impl Kernels {
             ELEMENTS_PER_BLOCK,
             &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
         )
+    }
+}
+
+/// Fails unless `k` (Global-QSGD's largest code) is positive.
+fn check_positive_k(k: i32) -> Result<()> {
+    if k > 0 {
+        Ok(())
+    } else {
+        Err(Error::Plan(format!(
+            "Global-QSGD's largest code K must be positive, got {k}"
+        )))
     }
 }
 

@@ -14,7 +14,9 @@
 //! - [`Kernels`]: the per-device cache of loaded kernels, with one launch method per kernel;
 //! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch;
 //! - [`Cuda`], [`DeviceBuffer`]: the collectives' [`Backend`](crate::backend::Backend) on
-//!   one device (persistent device buffers, every pass enqueued on one stream).
+//!   one device (persistent device buffers, every pass enqueued on one stream);
+//! - [`SideStream`], [`DeviceExchange`]: a device communicator's exchanges on a side stream,
+//!   ordered by events, so pipeline chunks overlap.
 //!
 //! Use: `Kernels::get(device)?` once, upload [`dest_table`] once per bucket, then call the
 //! launch methods every step; results are ready when the stream reaches them.
@@ -22,6 +24,7 @@
 pub mod abi;
 mod backend;
 pub mod compile;
+mod exchange;
 mod launch;
 mod module;
 pub mod probe;
@@ -30,6 +33,7 @@ pub mod target;
 
 pub use backend::{Cuda, DeviceBuffer};
 pub use compile::{Arch, Compiled, Target};
+pub use exchange::{DeviceExchange, SideStream};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
 pub use module::{Kernels, device_count, driver_version, format_driver_version};
 pub use target::TargetChoice;

@@ -73,6 +73,13 @@ impl<C: Comm> Comm for Recorder<'_, C> {
         Ok(out)
     }
 
+    fn all_reduce_max_in_place(&self, word: &mut [f32]) -> Result<()> {
+        let sent = bytemuck::cast_slice::<f32, u8>(word).to_vec();
+        self.inner.all_reduce_max_in_place(word)?;
+        self.push("all_reduce_max", &sent, bytemuck::cast_slice(word));
+        Ok(())
+    }
+
     fn reduce_scatter_sum<T: SumElement>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.inner.reduce_scatter_sum(send, recv)?;
         self.push(
