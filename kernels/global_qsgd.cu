@@ -247,6 +247,9 @@ __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, 
             // Bit e: element e's sum has overflowed.
             uint32_t overflow = 0;
             const Code* block = sum;
+            // Unrolled only where `blocks` is a compile-time constant (the kernel model's
+            // wrapper); a runtime count stays a loop.
+#pragma unroll
             for (uint32_t r = 1; r < blocks; ++r) {
                 block += args.numel;
                 int32_t c[4];
