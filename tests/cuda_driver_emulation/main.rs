@@ -13,6 +13,8 @@
 //!   3, three steps with odd sizes and NaN / Inf: the same bytes as `Host`
 //!   ([`end_to_end`]); `end_to_end_capped_grids`: buckets larger than a capped grid covers;
 //! - `fault_*`: injected faults are caught ([`faults`]);
+//! - the buffers come from the allocator the backend is given, and the sdp4bit preset's
+//!   device bytes per parameter ([`device_memory`]);
 //! - `gpu_suite_runs_on_the_emulation`: `tests/cuda_gpu.rs`, unchanged, in a child process
 //!   that finds the emulation as its `libcuda.so` ([`gpu_suite`]).
 //!
@@ -21,6 +23,7 @@
 
 mod child;
 mod comm;
+mod device_memory;
 mod end_to_end;
 mod faults;
 mod gpu_suite;

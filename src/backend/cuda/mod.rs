@@ -13,13 +13,16 @@
 //! - [`abi`]: `#[repr(C)]` mirrors of the launch ABI (`kernels/sdp4bit_abi.h`);
 //! - [`Kernels`]: the per-device cache of loaded kernels, with one launch method per kernel;
 //! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch;
-//! - [`Cuda`], [`DeviceBuffer`]: the collectives' [`Backend`](crate::backend::Backend) on
-//!   one device (persistent device buffers, every pass enqueued on one stream).
+//! - [`Cuda`]: the collectives' [`Backend`](crate::backend::Backend) on one device (every
+//!   pass enqueued on one stream);
+//! - [`alloc`]: its persistent [`DeviceBuffer`]s and the [`Allocator`] they come from (the
+//!   driver, or one it is given, such as torch's caching allocator).
 //!
 //! Use: `Kernels::get(device)?` once, upload [`dest_table`] once per bucket, then call the
 //! launch methods every step; results are ready when the stream reaches them.
 
 pub mod abi;
+pub mod alloc;
 mod backend;
 pub mod compile;
 mod launch;
@@ -28,7 +31,8 @@ pub mod probe;
 pub mod source;
 pub mod target;
 
-pub use backend::{Cuda, DeviceBuffer};
+pub use alloc::{Allocator, DeviceAllocator, DeviceBlock, DeviceBuffer};
+pub use backend::Cuda;
 pub use compile::{Arch, Compiled, Target};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
 pub use module::{Kernels, device_count, driver_version, format_driver_version};
