@@ -52,10 +52,7 @@ impl DeviceAllocator for &'static CountingAllocator {
         self.blocks.fetch_add(1, Ordering::SeqCst);
         self.bytes.fetch_add(bytes, Ordering::SeqCst);
         self.live_blocks.fetch_add(1, Ordering::SeqCst);
-        Ok(Box::new(CountedBlock {
-            inner,
-            owner: *self,
-        }))
+        Ok(Box::new(CountedBlock { inner, owner: self }))
     }
 }
 
