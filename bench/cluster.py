@@ -115,31 +115,18 @@ def link_ms(preset: str, numel: int, nodes: int, per_node: int, rate_mbit: float
 
 
 def add_predictions(rows: list[dict]) -> None:
-    """The cost model (sdp4bit.plan) checked against the measurements: each preset's
-    time at the fastest link calibrates its fixed part (codec passes, intra-node traffic,
-    latency); the time at every other rate is then predicted from the inter-node bytes the
-    core plans, sharing each node's link, and compared with what was measured."""
-    from sdp4bit import plan
+    """The cost model (sdp4bit.plan, calibrated by bench/calibrate_plan.py) checked against the
+    measurements: each preset's rate-independent part comes from its time at the fastest link,
+    the model's constants from every row; the time at every other rate is then predicted from
+    the bytes over the busiest node link and compared with what was measured."""
+    from calibrate_plan import errors, fit
 
-    for topology in {r["topology"] for r in rows}:
-        nodes, per_node = (int(x) for x in topology.split("x"))
-        mine = [r for r in rows if r["topology"] == topology]
-        fastest = max(r["rate_mbit"] for r in mine)
-        for preset in {r["preset"] for r in mine}:
-            measured = {r["rate_mbit"]: r for r in mine if r["preset"] == preset}
-            numel = measured[fastest]["bucket_numel"]
-            b, _ = plan.step_bytes(preset, numel, nodes * per_node, per_node)
-            inter_bits = per_node * (b.grad[1] + b.weight[1]) * 8
-
-            def wire_ms(rate):
-                return inter_bits / (rate * 1e6) * 1e3
-
-            calibration = measured[fastest]
-            fixed = calibration["comm_ms"] - wire_ms(fastest)
-            for rate, r in measured.items():
-                r["predicted_ms"] = fixed + wire_ms(rate)
-                r["prediction_error"] = (None if rate == fastest else
-                                         r["predicted_ms"] / r["comm_ms"] - 1)
+    constants = fit(rows)
+    predicted = {(e["topology"], e["preset"], e["rate_mbit"]): e for e in errors(rows, constants)}
+    for r in rows:
+        e = predicted.get((r["topology"], r["preset"], r["rate_mbit"]))
+        r["predicted_ms"] = r["comm_ms"] if e is None else e["predicted_ms"]
+        r["prediction_error"] = None if e is None else e["error"]
 
 
 def write_results(rows: list[dict], args, out_dir: Path) -> None:
@@ -161,7 +148,8 @@ def write_results(rows: list[dict], args, out_dir: Path) -> None:
         "= how close the measurement comes to the link's limit. Uncompressed: gloo's "
         "reduce-scatter and all-gather (baseline); best = the faster of that and a "
         "reduce-scatter made of an all-to-all and a local sum (each byte sent once). "
-        "Model: sdp4bit.plan's inter-node bytes over each node's link, its fixed part "
+        "Model: sdp4bit.plan's link time at the achieved fraction of the link plus the codec "
+        "time not hidden behind it (bench/calibrate_plan.py), its rate-independent part "
         "calibrated per preset at the fastest link (marked), predicted at the others.", "",
         "| topology | link | preset | RS ms | AG ms | comm ms [min-max] | link ms | "
         "link/measured | bytes sent/rank | speedup vs gloo | speedup vs best uncompressed | "

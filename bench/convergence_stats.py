@@ -78,10 +78,11 @@ def interval(samples: list[float]) -> Interval:
 
 
 def paired_difference(row: dict[int, float], baseline: dict[int, float]) -> Interval:
-    """The mean over seeds of row - baseline, seed by seed, with its 95% interval; both must
-    hold the same seeds."""
-    if set(row) != set(baseline):
-        raise ValueError(f"seeds differ: {sorted(row)} vs {sorted(baseline)}")
+    """The mean over the row's seeds of row - baseline, seed by seed, with its 95% interval;
+    the baseline must hold every seed of the row (it may hold more)."""
+    missing = sorted(set(row) - set(baseline))
+    if missing:
+        raise ValueError(f"the baseline lacks seeds {missing} of the row's {sorted(row)}")
     return interval([row[seed] - baseline[seed] for seed in sorted(row)])
 
 

@@ -214,20 +214,32 @@ fn specialised_source(code: &str, model: &Model) -> String {
     )
 }
 
-/// Instructions of the grid-stride loop body of `function` in `nvdisasm -c` output: from the
-/// target of the outermost backward branch before the first unconditional EXIT to that branch.
-/// An error when the body still holds a loop (the count would not be per unit).
-fn loop_body_instructions(listing: &str, function: &str) -> Result<u32, String> {
+/// One instruction of a SASS listing: its opcode and, in a listing with line information
+/// (`nvdisasm -gi`), the source lines it comes from (file base name and line), innermost first,
+/// then each call site it is inlined at.
+struct Instruction {
+    opcode: String,
+    frames: Vec<(String, u32)>,
+}
+
+/// The instructions of the grid-stride loop body of `function` in `nvdisasm -c` output: from
+/// the target of the outermost backward branch before the first unconditional EXIT to that
+/// branch. An error when the body still holds a loop (the count would not be per unit).
+fn loop_body(listing: &str, function: &str) -> Result<Vec<Instruction>, String> {
     enum Item {
         Label(String),
         Instruction {
-            opcode: String,
+            instruction: Instruction,
             target: Option<String>,
             predicated: bool,
         },
     }
     let mut items = Vec::new();
     let mut inside = false;
+    // The `//## File` comments since the last instruction: its frames, innermost first (an
+    // instruction without them has the previous one's).
+    let mut pending: Vec<(String, u32)> = Vec::new();
+    let mut frames: Vec<(String, u32)> = Vec::new();
     for line in listing.lines() {
         let trimmed = line.trim();
         if let Some(section) = trimmed.strip_prefix(".text.") {
@@ -235,6 +247,10 @@ fn loop_body_instructions(listing: &str, function: &str) -> Result<u32, String> 
             continue;
         }
         if !inside {
+            continue;
+        }
+        if let Some(rest) = trimmed.strip_prefix("//## File \"") {
+            pending.extend(source_location(rest));
             continue;
         }
         if let Some(label) = trimmed.strip_suffix(':').filter(|l| l.starts_with(".L")) {
@@ -254,20 +270,26 @@ fn loop_body_instructions(listing: &str, function: &str) -> Result<u32, String> 
         if opcode.is_empty() || opcode == "NOP" {
             continue;
         }
+        if !pending.is_empty() {
+            frames = std::mem::take(&mut pending);
+        }
         let target = instruction
             .split("`(")
             .nth(1)
             .and_then(|t| t.split(')').next())
             .map(str::to_owned);
         items.push(Item::Instruction {
-            opcode,
+            instruction: Instruction {
+                opcode,
+                frames: frames.clone(),
+            },
             target,
             predicated,
         });
     }
     let exit = items
         .iter()
-        .position(|i| matches!(i, Item::Instruction { opcode, predicated: false, .. } if opcode == "EXIT"))
+        .position(|i| matches!(i, Item::Instruction { instruction, predicated: false, .. } if instruction.opcode == "EXIT"))
         .ok_or_else(|| format!("{function}: no unconditional EXIT"))?;
     let label_at = |name: &str| {
         items
@@ -280,10 +302,12 @@ fn loop_body_instructions(listing: &str, function: &str) -> Result<u32, String> 
         .enumerate()
         .filter_map(|(at, item)| match item {
             Item::Instruction {
-                opcode,
+                instruction,
                 target: Some(t),
                 ..
-            } if opcode.starts_with("BRA") => label_at(t).filter(|&l| l < at).map(|l| (at, l)),
+            } if instruction.opcode.starts_with("BRA") => {
+                label_at(t).filter(|&l| l < at).map(|l| (at, l))
+            }
             _ => None,
         })
         .collect();
@@ -297,10 +321,270 @@ fn loop_body_instructions(listing: &str, function: &str) -> Result<u32, String> 
     {
         return Err(format!("{function}: the loop body holds an inner loop"));
     }
-    Ok(items[head..=branch]
-        .iter()
-        .filter(|i| matches!(i, Item::Instruction { .. }))
-        .count() as u32)
+    Ok(items
+        .drain(head..=branch)
+        .filter_map(|item| match item {
+            Item::Instruction { instruction, .. } => Some(instruction),
+            Item::Label(_) => None,
+        })
+        .collect())
+}
+
+/// The base name and line of `path", line N...` (the rest of a `//## File "` comment).
+fn source_location(rest: &str) -> Option<(String, u32)> {
+    let (path, after) = rest.split_once('"')?;
+    let line = after
+        .trim_start_matches(", line ")
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()?;
+    let base = path.rsplit('/').next().unwrap_or(path);
+    Some((base.to_owned(), line))
+}
+
+/// Where the instructions of a work unit go: the categories of the breakdown, each with the
+/// functions of `kernels/` whose instructions it counts (by the innermost source line of each
+/// instruction). The kernel's own function (unit index, addresses, its load and store code,
+/// the loop) and anything unlisted fall into the last two rows.
+const CATEGORIES: [(&str, &[&str]); 12] = [
+    (
+        "Philox rounds",
+        &["sdp_philox", "sdp_words4", "sdp_uniforms4"],
+    ),
+    (
+        "uniform add, rounding, clamp",
+        &["sdp_add_uniform", "sdp_word_to_uniform", "sdp_code_of"],
+    ),
+    (
+        "division by the scale (fast path, fallback calls)",
+        &[
+            "sdp_divide_run",
+            "sdp_divide_markstein",
+            "sdp_divide_fast",
+            "sdp_divide_plain4",
+            "sdp_divide_each",
+        ],
+    ),
+    (
+        "scale and reciprocal (per group)",
+        &[
+            "sdp_meta_of",
+            "sdp_meta_non_finite",
+            "sdp_divisor_of",
+            "sdp_is_finite",
+        ],
+    ),
+    (
+        "statistics (absmax, warp reduction)",
+        &[
+            "sdp_stats_add",
+            "sdp_stats_reduce",
+            "sdp_stats_empty",
+            "sdp_warp_max_u32",
+            "sdp_warp_min",
+            "sdp_warp_max",
+            "sdp_abs_bits",
+        ],
+    ),
+    (
+        "Hadamard (shuffles, butterflies)",
+        &[
+            "sdp_hadamard_forward",
+            "sdp_hadamard_inverse",
+            "sdp_hadamard_lane_stage",
+            "sdp_hadamard_register_stage",
+        ],
+    ),
+    (
+        "code packing and stores",
+        &["sdp_store_codes", "sdp_zero_slab_padding"],
+    ),
+    (
+        "quantizer control (tiles, runs, their branches)",
+        &["sdp_quantize_group"],
+    ),
+    (
+        "decoding (code loads, corrupt checks, dequantize, peer sums)",
+        &[
+            "sdp_load_run_codes",
+            "sdp_has_zero_field",
+            "sdp_field_as_float",
+            "sdp_dequantize",
+            "sdp_sum_peers_tile",
+            "sdp_slab_group",
+            "sdp_meta_corrupt",
+            "sdp_is_inf",
+        ],
+    ),
+    (
+        "element loads and stores (with their unaligned / tail fallbacks)",
+        &[
+            "sdp_load_f32x4",
+            "sdp_store_f32x4",
+            "sdp_load_u16x8",
+            "sdp_store_u16x8",
+            "sdp_bf16_to_f32",
+            "sdp_bf16_low_to_f32_raw",
+            "sdp_bf16_high_to_f32_raw",
+            "sdp_f32_to_bf16",
+            "sdp_half",
+            "sdp_word_of",
+            "sdp_aligned",
+            "load_run",
+            "load_four",
+            "element_of",
+            "store_tile",
+            "apply_run",
+        ],
+    ),
+    (
+        "unit index and addresses",
+        &[
+            "sdp_udiv_of",
+            "sdp_udiv_quotient",
+            "sdp_warp_id",
+            "sdp_warp_count",
+            "sdp_lane",
+            "sdp_slab_at",
+            "sdp_codes_offset",
+            "sdp_scale_offset",
+            "sdp_offset_offset",
+            "sdp_meta_end",
+            "sdp_code_bytes",
+            "sdp_max_code",
+            "sdp_tiles",
+            "sdp_tile_element",
+            "sdp_tile_runs",
+            "sdp_run_in_group",
+            "sdp_quantize_slab_group",
+        ],
+    ),
+    ("the kernel's own code (index, loads, loop)", &[]),
+];
+
+/// The function of `source` that line `line` (1-based) lies in: the name of the last
+/// definition that starts at or before it (a line beginning with `__device__`, `static
+/// __device__` or, for kernels, `extern "C"` with the name on the next line).
+fn function_at(source: &str, line: u32) -> Option<String> {
+    let lines: Vec<&str> = source.lines().collect();
+    let mut name = None;
+    for (i, text) in lines.iter().enumerate().take(line as usize) {
+        let header = if text.starts_with("extern \"C\"") {
+            lines.get(i + 1).copied()
+        } else if text.starts_with("__device__") || text.starts_with("static __device__") {
+            Some(*text)
+        } else {
+            None
+        };
+        if let Some(found) = header
+            .and_then(|h| h.split('(').next())
+            .and_then(|h| h.split_whitespace().last())
+        {
+            name = Some(found.to_owned());
+        }
+    }
+    name
+}
+
+/// The marker that opens a cold block in `kernels/`: a line holding it and an opening brace
+/// starts a block (to its matching closing brace) that valid, aligned data never enters.
+const COLD_MARKER: &str = "// Cold path";
+
+/// The lines (1-based) inside the cold blocks of `source` (the opening line excluded: its
+/// condition runs on every path).
+fn cold_lines(source: &str) -> std::collections::BTreeSet<u32> {
+    let mut cold = std::collections::BTreeSet::new();
+    let lines: Vec<&str> = source.lines().collect();
+    for (start, text) in lines.iter().enumerate() {
+        if !text.contains(COLD_MARKER) {
+            continue;
+        }
+        let mut depth = 0i32;
+        for (i, line) in lines.iter().enumerate().skip(start) {
+            let mut code = line.split("//").next().unwrap_or("");
+            if i == start {
+                // `} else {`: the brace that closes the previous block is not this one's.
+                code = code.trim_start().trim_start_matches('}');
+            }
+            depth += code.matches('{').count() as i32 - code.matches('}').count() as i32;
+            if i > start {
+                cold.insert(i as u32 + 1);
+            }
+            if depth <= 0 && i > start {
+                break;
+            }
+        }
+    }
+    cold
+}
+
+/// A source of the analysis build and what the breakdown needs of it.
+struct Source {
+    text: String,
+    cold: std::collections::BTreeSet<u32>,
+}
+
+/// Instructions per category (in the order of [`CATEGORIES`]) of a loop body whose frames
+/// name `analysis.cu` (the specialised source, `code`) or the headers in `kernels`, and how
+/// many of them are cold (some frame inside a cold block).
+fn breakdown(body: &[Instruction], code: &str, kernels: &Path) -> Result<(Vec<u32>, u32), String> {
+    let mut sources: std::collections::BTreeMap<String, Source> = std::collections::BTreeMap::new();
+    let mut counts = vec![0u32; CATEGORIES.len()];
+    let mut cold = 0;
+    for instruction in body {
+        for (file, _) in &instruction.frames {
+            if !sources.contains_key(file) {
+                let text = if file == "analysis.cu" {
+                    code.to_owned()
+                } else {
+                    std::fs::read_to_string(kernels.join(file))
+                        .map_err(|e| format!("read kernels/{file}: {e}"))?
+                };
+                let cold = cold_lines(&text);
+                sources.insert(file.clone(), Source { text, cold });
+            }
+        }
+        let function = instruction
+            .frames
+            .first()
+            .and_then(|(file, line)| function_at(&sources[file].text, *line));
+        let category = function
+            .as_deref()
+            .and_then(|f| CATEGORIES.iter().position(|(_, fs)| fs.contains(&f)))
+            .unwrap_or(CATEGORIES.len() - 1);
+        counts[category] += 1;
+        if instruction
+            .frames
+            .iter()
+            .any(|(file, line)| sources[file].cold.contains(line))
+        {
+            cold += 1;
+        }
+    }
+    Ok((counts, cold))
+}
+
+/// The specialised source compiled as the production build is (NVRTC's options of
+/// `sdp4bit::backend::cuda::compile`) plus `-lineinfo`, the headers from `kernels`.
+fn compile_with_line_info(code: &str, kernels: &Path) -> Result<String, String> {
+    let options = cudarc::nvrtc::CompileOptions {
+        ftz: Some(false),
+        prec_div: Some(true),
+        fmad: Some(false),
+        options: vec![
+            "--std=c++17".to_owned(),
+            "-default-device".to_owned(),
+            "-lineinfo".to_owned(),
+        ],
+        include_paths: vec![kernels.display().to_string()],
+        arch: Some("sm_90"),
+        name: Some("analysis.cu".to_owned()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(code, options)
+        .map(|ptx| ptx.to_src())
+        .map_err(|e| format!("NVRTC (-lineinfo build): {e:?}"))
 }
 
 /// One row of the table.
@@ -308,6 +592,10 @@ struct Row<'a> {
     model: &'a Model,
     resources: KernelResources,
     body: u32,
+    /// Loop-body instructions per category of [`CATEGORIES`].
+    breakdown: Vec<u32>,
+    /// Loop-body instructions in cold blocks ([`COLD_MARKER`]).
+    cold: u32,
 }
 
 impl Row<'_> {
@@ -318,8 +606,24 @@ impl Row<'_> {
 
     /// Bytes per second the issue bound allows.
     fn issue_bound(&self) -> f64 {
-        MULTIPROCESSORS * ISSUE_PER_CLOCK * CLOCK_HZ / self.instructions_per_element()
+        self.issue_bound_of(self.body)
+    }
+
+    /// Bytes per second the issue bound allows at `body` instructions per unit.
+    fn issue_bound_of(&self, body: u32) -> f64 {
+        MULTIPROCESSORS * ISSUE_PER_CLOCK * CLOCK_HZ * self.model.elements_per_unit
+            / f64::from(body)
             * self.model.bytes_per_element
+    }
+
+    /// The estimate when only the instructions outside cold blocks issue (valid, aligned
+    /// data).
+    fn hot_estimate(&self) -> f64 {
+        (self
+            .issue_bound_of(self.body - self.cold)
+            .min(self.latency_bound())
+            / HBM_BYTES_PER_S)
+            .min(1.0)
     }
 
     /// Bytes in flight per multiprocessor at the kernel's occupancy.
@@ -343,6 +647,7 @@ impl Row<'_> {
 
 /// Compiles, assembles and counts every kernel; the markdown report.
 fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
+    let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
     let mut rows = Vec::new();
     for model in &MODELS {
         let source = SOURCES
@@ -373,12 +678,31 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
         if counts.get("analysis").is_none_or(|c| c.local > 0) {
             return Err(format!("{}: the analysis build spills", model.kernel));
         }
-        let body = loop_body_instructions(&listing, "analysis")
-            .map_err(|e| format!("{} ({}): {e}", model.kernel, model.config))?;
+        let body = loop_body(&listing, "analysis")
+            .map_err(|e| format!("{} ({}): {e}", model.kernel, model.config))?
+            .len() as u32;
+        // The same build with line information, for the breakdown; it must be the same code.
+        let lined = tools.disassemble_with_lines(
+            "analysis.cu",
+            &compile_with_line_info(specialised.code, &kernels)?,
+            dir,
+        )?;
+        let lined_body = loop_body(&lined, "analysis")
+            .map_err(|e| format!("{} (-lineinfo build): {e}", model.kernel))?;
+        if lined_body.len() as u32 != body {
+            return Err(format!(
+                "{}: the -lineinfo build has {} loop-body instructions, the plain one {body}",
+                model.kernel,
+                lined_body.len()
+            ));
+        }
+        let (breakdown, cold) = breakdown(&lined_body, specialised.code, &kernels)?;
         rows.push(Row {
             model,
             resources,
             body,
+            breakdown,
+            cold,
         });
     }
 
@@ -443,7 +767,12 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
         "Per kernel, one representative configuration; the kernel is compiled once more with \
          that configuration as constants (a wrapper kernel), and the instructions of its \
          grid-stride loop body, one work unit, are counted in the SASS, cold paths included \
-         (an upper bound on what a warp issues per unit). The estimate is the smallest of:\n\n\
+         (an upper bound on what a warp issues per unit in the loop body). A function the \
+         compiler keeps out of line counts as its call only, not its body: the compiler's own \
+         division slow path, and the kernels' out-of-line fallbacks (the exact division for \
+         scales or values outside the fast path's range, element-wise loads of unaligned or \
+         partial runs), which valid, aligned buckets do not reach. The estimate is the smallest \
+         of:\n\n\
          - HBM3: {hbm:.2} TB/s, for the bytes the kernel reads and writes per element;\n\
          - issue: {mp} multiprocessors x {issue} warp instructions per clock x {clock:.2} GHz, \
            every loop-body instruction issued once per unit;\n\
@@ -480,6 +809,7 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
             100.0 * row.estimate(),
         );
     }
+    write_breakdown(w, &rows);
     let below: Vec<String> = rows
         .iter()
         .filter(|r| r.estimate() < 0.8)
@@ -501,7 +831,82 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
             below.join(", ")
         }
     );
+    for row in rows.iter().filter(|r| r.estimate() < 0.8) {
+        let _ = writeln!(w, "\n{}", what_bounds(row));
+    }
     Ok(out)
+}
+
+/// For a kernel below 80%: the loop body that 80% would allow and its largest categories.
+fn what_bounds(row: &Row<'_>) -> String {
+    let allowed = MULTIPROCESSORS
+        * ISSUE_PER_CLOCK
+        * CLOCK_HZ
+        * row.model.elements_per_unit
+        * row.model.bytes_per_element
+        / (0.8 * HBM_BYTES_PER_S);
+    let mut largest: Vec<(usize, u32)> = row.breakdown.iter().copied().enumerate().collect();
+    largest.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+    let parts: Vec<String> = largest
+        .iter()
+        .take(4)
+        .map(|&(i, n)| format!("{} {n}", CATEGORIES[i].0))
+        .collect();
+    format!(
+        "`{}`: {} instructions per unit where 80% allows {:.0}; the largest categories: {}.",
+        row.model.kernel,
+        row.body,
+        allowed.floor(),
+        parts.join(", ")
+    )
+}
+
+/// The breakdown table: a column per group kernel (the Global-QSGD kernels are left out).
+fn write_breakdown(w: &mut String, rows: &[Row<'_>]) {
+    let group: Vec<&Row<'_>> = rows
+        .iter()
+        .filter(|r| r.model.struct_name != "sdp_global")
+        .collect();
+    let _ = writeln!(w, "\n## Where the loop-body instructions go\n");
+    let _ = writeln!(
+        w,
+        "The same specialised builds compiled once more with line information (NVRTC \
+         `-lineinfo`, `ptxas -lineinfo`, `nvdisasm -gi`; the loop bodies are checked to be \
+         the same length), each loop-body instruction attributed to the function of \
+         `kernels/` its innermost source line lies in, and the functions grouped as below \
+         (per work unit, all paths counted).\n"
+    );
+    let mut header = "| category |".to_owned();
+    let mut rule = "|---|".to_owned();
+    for row in &group {
+        header += &format!(" `{}` |", row.model.kernel);
+        rule += "---:|";
+    }
+    let _ = writeln!(w, "{header}\n{rule}");
+    for (i, (category, _)) in CATEGORIES.iter().enumerate() {
+        let mut line = format!("| {category} |");
+        for row in &group {
+            line += &format!(" {} |", row.breakdown[i]);
+        }
+        let _ = writeln!(w, "{line}");
+    }
+    let mut total = "| **all paths** (the model's count) |".to_owned();
+    let mut cold = "| of which in cold blocks |".to_owned();
+    let mut hot = "| the path of valid, aligned data (all - cold) |".to_owned();
+    let mut estimate = "| estimate on that path (of HBM) |".to_owned();
+    for row in &group {
+        total += &format!(" **{}** |", row.body);
+        cold += &format!(" {} |", row.cold);
+        hot += &format!(" {} |", row.body - row.cold);
+        estimate += &format!(" {:.0}% |", 100.0 * row.hot_estimate());
+    }
+    let _ = writeln!(w, "{total}\n{cold}\n{hot}\n{estimate}");
+    let _ = writeln!(
+        w,
+        "\nCold blocks are the blocks of `kernels/` opened by a `{COLD_MARKER}` comment; an \
+         instruction is cold when one of its source frames (the line, or a call site it is \
+         inlined at) lies inside one. The verdict below uses all paths."
+    );
 }
 
 /// The host this ran on: its CPU model and core count.

@@ -7,7 +7,9 @@
 // src/codec/quant.rs, src/codec/slab.rs) bit for bit. Kernels are compiled by NVRTC with
 // --fmad=false --prec-div=true --ftz=false; on top of that all quantize / dequantize / sum /
 // Hadamard arithmetic uses the explicit round-to-nearest intrinsics (__fadd_rn, __fsub_rn,
-// __fmul_rn, __fdiv_rn), which are never contracted into a fused multiply-add.
+// __fmul_rn, __fdiv_rn), which are never contracted into a fused multiply-add. The explicit
+// fused multiply-adds (__fmaf_rn) stand only where their single rounding is exactly the
+// operation's (docs/numerics.md §1.4): a sum with a sign, t + u, the division's correction.
 //
 // Launch contract of every kernel: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic
 // shared memory, fewer than 2^32 work units (the kernels split a unit index into slab, group
@@ -46,6 +48,11 @@
 #pragma once
 
 #include "sdp4bit_abi.h"
+
+// An out-of-line device function (the host emulation defines its own).
+#ifndef SDP_NOINLINE
+#define SDP_NOINLINE __noinline__
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Launch shape and work distribution.
@@ -177,6 +184,19 @@ __device__ __forceinline__ float sdp_bf16_to_f32(uint16_t b)
     return __uint_as_float(bits << 16);
 }
 
+// bf16 -> f32 of the halves of a word (element 2k in the low half of word k) without quieting
+// a NaN: for values whose NaN payload never reaches an output (the encoder's inputs, where a
+// NaN only makes its group non-finite), a single shift or mask each.
+__device__ __forceinline__ float sdp_bf16_low_to_f32_raw(uint32_t word)
+{
+    return __uint_as_float(word << 16);
+}
+
+__device__ __forceinline__ float sdp_bf16_high_to_f32_raw(uint32_t word)
+{
+    return __uint_as_float(word & 0xffff0000u);
+}
+
 // f32 -> bf16, round to nearest even: add 0x7fff plus the lowest kept bit, then truncate; a NaN
 // keeps its high mantissa bits and comes out quiet.
 __device__ __forceinline__ uint16_t sdp_f32_to_bf16(float v)
@@ -251,6 +271,116 @@ __device__ __forceinline__ void sdp_uniforms4(const sdp_rng& rng, uint64_t first
     u[1] = sdp_word_to_uniform(b.w1);
     u[2] = sdp_word_to_uniform(b.w2);
     u[3] = sdp_word_to_uniform(b.w3);
+}
+
+// The four Philox words of the 4 consecutive elements whose Philox indices start at `first`
+// (a multiple of 4, as for sdp_uniforms4), into w[0 .. 4).
+__device__ __forceinline__ void sdp_words4(const sdp_rng& rng, uint64_t first, uint32_t* w)
+{
+    const sdp_philox_block b = sdp_philox(rng, first / 4);
+    w[0] = b.w0;
+    w[1] = b.w1;
+    w[2] = b.w2;
+    w[3] = b.w3;
+}
+
+// t + u, u = sdp_word_to_uniform(word), as one fused multiply-add: word & ~0xff is u * 2^32
+// exactly (at most 24 significant bits), so fma(u * 2^32, 2^-32, t) rounds the exact sum t + u
+// once, which is __fadd_rn(t, sdp_word_to_uniform(word)) bit for bit (signed zeros included:
+// u = +0 and t = -0 give +0 both ways).
+__device__ __forceinline__ float sdp_add_uniform(float t, uint32_t word)
+{
+    return __fmaf_rn(__uint2float_rn(word & 0xffffff00u), 1.0f / 4294967296.0f, t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Division by a scale fixed for many quotients.
+
+// Correctly rounded fp32 division x / s for many x by one s (docs/numerics.md §1.4), as a
+// multiply and two fused multiply-adds instead of a division per quotient: with y = RN(1 / s)
+// (once per divisor), q0 = RN(x y) and the exact residual r = fma(-q0, s, x),
+// q1 = fma(r, y, q0) is RN(x / s) (Markstein's theorem) as long as no step leaves the normal
+// range. That is guaranteed for 2^-40 <= |s| < 2^40 and 2^-60 <= |x| < 2^60: the quotient, y
+// and x y stay within (2^-100, 2^100), and r is 0 or a multiple of 2^-107 (so exact and never
+// subnormal). A divisor is set up with a bound on the |x| it will divide (the group's absmax,
+// or max - min), so that the upper limit is checked once per divisor and only the lower one
+// per quotient. Every other x or s (zeros, subnormals, huge values, Inf, NaN) takes the plain
+// IEEE division. The identity with `/` is checked by tests/cuda_emulated/divide.rs on every
+// edge case and 570 million quotients in all.
+struct sdp_divisor {
+    float s;
+    float inverse;
+    bool fast;
+};
+
+// The divisor s for dividends |x| <= bound (NaN bound: any x).
+__device__ __forceinline__ sdp_divisor sdp_divisor_of(float s, float bound)
+{
+    sdp_divisor d;
+    d.s = s;
+    d.inverse = __frcp_rn(s);
+    const float a = fabsf(s);
+    d.fast = a >= 0x1p-40f && a < 0x1p40f && bound < 0x1p60f;
+    return d;
+}
+
+// Whether x meets the fast path's per-quotient condition (a NaN does not).
+__device__ __forceinline__ bool sdp_divide_fast(float x)
+{
+    return fabsf(x) >= 0x1p-60f;
+}
+
+// The fast path: RN(x / s) when d.fast and sdp_divide_fast(x).
+__device__ __forceinline__ float sdp_divide_markstein(const sdp_divisor& d, float x)
+{
+    const float q0 = __fmul_rn(x, d.inverse);
+    const float r = __fmaf_rn(-q0, d.s, x);
+    return __fmaf_rn(r, d.inverse, q0);
+}
+
+// The plain division of four values, out of line: the rarely taken path costs a call per four
+// values in the loops, not a division sequence per value.
+static __device__ SDP_NOINLINE float4 sdp_divide_plain4(float4 x, float s)
+{
+    return make_float4(__fdiv_rn(x.x, s), __fdiv_rn(x.y, s), __fdiv_rn(x.z, s), __fdiv_rn(x.w, s));
+}
+
+// q[i] = RN(x[i] / s) for the N values of x, each an IEEE division.
+template <uint32_t N>
+__device__ __forceinline__ void sdp_divide_each(float s, const float* x, float* q)
+{
+#pragma unroll
+    for (uint32_t i = 0; i < N; ++i) {
+        q[i] = __fdiv_rn(x[i], s);
+    }
+}
+
+// q[i] = RN(x[i] / s) for the N values of x (N a multiple of 4): the fast path, redone with the
+// plain division unless its conditions hold for all of them (one branch per run, no path to
+// duplicate code into).
+template <uint32_t N>
+__device__ __forceinline__ void sdp_divide_run(const sdp_divisor& d, const float* x, float* q)
+{
+    static_assert(N % 4 == 0, "runs of 4 values");
+    bool fast = d.fast;
+#pragma unroll
+    for (uint32_t i = 0; i < N; ++i) {
+        fast = fast && sdp_divide_fast(x[i]);
+    }
+#pragma unroll
+    for (uint32_t i = 0; i < N; ++i) {
+        q[i] = sdp_divide_markstein(d, x[i]);
+    }
+    if (!fast) {  // Cold path: a run outside the fast path's range.
+#pragma unroll
+        for (uint32_t i = 0; i < N; i += 4) {
+            const float4 plain = sdp_divide_plain4(make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]), d.s);
+            q[i] = plain.x;
+            q[i + 1] = plain.y;
+            q[i + 2] = plain.z;
+            q[i + 3] = plain.w;
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,13 +460,14 @@ __device__ __forceinline__ void sdp_hadamard_lane_stage(float (&v)[SDP_LANE_VALU
 {
     const uint32_t partner = h / 4;
     // Lower lane: a = own, b = other -> a + b; upper lane: a = other, b = own -> a - b, which
-    // IEEE defines as a + (-b): the upper lane adds its negated value (a sign flip, exact).
-    const uint32_t negate = (lane & partner) != 0 ? 0x80000000u : 0u;
+    // IEEE defines as a + (-b): the upper lane adds its negated value. fma(own, +-1, other)
+    // rounds the exact +-own + other once, which is that sum, in one instruction.
+    const float sign = (lane & partner) != 0 ? -1.0f : 1.0f;
 #pragma unroll
     for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
         if (i < 4 * runs) {
             const float other = __shfl_xor_sync(SDP_FULL_MASK, v[i], partner);
-            v[i] = __fadd_rn(__uint_as_float(__float_as_uint(v[i]) ^ negate), other);
+            v[i] = __fmaf_rn(v[i], sign, other);
         }
     }
 }
@@ -497,12 +628,13 @@ __device__ __forceinline__ sdp_group_stats sdp_stats_reduce(const sdp_quant& q, 
     return s;
 }
 
-// Scale and offset of a group (GroupMeta) and whether its codes are computed (`coded`; false:
-// every code is 0).
+// Scale and offset of a group (GroupMeta), whether its codes are computed (`coded`; false:
+// every code is 0) and, for a coded group, the scale as a divisor.
 struct sdp_group_meta {
     float scale;
     float offset;
     bool coded;
+    sdp_divisor divisor;
 };
 
 // A non-finite group: scale and offset NaN, codes 0 (quant::non_finite_meta).
@@ -512,6 +644,7 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_non_finite()
     m.scale = sdp_nan();
     m.offset = sdp_nan();
     m.coded = false;
+    m.divisor = sdp_divisor_of(1.0f, 1.0f);
     return m;
 }
 
@@ -526,8 +659,12 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const 
     }
     const float top = (float)sdp_max_code(q);
     sdp_group_meta m;
+    // The largest dividend of the group's codes: |x| <= absmax (symmetric) or
+    // x - min <= max - min (min-max; rounding is monotonic).
+    float range;
     if (q.symmetric) {
-        m.scale = __fdiv_rn(__uint_as_float(s.abs_bits), top);
+        range = __uint_as_float(s.abs_bits);
+        m.scale = __fdiv_rn(range, top);
         m.offset = 0.0f;
         if (!sdp_is_finite(__fmul_rn(m.scale, top))) {
             // absmax at the top of fp32's range: the largest code would decode to Inf.
@@ -536,56 +673,69 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const 
     } else {
         const float lo = __fadd_rn(s.lo, 0.0f);
         const float hi = __fadd_rn(s.hi, 0.0f);
-        m.scale = __fdiv_rn(__fsub_rn(hi, lo), top);
+        range = __fsub_rn(hi, lo);
+        m.scale = __fdiv_rn(range, top);
         m.offset = lo;
         if (!sdp_is_finite(m.scale)) {
             return sdp_meta_non_finite();
         }
     }
     m.coded = m.scale != 0.0f;
+    m.divisor = sdp_divisor_of(m.scale, range);
     return m;
 }
 
 // The code of x in a coded group: R(x / s) (symmetric) or R((x - lo) / s) (asymmetric), with
-// R(v) = floor(v + u) (stochastic) or round half to even, clamped to [-L, L] or [0, 2^b - 1],
-// masked to b bits. A NaN code becomes 0 (quant::code_bits; cannot happen for a coded group,
-// kept for parity).
-__device__ __forceinline__ uint32_t sdp_code_of(const sdp_quant& q, const sdp_group_meta& m, float x, float u)
+// R(v) = floor(v + u) (stochastic, u from the Philox word `word`, sdp_add_uniform) or round
+// half to even, clamped to [-L, L] or [0, 2^b - 1] (sdp_store_codes keeps its b bits). A NaN
+// code becomes 0
+// (quant::code_bits; cannot happen for a coded group, kept for parity). The rounding converts
+// straight to an integer (cvt.rmi / cvt.rni: saturating, NaN to 0) and clamps the integer,
+// which equals rounding, clamping and converting in fp32 for every value, NaN and Inf included.
+// `t` is the quotient x / s or (x - lo) / s (sdp_quotients).
+__device__ __forceinline__ int32_t sdp_code_of(const sdp_quant& q, float t, uint32_t word)
 {
-    const float v = q.symmetric ? x : __fsub_rn(x, m.offset);
-    const float t = __fdiv_rn(v, m.scale);
-    float c = q.stochastic ? floorf(__fadd_rn(t, u)) : rintf(t);
-    if (c != c) {
-        return 0;
-    }
-    const float top = (float)sdp_max_code(q);
-    const float bottom = q.symmetric ? -top : 0.0f;
-    c = fminf(fmaxf(c, bottom), top);
-    return (uint32_t)(int32_t)c & ((1u << q.bits) - 1);
+    const int32_t rounded = q.stochastic ? __float2int_rd(sdp_add_uniform(t, word)) : __float2int_rn(t);
+    const int32_t top = sdp_max_code(q);
+    const int32_t bottom = q.symmetric ? -top : 0;
+    const int32_t low = rounded > bottom ? rounded : bottom;
+    return low < top ? low : top;
 }
 
-// Stores the codes of this lane's run r of tile t (packed little-endian: element 2k in the low
-// nibble of byte k, or one byte per element) at their place in the group's `codes`, as whole
-// words. For E = 4 and 4-bit codes a run is half a word: lanes 2k and 2k + 1 pair up with one
-// shuffle and lane 2k stores the word. All 32 lanes must call it together (with `valid` false
-// for a run past the group).
+// Stores the codes of this lane's run r of tile t (packed little-endian, b bits each: element
+// 2k in the low nibble of byte k, or one byte per element) at their place in the group's
+// `codes`, as whole words. `c` holds the clamped codes as integers (sdp_code_of), 0 for a run
+// not coded. Packing is one multiply-add per code: a symmetric code c in [-L, L] is stored as
+// its low b bits, which are those of c + 2^(b-1) (in [1, 2^b - 1]: no carry between fields)
+// with the top bit flipped, so the word is (sum of c_k 2^(bk) + sum of 2^(b-1) 2^(bk)) with
+// every field's top bit flipped; unsigned codes are below 2^b already. For E = 4 and 4-bit
+// codes a run is half a word: lanes 2k and 2k + 1 pair up with one shuffle and lane 2k stores
+// the word. All 32 lanes must call it together (with `valid` false for a run past the group).
 template <uint32_t E>
-__device__ __forceinline__ void sdp_store_codes(uint8_t* codes, uint32_t bits, uint32_t t, uint32_t r,
-                                                const uint32_t (&c)[SDP_LANE_VALUES], bool valid, uint32_t lane)
+__device__ __forceinline__ void sdp_store_codes(uint8_t* codes, const sdp_quant& q, uint32_t t, uint32_t r,
+                                                const int32_t (&c)[SDP_LANE_VALUES], bool valid, uint32_t lane)
 {
-    uint32_t lo = 0;
-    uint32_t hi = 0;
+    const uint32_t bits = q.bits;
+    // The top bit of every field of a word (the low 16 bits only for a half word).
+    const uint32_t tops = !q.symmetric    ? 0u
+                          : bits == 8     ? 0x80808080u
+                          : E == 4        ? 0x8888u
+                                          : 0x88888888u;
+    uint32_t lo = tops;
+    uint32_t hi = tops;
 #pragma unroll
     for (uint32_t k = 0; k < E; ++k) {
-        const uint32_t code = c[r * E + k];
+        const uint32_t code = (uint32_t)c[r * E + k];
         if (bits == 4) {
-            lo |= code << (4 * k);
+            lo += code << (4 * k);
         } else if (k < 4) {
-            lo |= code << (8 * k);
+            lo += code << (8 * k);
         } else {
-            hi |= code << (8 * (k - 4));
+            hi += code << (8 * (k - 4));
         }
     }
+    lo ^= tops;
+    hi ^= tops;
     uint8_t* run = codes + (uint64_t)sdp_tile_element<E>(t, r * E, lane) * bits / 8;
     if (E == 4 && bits == 4) {
         // 16 bits per lane: the odd lane's half goes to the even lane's high half.
@@ -629,7 +779,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
         if (meta.coded && tiles > 1) {
             load(t, v);
         }
-        uint32_t c[SDP_LANE_VALUES];
+        int32_t c[SDP_LANE_VALUES];
         const uint32_t runs = sdp_tile_runs<E>(g, t);
 #pragma unroll
         for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
@@ -637,22 +787,39 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
                 break;
             }
             const bool valid = sdp_run_in_group<E>(g, t, r, lane);
-            float u[E];
+            float quotient[E];
+            if (valid && meta.coded) {
+                float x[E];
+#pragma unroll
+                for (uint32_t k = 0; k < E; ++k) {
+                    x[k] = q.symmetric ? v[r * E + k] : __fsub_rn(v[r * E + k], meta.offset);
+                }
+                if (E == 8) {
+                    sdp_divide_run<E>(meta.divisor, x, quotient);
+                } else {
+                    // Runs of 4 divide with __fdiv_rn: per group, the reciprocal and the
+                    // fallback cost more than the division they save over 4 values, and the
+                    // reciprocal's register does not fit the gradient kernels' 64.
+                    sdp_divide_each<E>(meta.scale, x, quotient);
+                }
+            }
+            // The Philox words after the quotients: fewer values live at once.
+            uint32_t w[E];
 #pragma unroll
             for (uint32_t k = 0; k < E; ++k) {
-                u[k] = 0.0f;
+                w[k] = 0;
             }
             if (valid && meta.coded && q.stochastic) {
 #pragma unroll
                 for (uint32_t k = 0; k < E; k += 4) {
-                    sdp_uniforms4(rng, first_index + sdp_tile_element<E>(t, r * E + k, lane), u + k);
+                    sdp_words4(rng, first_index + sdp_tile_element<E>(t, r * E + k, lane), w + k);
                 }
             }
 #pragma unroll
             for (uint32_t k = 0; k < E; ++k) {
-                c[r * E + k] = valid && meta.coded ? sdp_code_of(q, meta, v[r * E + k], u[k]) : 0;
+                c[r * E + k] = valid && meta.coded ? sdp_code_of(q, quotient[k], w[k]) : 0;
             }
-            sdp_store_codes<E>(codes, q.bits, t, r, c, valid, lane);
+            sdp_store_codes<E>(codes, q, t, r, c, valid, lane);
         }
     }
 
@@ -707,13 +874,40 @@ __device__ __forceinline__ bool sdp_meta_corrupt(const sdp_coded_group& grp)
     return grp.scale < 0.0f || sdp_is_inf(grp.scale) || sdp_is_inf(grp.offset);
 }
 
-// The E codes of this lane's run r of tile t of a group, sign-extended nibbles or bytes
-// (symmetric) or unsigned ones, read as whole words (a 4-bit run of E = 4 is half of the word
-// it shares with the neighbouring lane). Sets `corrupt` when a symmetric code is -2^(b-1),
-// which the quantizer never writes.
+// Whether any of the `fields` b-bit fields of `word` (b = 4 or 8, from the low end) is zero:
+// the borrow of (x - 0x..0101) reaches a field's top bit, with that bit clear in x, exactly when
+// some field is zero (a borrow only propagates past a zero field, so a field above the first
+// zero one may be flagged too, but never when none is zero).
+__device__ __forceinline__ bool sdp_has_zero_field(uint32_t word, uint32_t bits, uint32_t fields)
+{
+    const uint32_t ones = bits == 4 ? 0x11111111u : 0x01010101u;
+    const uint32_t tops = ones << (bits - 1);
+    const uint32_t used = fields * bits >= 32 ? 0xffffffffu : (1u << (fields * bits)) - 1;
+    return ((word - ones) & ~word & tops & used) != 0;
+}
+
+// The b-bit field k of `word` as an exact fp32 integer, the field read as unsigned and then
+// `bias` subtracted: the field is placed in the mantissa of 2^23 (0x4b000000 | field is
+// 2^23 + field exactly) and 2^23 + bias subtracted, one exact addition instead of an integer
+// to float conversion.
+__device__ __forceinline__ float sdp_field_as_float(uint32_t word, uint32_t bits, uint32_t k, float bias)
+{
+    // A byte goes into the low byte of 0x4b000000 with one byte permutation (selector nibbles
+    // k, 4, 5, 7: byte k of the word, then bytes 0, 1 and 3 of 0x4b000000).
+    const uint32_t biased = bits == 8 ? __byte_perm(word, 0x4b000000u, 0x7540u | k)
+                                      : 0x4b000000u | ((word >> (4 * k)) & 0xfu);
+    return __fsub_rn(__uint_as_float(biased), 8388608.0f + bias);
+}
+
+// The E codes of this lane's run r of tile t of a group as exact fp32 values: signed nibbles or
+// bytes (symmetric) or unsigned ones, read as whole words (a 4-bit run of E = 4 is half of the
+// word it shares with the neighbouring lane, which holds codes of the same group). Sets
+// `corrupt` when a symmetric code of the word is -2^(b-1), which the quantizer never writes.
+// A signed field c is decoded as the unsigned field of c + 2^(b-1) (the word with every
+// field's top bit flipped) minus 2^(b-1); the code -2^(b-1) is the zero field there.
 template <uint32_t E>
 __device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uint8_t* codes, uint32_t t, uint32_t r,
-                                                   uint32_t lane, int32_t* c, bool& corrupt)
+                                                   uint32_t lane, float* c, bool& corrupt)
 {
     const uint32_t first = sdp_tile_element<E>(t, r * E, lane);
     uint32_t lo;
@@ -728,28 +922,34 @@ __device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uin
     } else {
         lo = __ldg((const unsigned int*)(codes + first));
     }
+    // Codes of this run in lo (and hi): E fields of b bits.
+    const uint32_t lo_fields = q.bits == 4 ? E : (E < 4 ? E : 4);
+    float bias = 0.0f;
+    if (q.symmetric) {
+        const uint32_t flip = q.bits == 4 ? 0x88888888u : 0x80808080u;
+        lo ^= flip;
+        hi ^= flip;
+        bias = (float)(1u << (q.bits - 1));
+        corrupt |= sdp_has_zero_field(lo, q.bits, lo_fields);
+        if (q.bits == 8 && E == 8) {
+            corrupt |= sdp_has_zero_field(hi, 8, 4);
+        }
+    }
 #pragma unroll
     for (uint32_t k = 0; k < E; ++k) {
-        uint32_t raw;
         if (q.bits == 4) {
-            raw = (lo >> (4 * k)) & 0xfu;
+            c[k] = sdp_field_as_float(lo, 4, k, bias);
         } else {
-            raw = ((k < 4 ? lo : hi) >> (8 * (k % 4))) & 0xffu;
-        }
-        const uint32_t shift = 32 - q.bits;
-        if (q.symmetric) {
-            corrupt |= raw == (1u << (q.bits - 1));
-            c[k] = (int32_t)(raw << shift) >> shift;
-        } else {
-            c[k] = (int32_t)raw;
+            c[k] = sdp_field_as_float(k < 4 ? lo : hi, 8, k % 4, bias);
         }
     }
 }
 
-// The dequantized value of code c: c * s (symmetric) or lo + c * s (asymmetric).
-__device__ __forceinline__ float sdp_dequantize(const sdp_quant& q, const sdp_coded_group& grp, int32_t c)
+// The dequantized value of code c (an exact fp32 integer): c * s (symmetric) or lo + c * s
+// (asymmetric).
+__device__ __forceinline__ float sdp_dequantize(const sdp_quant& q, const sdp_coded_group& grp, float c)
 {
-    const float value = __fmul_rn((float)c, grp.scale);
+    const float value = __fmul_rn(c, grp.scale);
     return q.symmetric ? value : __fadd_rn(grp.offset, value);
 }
 
@@ -774,7 +974,7 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
 #pragma unroll
         for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
             if (sdp_run_in_group<E>(q.group_size, t, r, lane)) {
-                int32_t c[E];
+                float c[E];
                 sdp_load_run_codes<E>(q, grp.codes, t, r, lane, c, corrupt);
 #pragma unroll
                 for (uint32_t e = 0; e < E; ++e) {

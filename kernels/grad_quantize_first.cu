@@ -51,7 +51,7 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
                 const uint32_t e = sdp_tile_element<4>(t, 4 * r, lane);
                 if (e + 4 <= real && sdp_aligned(group + e, 16)) {
                     sdp_load_f32x4(group + e, x);
-                } else {
+                } else {  // Cold path: an unaligned or partial run, element by element.
 #pragma unroll
                     for (uint32_t i = 0; i < 4; ++i) {
                         x[i] = e + i < real ? group[e + i] : 0.0f;

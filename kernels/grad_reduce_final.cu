@@ -32,7 +32,7 @@ __device__ __forceinline__ void store_tile(float* shard, uint64_t shard_len, uin
         const uint64_t o = first + sdp_tile_element<4>(t, 4 * r, lane);
         if (o + 4 <= shard_len && sdp_aligned(shard + o, 16)) {
             sdp_store_f32x4(shard + o, v + 4 * r);
-        } else {
+        } else {  // Cold path: an unaligned or partial run, element by element.
 #pragma unroll
             for (uint32_t e = 0; e < 4; ++e) {
                 if (o + e < shard_len) {
@@ -66,7 +66,7 @@ grad_reduce_final(const uint8_t* __restrict__ recv, float* __restrict__ shard, s
             }
             store_tile(shard, sh.shard_len, g, first, t, lane, v);
         }
-        if (__any_sync(SDP_FULL_MASK, corrupt)) {
+        if (__any_sync(SDP_FULL_MASK, corrupt)) {  // Cold path: a corrupt group.
             float v[SDP_LANE_VALUES];
 #pragma unroll
             for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {

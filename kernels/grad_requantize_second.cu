@@ -46,7 +46,7 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
         auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
             bool corrupt = false;
             sdp_sum_peers_tile<4>(recv, in, args.peers1, k_in, t, lane, v, corrupt);
-            if (corrupt) {
+            if (corrupt) {  // Cold path: a corrupt input group.
 #pragma unroll
                 for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
                     v[i] = sdp_nan();

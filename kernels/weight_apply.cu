@@ -54,16 +54,16 @@ __device__ __forceinline__ void apply_run(const uint16_t* __restrict__ own_refer
             w[k] = word;
         }
         sdp_store_u16x8(shard + i, make_uint4(w[0], w[1], w[2], w[3]));
-        return;
-    }
+    } else {  // Cold path: an unaligned or partial run, element by element.
 #pragma unroll
-    for (uint32_t e = 0; e < 8; ++e) {
-        if (i + e < args.shard_len) {
-            float x = d[e];
-            if (args.difference) {
-                x = __fadd_rn(sdp_bf16_to_f32(ref[i + e]), x);
+        for (uint32_t e = 0; e < 8; ++e) {
+            if (i + e < args.shard_len) {
+                float x = d[e];
+                if (args.difference) {
+                    x = __fadd_rn(sdp_bf16_to_f32(ref[i + e]), x);
+                }
+                shard[i + e] = sdp_f32_to_bf16(x);
             }
-            shard[i + e] = sdp_f32_to_bf16(x);
         }
     }
 }
@@ -94,7 +94,7 @@ weight_apply(const uint8_t* __restrict__ recv, const uint16_t* __restrict__ own_
                 continue;
             }
             // Every code of the group is checked, those of the padding too (as on the CPU).
-            int32_t c[8];
+            float c[8];
             sdp_load_run_codes<8>(q, grp.codes, t, 0, lane, c, corrupt);
             if (i < args.shard_len) {
                 float d[8];
@@ -105,7 +105,7 @@ weight_apply(const uint8_t* __restrict__ recv, const uint16_t* __restrict__ own_
                 apply_run(own_reference, shard, args, own, i, d);
             }
         }
-        if (__any_sync(SDP_FULL_MASK, corrupt)) {
+        if (__any_sync(SDP_FULL_MASK, corrupt)) {  // Cold path: a corrupt group.
             const uint16_t nan = sdp_f32_to_bf16(sdp_nan());
             for (uint32_t t = 0; t < sdp_tiles(g); ++t) {
                 const uint64_t i = j * g + sdp_tile_element<8>(t, 0, lane);

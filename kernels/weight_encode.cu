@@ -13,6 +13,35 @@
 // else 0 (padding; the slab covers the padded shard); its Philox index is first_index + i.
 #include "common.cuh"
 
+// The bf16 value of element e of a vector of 8 as fp32, a NaN kept as it is (only NaN-ness
+// matters here: a NaN makes its group non-finite, scale NaN and codes 0, whatever its payload).
+__device__ __forceinline__ float element_of(uint4 words, uint32_t e)
+{
+    const uint32_t word = sdp_word_of(words, e / 2);
+    return e % 2 == 0 ? sdp_bf16_low_to_f32_raw(word) : sdp_bf16_high_to_f32_raw(word);
+}
+
+// Shard elements i .. i + 3 as fp32 (the difference from the reference when `difference`), one
+// by one, zeros past shard_len: the fallback of load_run, out of line (a call per four
+// elements in the loop, not the element-by-element code).
+static __device__ SDP_NOINLINE float4 load_four(const uint16_t* __restrict__ new_shard,
+                                                const uint16_t* __restrict__ reference, uint64_t shard_len,
+                                                bool difference, uint64_t i)
+{
+    float x[4];
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+        x[e] = 0.0f;
+        if (i + e < shard_len) {
+            x[e] = sdp_bf16_low_to_f32_raw(new_shard[i + e]);
+            if (difference) {
+                x[e] = __fsub_rn(x[e], sdp_bf16_low_to_f32_raw(reference[i + e]));
+            }
+        }
+    }
+    return make_float4(x[0], x[1], x[2], x[3]);
+}
+
 // This lane's run of 8 elements starting at shard element i as fp32 (the difference from the
 // reference when `difference`), zeros past shard_len.
 __device__ __forceinline__ void load_run(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict__ reference,
@@ -25,22 +54,22 @@ __device__ __forceinline__ void load_run(const uint16_t* __restrict__ new_shard,
         const uint4 r = args.difference ? sdp_load_u16x8(reference + i, false) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (uint32_t e = 0; e < 8; ++e) {
-            x[e] = sdp_bf16_to_f32(sdp_half(sdp_word_of(n, e / 2), e % 2));
+            x[e] = element_of(n, e);
             if (args.difference) {
-                x[e] = __fsub_rn(x[e], sdp_bf16_to_f32(sdp_half(sdp_word_of(r, e / 2), e % 2)));
+                x[e] = __fsub_rn(x[e], element_of(r, e));
             }
         }
-        return;
-    }
-#pragma unroll
-    for (uint32_t e = 0; e < 8; ++e) {
-        x[e] = 0.0f;
-        if (i + e < args.shard_len) {
-            x[e] = sdp_bf16_to_f32(new_shard[i + e]);
-            if (args.difference) {
-                x[e] = __fsub_rn(x[e], sdp_bf16_to_f32(reference[i + e]));
-            }
-        }
+    } else {  // Cold path: an unaligned or partial run, element by element, out of line.
+        const float4 low = load_four(new_shard, reference, args.shard_len, args.difference, i);
+        const float4 high = load_four(new_shard, reference, args.shard_len, args.difference, i + 4);
+        x[0] = low.x;
+        x[1] = low.y;
+        x[2] = low.z;
+        x[3] = low.w;
+        x[4] = high.x;
+        x[5] = high.y;
+        x[6] = high.z;
+        x[7] = high.w;
     }
 }
 

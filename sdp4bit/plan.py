@@ -9,11 +9,15 @@ uncompressed collectives.
     python -m sdp4bit.plan --paper      # the paper's clusters beside its speedups
 
 Model, per DP rank and step (one gradient reduce-scatter and one parameter all-gather of the
-rank's params / (TP x PP)): intra-node bytes at ``--intra-gbps`` (per rank), inter-node bytes of
-all the node's DP ranks sharing ``--inter-gbps`` (per node), a latency per message (an
-all-to-all among k peers sends k - 1 per bucket), and the codec passes at ``--codec-gbps``
-(bytes of fp32 gradient / bf16 parameter input per second per rank; 0: not modelled). With
-``--compute-ms`` the step is compute plus communication, none of it overlapped (an upper
+rank's params / (TP x PP)): intra-node bytes at ``--intra-gbps`` (per rank) and inter-node bytes
+of all the node's DP ranks sharing ``--inter-gbps`` (per node), both at the fraction of the link
+the transport achieves (``--link-fraction`` compressed, ``--uncompressed-link-fraction``
+uncompressed), a latency per message (an all-to-all among k peers sends k - 1 per bucket), and
+the codec passes at ``--codec-gbps`` (bytes of fp32 gradient / bf16 parameter input per second
+per rank; 0: not modelled), which the compressed presets' pipelined chunks hide behind the link
+except for the fraction ``--unhidden-codec``. The three fractions default to the constants
+bench/calibrate_plan.py fits on the emulated cluster (docs/performance.md "The cost model").
+With ``--compute-ms`` the step is compute plus communication, none of it overlapped (an upper
 bound on what compression can gain).
 """
 
@@ -28,6 +32,16 @@ from . import _native
 from .config import Config, presets as preset_names
 
 _SAMPLE_SHARD = 1 << 16  # elements per rank of the bucket planned to count bytes
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How the collectives use the links; the defaults are bench/calibrate_plan.py's fit on the
+    emulated cluster (bench/results/plan_calibration.json)."""
+
+    link_fraction: float = 0.73  # of a link's rate the compressed presets' exchanges achieve
+    uncompressed_link_fraction: float = 0.63  # the same for the uncompressed collectives
+    unhidden_codec: float = 0.04  # of the shorter of codec and link time not overlapped
 
 
 @dataclass(frozen=True)
@@ -74,23 +88,29 @@ def step_bytes(preset: str, elements: float, dp: int, per_node: int) -> tuple[By
 
 
 def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbps: float,
-            compressed: bool) -> float:
-    """Milliseconds of one step's gradient reduce-scatter and parameter all-gather."""
+            compressed: bool, transport: Transport = Transport()) -> float:
+    """Milliseconds of one step's gradient reduce-scatter and parameter all-gather: the link
+    time at the achieved fraction of the links, plus the codec time not hidden behind it
+    (compressed presets only), plus the latency of every message."""
     dp, per_node = cluster.dp_layout()
     nodes = dp // per_node
+    fraction = transport.link_fraction if compressed else transport.uncompressed_link_fraction
     intra = (b.grad[0] + b.weight[0]) / (cluster.intra_gbps * 1e9 / 8)
     inter = per_node * (b.grad[1] + b.weight[1]) / (cluster.inter_gbps * 1e9 / 8)
+    link = (intra + inter) / fraction
     messages = 2 * buckets  # one reduce-scatter and one all-gather per bucket
     latency = messages * ((per_node - 1) * cluster.intra_latency_us
                           + (nodes - 1) * cluster.inter_latency_us) * 1e-6
     codec = 0.0
     if compressed and codec_gbps > 0:
         codec = elements * (4 + 2) / (codec_gbps * 1e9)
-    return (intra + inter + latency + codec) * 1e3
+    busy = max(codec, link) + transport.unhidden_codec * min(codec, link)
+    return (busy + latency) * 1e3
 
 
 def predict(params: float, cluster: Cluster, presets=None, bucket_elements: float = 40e6,
-            codec_gbps: float = 0.0, compute_ms: float | None = None) -> list[dict]:
+            codec_gbps: float = 0.0, compute_ms: float | None = None,
+            transport: Transport = Transport()) -> list[dict]:
     """One row per preset (default: every preset): bytes per step, communication time,
     speedups over uncompressed."""
     presets = preset_names() if presets is None else presets
@@ -100,8 +120,9 @@ def predict(params: float, cluster: Cluster, presets=None, bucket_elements: floa
     rows = []
     for preset in presets:
         mine, base = step_bytes(preset, elements, dp, per_node)
-        t = comm_ms(mine, cluster, elements, buckets, codec_gbps, preset != "baseline")
-        t_base = comm_ms(base, cluster, elements, buckets, codec_gbps, False)
+        t = comm_ms(mine, cluster, elements, buckets, codec_gbps, preset != "baseline",
+                    transport)
+        t_base = comm_ms(base, cluster, elements, buckets, codec_gbps, False, transport)
         row = {"preset": preset, "bytes": sum(mine.grad) + sum(mine.weight),
                "baseline_bytes": sum(base.grad) + sum(base.weight), "comm_ms": t,
                "baseline_comm_ms": t_base, "comm_speedup": t_base / t}
@@ -146,18 +167,29 @@ def main(argv=None) -> None:
     p.add_argument("--codec-gbps", type=float, default=0.0,
                    help="measured codec throughput, GB/s of input per rank (0: not modelled)")
     p.add_argument("--compute-ms", type=float, help="compute time of one step, ms")
+    default = Transport()
+    p.add_argument("--link-fraction", type=float, default=default.link_fraction,
+                   help="fraction of the link rate the compressed exchanges achieve")
+    p.add_argument("--uncompressed-link-fraction", type=float,
+                   default=default.uncompressed_link_fraction,
+                   help="fraction of the link rate the uncompressed collectives achieve")
+    p.add_argument("--unhidden-codec", type=float, default=default.unhidden_codec,
+                   help="fraction of the shorter of codec and link time not overlapped")
     p.add_argument("--presets", default=",".join(preset_names()))
     p.add_argument("--paper", action="store_true",
                    help="predict the paper's clusters (1.3B-18B) beside its measured speedups")
     args = p.parse_args(argv)
     presets = args.presets.split(",")
+    transport = Transport(args.link_fraction, args.uncompressed_link_fraction,
+                          args.unhidden_codec)
     if args.paper:
         for name, cluster, measured in PAPER:
             print(f"== {name} (assumed {cluster.inter_gbps:g} Gbit/s per node between nodes, "
                   f"{cluster.intra_gbps:g} inside); the paper measured {measured} end to end")
             for params in (1.3e9, 6.7e9, 18e9):
                 print(f"-- {params / 1e9:g}B parameters, communication only")
-                _print(predict(params, cluster, presets, args.bucket_elements, args.codec_gbps))
+                _print(predict(params, cluster, presets, args.bucket_elements, args.codec_gbps,
+                               transport=transport))
         return
     missing = [f"--{n.replace('_', '-')}" for n in ("params", "nodes", "gpus_per_node")
                if getattr(args, n) is None]
@@ -166,7 +198,7 @@ def main(argv=None) -> None:
     cluster = Cluster(args.nodes, args.gpus_per_node, args.tp, args.pp, args.intra_gbps,
                       args.inter_gbps, args.intra_latency_us, args.inter_latency_us)
     _print(predict(args.params, cluster, presets, args.bucket_elements, args.codec_gbps,
-                   args.compute_ms))
+                   args.compute_ms, transport))
 
 
 if __name__ == "__main__":

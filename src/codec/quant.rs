@@ -16,6 +16,9 @@
 
 use crate::config::Rounding;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Parameters of one group quantizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QuantSpec {
@@ -84,21 +87,58 @@ pub fn bits_non_finite(abs_bits: u32) -> bool {
 
 /// Quantizes one group. `x` and `codes` hold exactly one group; `u` holds its uniforms
 /// (ignored, and may be empty, for nearest rounding).
+///
+/// Runs on AVX-512 when the CPU has it (detected at run time), otherwise on the portable loops
+/// (AVX2 in the default x86-64-v3 build); both write the same bytes.
 #[inline]
 pub fn quantize_group(spec: &QuantSpec, x: &[f32], u: &[f32], codes: &mut [u8]) -> GroupMeta {
     debug_assert_eq!(x.len(), spec.group_size);
     debug_assert_eq!(codes.len(), spec.code_bytes_per_group());
-    let (meta, ok) = if spec.symmetric {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::detected() {
+        return avx512::quantize_group(spec, x, u, codes);
+    }
+    quantize_group_portable(spec, x, u, codes)
+}
+
+/// [`quantize_group`] without the AVX-512 path.
+#[inline]
+pub(crate) fn quantize_group_portable(
+    spec: &QuantSpec,
+    x: &[f32],
+    u: &[f32],
+    codes: &mut [u8],
+) -> GroupMeta {
+    let (meta, ok) = group_meta(spec, x);
+    if ok {
+        portable_codes(spec, meta.scale, meta.offset, x, u, codes);
+    } else {
+        codes.fill(0);
+    }
+    meta
+}
+
+/// The group's scale (and offset); `false` when its codes must all be zero.
+#[inline(always)]
+fn group_meta(spec: &QuantSpec, x: &[f32]) -> (GroupMeta, bool) {
+    if spec.symmetric {
         symmetric_meta(spec, x)
     } else {
         asymmetric_meta(spec, x)
-    };
-    if !ok {
-        codes.fill(0);
-        return meta;
     }
+}
+
+/// The codes of a group that has a positive finite `scale` (and `offset`), on any CPU.
+#[inline(always)]
+fn portable_codes(
+    spec: &QuantSpec,
+    scale: f32,
+    offset: f32,
+    x: &[f32],
+    u: &[f32],
+    codes: &mut [u8],
+) {
     let top = spec.max_code() as f32;
-    let (scale, offset) = (meta.scale, meta.offset);
     // Symmetric groups skip `x - 0.0`, which is exactly `x` for every finite `x` (-0.0 too).
     // Codes are clamped floats turned into their two's complement bits; round-to-nearest codes
     // of a finite group with a positive finite scale cannot be NaN.
@@ -116,7 +156,6 @@ pub fn quantize_group(spec: &QuantSpec, x: &[f32], u: &[f32], codes: &mut [u8]) 
         (false, Rounding::Nearest, 4) => pack_nibbles(codes, x, x, |v, _| rn(v - offset, 0.0)),
         (false, Rounding::Nearest, _) => pack_bytes(codes, x, x, |v, _| rn(v - offset, 0.0)),
     }
-    meta
 }
 
 /// Scale of a symmetric group; `false` when the codes must all be zero.

@@ -37,6 +37,7 @@ use sdp4bit::plan::Topology;
 use sdp4bit::{Config, GradCodec, Preset, WeightCodec};
 use sdp4bit_test_support::random::SplitMix64;
 
+mod divide;
 mod emulator;
 
 use emulator::global::{GlobalData, global_case};

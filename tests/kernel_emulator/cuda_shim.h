@@ -15,8 +15,8 @@
 //   divergent warp. (Like PTX on sm_70+, lanes may arrive from different call sites.)
 // - Floating point is the host's IEEE binary32 arithmetic with denormals (the emulator checks
 //   they are not flushed): the _rn intrinsics are plain operators (the build passes
-//   -ffp-contract=off, so nothing is fused into an FMA), and floorf, rintf, fminf and fmaxf
-//   are the host libm's.
+//   -ffp-contract=off, so nothing is fused into an FMA), __fmaf_rn is libm's exact fmaf, and
+//   floorf, rintf, fminf and fmaxf are the host libm's.
 //
 // Limits:
 // - Warps never run concurrently, so races between warps (two warps writing the same bytes,
@@ -52,6 +52,10 @@ static_assert(FLT_EVAL_METHOD == 0, "the emulation needs binary32 float arithmet
 #define __global__
 #define __device__
 #define __forceinline__ inline
+// kernels/common.cuh's out-of-line functions (__noinline__ on the GPU; not a macro for
+// __noinline__ itself, which libstdc++ uses in attributes): defined in every translation unit
+// that includes them, never inlined.
+#define SDP_NOINLINE __attribute__((noinline)) inline
 #define __launch_bounds__(...)
 
 // threadIdx, blockIdx, blockDim, gridDim: set by the emulator for the lane that runs.
@@ -195,6 +199,36 @@ inline float __uint2float_rn(uint32_t a) { return (float)a; }
 inline float __uint_as_float(uint32_t bits) { return emu_from_bits<float>(bits); }
 inline uint32_t __float_as_uint(float value) { return emu_bits(value); }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return (uint32_t)(((uint64_t)a * b) >> 32); }
+// fma rounds once (glibc's fmaf is exact); the reciprocal is the IEEE quotient 1 / a.
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+// cvt.rmi.s32.f32 / cvt.rni.s32.f32: round down / half to even, saturating to the int32 range,
+// NaN to 0.
+inline int emu_float_to_int(float rounded)
+{
+    if (rounded != rounded) {
+        return 0;
+    }
+    if (rounded >= 2147483648.0f) {
+        return INT32_MAX;
+    }
+    if (rounded < -2147483648.0f) {
+        return INT32_MIN;
+    }
+    return (int)rounded;
+}
+inline int __float2int_rd(float a) { return emu_float_to_int(floorf(a)); }
+inline int __float2int_rn(float a) { return emu_float_to_int(rintf(a)); }
+// prmt: byte i of the result is byte (selector nibble i & 7) of the 8 bytes y:x (x bytes 0 to 3).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector)
+{
+    const uint64_t bytes = (uint64_t)y << 32 | x;
+    unsigned result = 0;
+    for (unsigned i = 0; i < 4; ++i) {
+        result |= (unsigned)((bytes >> (8 * ((selector >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    }
+    return result;
+}
 
 // ---------------------------------------------------------------------------------------------
 // The kernels' signatures. Declared here, ahead of every kernel translation unit, so that a

@@ -93,15 +93,16 @@ def test_the_study_runs_seed_after_seed_and_resumes_from_kept_runs(tmp_path, mon
     monkeypatch.setattr(convergence.subprocess, "run", fake_launch)
     rows = select_rows([BASELINE, "SDP4Bit"])
     common = convergence.common_args(2, 4096)
-    runs = convergence.run_study(rows, [1, 2], 2, common, tmp_path)
+    seeds = convergence.row_seeds(rows, [1, 2], [1, 2])
+    runs = convergence.run_study(rows, seeds, 2, common, tmp_path)
     assert launched == ["1", "1", "2", "2"]  # whole seeds first
     assert set(runs) == {BASELINE, "SDP4Bit"} and set(runs["SDP4Bit"]) == {1, 2}
     assert runs["SDP4Bit"][2]["ran_with"][:3] == ["examples/gpt_cpu/train.py", "--preset",
                                                   "sdp4bit"]
     launched.clear()
-    convergence.run_study(rows, [1, 2], 2, common, tmp_path)
+    convergence.run_study(rows, seeds, 2, common, tmp_path)
     assert launched == []  # every result kept with the same arguments is reused
-    convergence.run_study(rows, [1, 2], 3, convergence.common_args(3, 4096), tmp_path)
+    convergence.run_study(rows, seeds, 3, convergence.common_args(3, 4096), tmp_path)
     assert len(launched) == 4  # other arguments: run again
 
 
@@ -117,11 +118,44 @@ def test_the_report_says_how_many_seeds_a_half_percent_interval_needs(tmp_path):
     rows = select_rows(list(runs))
     summary = convergence.summarize(rows, runs)
     assert summary["SDP4Bit"]["difference_spread"] == pytest.approx(0.02)
-    args = argparse.Namespace(steps=2, seeds="1,2,3", val_tokens=4096, out=tmp_path)
-    text = convergence.report(args, rows, [1, 2, 3], summary,
+    args = argparse.Namespace(steps=2, seeds="1,2,3", deciding_seeds="1,2,3", val_tokens=4096,
+                              out=tmp_path)
+    text = convergence.report(args, rows, summary,
                               datetime.datetime.now(datetime.timezone.utc), 6.0)
     needed = seeds_for_width(0.02, 0.005 * 2.0)
     assert needed > 3
-    assert (f"(standard deviation 0.0200), a full width under 0.5% needs {needed} seeds"
-            in text)
+    assert (f"(standard deviation 0.0200), a full width under 0.5% needs {needed} seeds "
+            "(this run has 3)" in text)
     assert "half-width NOT under 0.5%" in text
+
+
+def test_the_deciding_rows_run_more_seeds_and_every_row_pairs_over_its_own(tmp_path, monkeypatch):
+    launched = []
+
+    def fake_launch(command, **_):
+        seed = int(command[command.index("--seed") + 1])
+        preset = command[command.index("--preset") + 1]
+        launched.append((preset, seed))
+        loss = 2.0 + 0.01 * seed + (0.001 * seed if preset == "sdp4bit" else 0.0)
+        out = Path(command[command.index("--json-out") + 1])
+        out.write_text(__import__("json").dumps(_run(loss, [3.0, loss])))
+        return __import__("subprocess").CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(convergence.subprocess, "run", fake_launch)
+    rows = select_rows([BASELINE, "SDP4Bit", "QSDP"])
+    with pytest.raises(ValueError, match=r"lacks seeds \[3\]"):
+        convergence.row_seeds(rows, [1, 2, 3], [1, 2, 4])
+    seeds = convergence.row_seeds(rows, [1, 2], [1, 2, 3, 4])
+    assert seeds == {BASELINE: [1, 2, 3, 4], "SDP4Bit": [1, 2, 3, 4], "QSDP": [1, 2]}
+    runs = convergence.run_study(rows, seeds, 2, convergence.common_args(2, 4096), tmp_path)
+    # Seed after seed; the extra seeds only for the deciding rows.
+    assert launched == [("baseline", 1), ("sdp4bit", 1), ("qsdp", 1),
+                        ("baseline", 2), ("sdp4bit", 2), ("qsdp", 2),
+                        ("baseline", 3), ("sdp4bit", 3), ("baseline", 4), ("sdp4bit", 4)]
+    summary = convergence.summarize(rows, runs)
+    assert [summary[n]["seeds"] for n in (BASELINE, "SDP4Bit", "QSDP")] == [4, 4, 2]
+    # SDP4Bit is 0.001 x seed above the baseline: its mean difference over seeds 1-4 is
+    # 0.0025; QSDP equals the baseline on its own seeds, though the baseline has more.
+    assert summary["SDP4Bit"]["difference"]["mean"] == pytest.approx(0.0025)
+    assert summary["QSDP"]["difference"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    assert summary["QSDP"]["difference"]["half_width"] == pytest.approx(0.0, abs=1e-12)

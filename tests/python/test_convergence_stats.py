@@ -44,8 +44,10 @@ def test_paired_difference_is_taken_seed_by_seed():
     diff = paired_difference(row, base)
     assert diff.mean == pytest.approx(0.1) and diff.half_width == pytest.approx(0.0, abs=1e-12)
     assert math.isnan(interval([1.0]).half_width)
-    with pytest.raises(ValueError, match="seeds differ"):
-        paired_difference({1: 2.0}, base)
+    # Over the row's seeds only: a baseline with more seeds pairs with the ones the row has.
+    assert paired_difference({1: 2.3, 3: 4.1}, base).mean == pytest.approx(0.2)
+    with pytest.raises(ValueError, match=r"the baseline lacks seeds \[4\]"):
+        paired_difference({1: 2.0, 4: 1.0}, base)
 
 
 def _full_width(spread: float, n: int) -> float:

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,8 @@ EXERCISED = {
     "python -m sdp4bit.plan --params 6.7e9 --nodes 16 --gpus-per-node 8 --tp 4 --inter-gbps 400":
         lambda: _run(*PLAN, "--params", "6.7e9", "--nodes", "16", "--gpus-per-node", "8",
                      "--tp", "4", "--inter-gbps", "400"),
+    "python bench/calibrate_plan.py": lambda: _run(
+        sys.executable, str(ROOT / "bench/calibrate_plan.py"), "--out", tempfile.mkdtemp()),
     "python -m sdp4bit.selftest": lambda: _contains("tests/python/test_selftest.py",
                                                    '"-m", "sdp4bit.selftest"'),
     "python -m megatron_patch.plan": lambda: _run(sys.executable, "-m", "megatron_patch.plan",

@@ -55,6 +55,60 @@ def test_command_line(tmp_path):
     assert bad.returncode != 0 and "--params, --gpus-per-node required" in bad.stderr
 
 
+def _calibrate_plan():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import calibrate_plan
+
+    return calibrate_plan
+
+
+def _fixture_rows(eta_gloo, eta, beta):
+    """cluster.json rows made by the model itself: two topologies, a link-bound and a
+    codec-bound rate, presets whose codec and link times differ."""
+    cal = _calibrate_plan()
+    rows = []
+    for topology, scale in (("2x2", 1.0), ("4x1", 1.3)):
+        for preset, rest, link in (("baseline", 30.0, 200.0), ("sdp4bit", 50.0, 25.0),
+                                   ("qsdp", 45.0, 65.0), ("zeropp", 40.0, 40.0)):
+            for rate in (1000.0, 10000.0):
+                link_ms = scale * link * 1000.0 / rate
+                ms = cal.predict_ms(scale * rest, link_ms, preset, eta_gloo, eta, beta)
+                rows.append({"topology": topology, "rate_mbit": rate, "preset": preset,
+                             "comm_ms": ms, "link_ms": link_ms})
+    return rows
+
+
+def test_calibration_recovers_the_constants_of_a_fixture(tmp_path):
+    cal = _calibrate_plan()
+    rows = _fixture_rows(0.6, 0.8, 0.2)
+    source = tmp_path / "cluster.json"
+    source.write_text(json.dumps({"meta": {}, "rows": rows}))
+    doc = cal.write(cal.load_rows(source), source, tmp_path)
+    assert doc["constants"] == pytest.approx({"eta_gloo": 0.6, "eta": 0.8, "beta": 0.2},
+                                             abs=0.011)
+    held_out = doc["cross_validation"]
+    # Every row at the other rate, both directions, both topologies.
+    assert len(held_out) == len(rows)
+    assert max(abs(e["error"]) for e in held_out) < 0.02
+    table = (tmp_path / "plan_calibration.md").read_text()
+    assert table.count("| 4x1 | qsdp |") == 2 and "Largest error" in table
+    assert json.loads((tmp_path / "plan_calibration.json").read_text()) == doc
+    # A model that does not fit is reported as such, not hidden.
+    rows[0]["comm_ms"] *= 2
+    bad = cal.cross_validate(rows)
+    assert max(abs(e["error"]) for e in bad) > 0.3
+
+
+def test_the_plan_uses_the_committed_calibration():
+    committed = json.loads((ROOT / "bench/results/plan_calibration.json").read_text())
+    t = plan.Transport()
+    assert committed["constants"] == {"eta_gloo": t.uncompressed_link_fraction,
+                                      "eta": t.link_fraction, "beta": t.unhidden_codec}
+    cal = _calibrate_plan()
+    rows = cal.load_rows(ROOT / "bench/results/cluster.json")
+    assert dict(zip(("eta_gloo", "eta", "beta"), cal.fit(rows))) == committed["constants"]
+
+
 def _netns_unavailable() -> str | None:
     sys.path.insert(0, str(ROOT / "bench"))
     from netns import ClusterUnavailable, check_host

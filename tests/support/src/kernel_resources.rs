@@ -88,6 +88,27 @@ impl CudaTools {
         self.disassemble_cubin(&cubin)
     }
 
+    /// The SASS listing with the source line of every instruction (`nvdisasm -c -gi`, each
+    /// instruction preceded by its `//## File "...", line N` comments, innermost first) of `ptx`
+    /// compiled with NVRTC's `-lineinfo` and assembled for sm_90 with `ptxas -lineinfo`.
+    pub fn disassemble_with_lines(
+        &self,
+        file: &str,
+        ptx: &str,
+        dir: &Path,
+    ) -> Result<String, String> {
+        let stem = file.trim_end_matches(".cu");
+        let ptx_path = dir.join(format!("{stem}-lines.ptx"));
+        let cubin = dir.join(format!("{stem}-lines.cubin"));
+        std::fs::write(&ptx_path, ptx).map_err(|e| format!("write {}: {e}", ptx_path.display()))?;
+        run(Command::new(&self.ptxas)
+            .args(["-lineinfo", "--gpu-name", GPU_NAME])
+            .arg(&ptx_path)
+            .arg("-o")
+            .arg(&cubin))?;
+        run(Command::new(&self.nvdisasm).args(["-c", "-gi"]).arg(&cubin))
+    }
+
     /// `ptxas -v` of `ptx`, written to `dir` as `file` with the extension `.ptx`: its report
     /// and the cubin's path.
     fn assemble(&self, file: &str, ptx: &str, dir: &Path) -> Result<(String, PathBuf), String> {

@@ -1,0 +1,262 @@
+//! The kernels' division helpers against Rust, on the host: g++ builds
+//! `tests/kernel_emulator/divide.cpp` (which calls `kernels/common.cuh`'s `sdp_divisor_of` and
+//! `sdp_divide_run`, with the emulator's `cuda_shim.h`) into a shared library, and every
+//! quotient must equal Rust's `/` bit for bit (NaN as NaN-ness: its payload is the hardware's).
+//!
+//! `sdp_divide_run` replaces the IEEE division `x / s` of the quantizer by a reciprocal and two
+//! fused multiply-adds where Markstein's theorem holds (docs/numerics.md §1.4), so the inputs
+//! cover the edges of its conditions and of fp32: every pair of a list of edge values (signed
+//! zeros, subnormals, the limits 2^-60, 2^60, 2^-40, 2^40 and their neighbours, the largest
+//! finite value, Inf, NaN), every pair of exponents with random mantissas, every mantissa of
+//! x against divisors with extreme mantissas, random bit patterns, and the quantizer's own
+//! quotients (x in [-absmax, absmax], s = absmax / L for every code limit L): 570 million
+//! quotients in all.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sdp4bit_test_support::random::SplitMix64;
+
+type DivideFn = unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, usize);
+type DivideRunsFn = unsafe extern "C" fn(*const f32, f32, f32, *mut f32, usize);
+
+/// The helpers, loaded from the library g++ built (kept alive with it).
+struct Helpers {
+    _library: libloading::Library,
+    divide: DivideFn,
+    divide_runs: DivideRunsFn,
+}
+
+/// Builds `divide.cpp` into a shared library in a fresh directory and loads it.
+fn helpers() -> Helpers {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let harness = root.join("tests/kernel_emulator");
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("sdp4bit-divide-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create the build directory");
+    let library = dir.join("libdivide.so");
+    let out = Command::new("g++")
+        .args([
+            "-std=c++20",
+            "-O2",
+            "-ffp-contract=off",
+            "-fno-fast-math",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Wno-unknown-pragmas",
+            "-shared",
+            "-fPIC",
+            "-include",
+        ])
+        .arg(harness.join("cuda_shim.h"))
+        .arg("-I")
+        .arg(root.join("kernels"))
+        .arg(harness.join("divide.cpp"))
+        .arg("-o")
+        .arg(&library)
+        .output()
+        .unwrap_or_else(|e| panic!("g++ is required to build the division helpers ({e})"));
+    assert!(
+        out.status.success(),
+        "g++ failed on divide.cpp:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // SAFETY: the library is the one just built from divide.cpp; its initialisers do nothing
+    // and the symbols have the signatures declared above (extern "C" in divide.cpp).
+    let loaded = unsafe {
+        let lib = libloading::Library::new(&library).expect("load the division helpers");
+        let divide = *lib
+            .get::<DivideFn>(b"sdp_test_divide")
+            .expect("sdp_test_divide");
+        let divide_runs = *lib
+            .get::<DivideRunsFn>(b"sdp_test_divide_runs")
+            .expect("sdp_test_divide_runs");
+        Helpers {
+            _library: lib,
+            divide,
+            divide_runs,
+        }
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    loaded
+}
+
+/// Whether two quotients are the same fp32 value (bits equal, or both NaN).
+fn same(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// Divides every (x, s, bound) with the helper and checks each quotient against `x / s`;
+/// returns how many it checked.
+fn check_divide(h: &Helpers, x: &[f32], s: &[f32], bound: &[f32]) -> usize {
+    let mut q = vec![0.0f32; x.len()];
+    // SAFETY: four arrays of x.len() elements (s and bound as long as x, checked below).
+    assert!(s.len() == x.len() && bound.len() == x.len());
+    unsafe {
+        (h.divide)(
+            x.as_ptr(),
+            s.as_ptr(),
+            bound.as_ptr(),
+            q.as_mut_ptr(),
+            x.len(),
+        )
+    };
+    for i in 0..x.len() {
+        let want = x[i] / s[i];
+        assert!(
+            same(q[i], want),
+            "sdp_divide_run({:e} [{:#010x}], {:e} [{:#010x}], bound {:e}) = {:e} [{:#010x}], \
+             Rust's / gives {:e} [{:#010x}]",
+            x[i],
+            x[i].to_bits(),
+            s[i],
+            s[i].to_bits(),
+            bound[i],
+            q[i],
+            q[i].to_bits(),
+            want,
+            want.to_bits()
+        );
+    }
+    x.len()
+}
+
+/// Edge values of fp32 and of the fast path's conditions, both signs.
+fn edge_values() -> Vec<f32> {
+    let mut bits: Vec<u32> = vec![
+        0,
+        1,
+        2,
+        0x007f_ffff,
+        0x0080_0000,
+        0x0080_0001,
+        0x3f80_0000,
+        0x3f80_0001,
+        0x3fff_ffff,
+        0x7f7f_ffff,
+        0x7f7f_fffe,
+        0x7f80_0000,
+        0x7fc0_0000,
+        0x42fe_0000, // 127
+        0x437f_0000, // 255
+        0x40e0_0000, // 7
+    ];
+    // The limits 2^-60, 2^60, 2^-40, 2^40 (and 2^-100, 2^100, 2^-126 + 2^-149 x k) with their
+    // neighbours.
+    for exponent in [
+        -126i32, -101, -100, -61, -60, -41, -40, 39, 40, 59, 60, 100, 127,
+    ] {
+        let at = ((exponent + 127) as u32) << 23;
+        bits.extend([at.wrapping_sub(1), at, at + 1, at + 0x007f_ffff]);
+    }
+    bits.iter()
+        .flat_map(|&b| [f32::from_bits(b), -f32::from_bits(b)])
+        .collect()
+}
+
+#[test]
+fn divide_equals_ieee_division_on_edge_values() {
+    let h = helpers();
+    let edges = edge_values();
+    let (mut x, mut s, mut bound) = (Vec::new(), Vec::new(), Vec::new());
+    for &a in &edges {
+        for &b in &edges {
+            // The bound the quantizer gives (|x|), a looser one, and none (NaN).
+            for limit in [a.abs(), a.abs() * 2.0, f32::INFINITY, f32::NAN] {
+                x.push(a);
+                s.push(b);
+                bound.push(limit);
+            }
+        }
+    }
+    let checked = check_divide(&h, &x, &s, &bound);
+    assert_eq!(checked, edges.len() * edges.len() * 4);
+}
+
+#[test]
+fn divide_equals_ieee_division_for_every_exponent_pair() {
+    let h = helpers();
+    let mut rng = SplitMix64::new(0xd1_0001);
+    let (mut x, mut s, mut bound) = (Vec::new(), Vec::new(), Vec::new());
+    for ex in 0..=255u32 {
+        for es in 0..=255u32 {
+            for _ in 0..16 {
+                let r = rng.next_u64();
+                let sign = ((r >> 62) as u32 & 1) << 31;
+                let a = f32::from_bits(sign | ex << 23 | (r as u32 & 0x007f_ffff));
+                let b = f32::from_bits((es << 23) | ((r >> 23) as u32 & 0x007f_ffff));
+                x.push(a);
+                s.push(b);
+                bound.push(a.abs());
+            }
+        }
+    }
+    check_divide(&h, &x, &s, &bound);
+}
+
+#[test]
+fn divide_equals_ieee_division_for_every_mantissa_against_extreme_divisors() {
+    let h = helpers();
+    // Every x in [1, 2) and [-2, -1) (all 2^24 mantissas and signs) at a few exponents.
+    let x: Vec<f32> = (0..1u32 << 24)
+        .map(|m| f32::from_bits((m >> 23) << 31 | 0x3f80_0000 | (m & 0x007f_ffff)))
+        .collect();
+    let mut q = vec![0.0f32; x.len()];
+    for mantissa in [0x007f_ffffu32, 0x007f_fffe, 0, 1, 0x0040_0000, 0x0055_5555] {
+        for exponent in [127u32, 127 - 39, 127 + 39] {
+            let s = f32::from_bits(exponent << 23 | mantissa);
+            // SAFETY: x and q hold x.len() elements, a multiple of 4.
+            unsafe { (h.divide_runs)(x.as_ptr(), s, 2.0, q.as_mut_ptr(), x.len()) };
+            for (&a, &got) in x.iter().zip(&q) {
+                assert!(
+                    same(got, a / s),
+                    "sdp_divide_run: {a:e} / {s:e} = {got:e}, Rust's / gives {:e}",
+                    a / s
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn divide_equals_ieee_division_on_random_and_quantizer_inputs() {
+    let h = helpers();
+    let mut rng = SplitMix64::new(0xd1_0002);
+    let batch = 1usize << 20;
+    let (mut x, mut s, mut bound) = (vec![0.0; batch], vec![0.0; batch], vec![0.0; batch]);
+    let mut checked = 0usize;
+    // Random bit patterns (every class of fp32, NaN and Inf included).
+    for _ in 0..128 {
+        for i in 0..batch {
+            let r = rng.next_u64();
+            x[i] = f32::from_bits(r as u32);
+            s[i] = f32::from_bits((r >> 32) as u32);
+            bound[i] = x[i].abs();
+        }
+        checked += check_divide(&h, &x, &s, &bound);
+    }
+    // The quantizer's quotients: a group's absmax (any positive finite value), its scale
+    // absmax / L for a code limit L, and an element in [-absmax, absmax] (its bits below
+    // absmax's, or absmax itself).
+    let limits = [1.0f32, 3.0, 7.0, 15.0, 127.0, 255.0, 32767.0];
+    for _ in 0..128 {
+        for i in 0..batch {
+            let r = rng.next_u64();
+            let absmax = f32::from_bits(1 + (r as u32) % 0x7f7f_ffff);
+            let scale = absmax / limits[(r >> 32) as usize % limits.len()];
+            let element = match (r >> 40) & 7 {
+                0 => absmax,
+                _ => f32::from_bits((rng.next_u32()) % (absmax.to_bits() + 1)),
+            };
+            x[i] = if r >> 63 == 1 { -element } else { element };
+            s[i] = scale;
+            bound[i] = absmax;
+        }
+        checked += check_divide(&h, &x, &s, &bound);
+    }
+    assert_eq!(checked, 256 * batch);
+}
