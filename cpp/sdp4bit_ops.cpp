@@ -1,26 +1,32 @@
 // The torch extension: TorchScript classes and ops over the Rust core (src/ffi).
 //
 //   torch.classes.sdp4bit.ProcessGroups(world, intra, inter)   names of c10d groups
+//       .side_stream(device_index) -> [stream_id, device_index, device_type]
 //   torch.classes.sdp4bit.GradReduceScatter(groups, config, node_labels, numel, bucket_id,
 //                                           device)
-//       .start(bucket, shard, step, raw_stream) -> Work
+//       .start(bucket, shard, step, side_stream_handle) -> Work
 //   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id,
-//                                         raw_stream)
-//       .start(params, step, raw_stream) -> Work
+//                                         side_stream_handle)
+//       .start(params, step, side_stream_handle) -> Work
 //   torch.classes.sdp4bit.Work.wait() / .is_completed()
 //   torch.ops.sdp4bit.schema (presets, knobs, limits as JSON) / describe_config /
 //       config_knobs (JSON) / config_fingerprint / plan_wire_bytes /
 //       simulate_* (in-process reference)
 //
-// Collectives run on the ProcessGroups' executor thread in submission order; a Work keeps its
-// tensors alive until it is destroyed. Every error reaches Python as a RuntimeError whose
-// message starts with "sdp4bit:" and names the problem.
-//
-// A bucket lives on the CPU (the Rust core's CPU backend, host exchanges) or on one CUDA
-// device (the CUDA backend: kernels, copies and the process groups' exchanges all enqueued on
-// torch's current stream of that device as it was when start() was called, whose cudaStream_t
-// Python passes as raw_stream; wait() returns once everything is enqueued, so later work on
-// that stream sees the results).
+// A bucket lives on the CPU or on one CUDA device, and the two run differently:
+// - CPU buckets (the Rust core's CPU backend, host exchanges): start() queues the collective
+//   on the ProcessGroups' executor thread, which runs them in submission order; wait() blocks
+//   until it has run; a Work keeps its tensors alive until it is destroyed.
+// - CUDA buckets (the CUDA backend): start() enqueues everything on the calling thread, in
+//   program order, and returns without waiting for the device (the order of stream_order.h):
+//   the groups' side stream of the device (one per device, from torch's stream pool) waits for
+//   the caller's current stream, every kernel, copy and c10d exchange goes on the side stream
+//   (Python passes its cudaStream_t as side_stream_handle: the extension is built without CUDA
+//   headers), the tensors are recorded on it (record_stream), and a done event follows;
+//   Work.wait() makes the stream current at wait() wait for that event, is_completed() queries
+//   it. The caller's stream never waits for an exchange before wait().
+// A ProcessGroups serves buckets of one kind. Every error reaches Python as a RuntimeError
+// whose message starts with "sdp4bit:" and names the problem.
 #include <Python.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -30,8 +36,11 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <torch/version.h>
+
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -39,6 +48,7 @@
 #include <vector>
 
 #include "executor.h"
+#include "stream_order.h"
 #include "torch_comms_groups.h"
 #include "sdp4bit/src/ffi/mod.rs.h"
 
@@ -124,19 +134,49 @@ std::string self_check_problem(c10::Device device, const std::string& config,
   return "CUDA buckets on " + device.str() + " cannot run: " + problem;
 }
 
-// The stream CUDA work of `device` is enqueued on: torch's current stream of the device.
-c10::Stream current_stream(c10::Device device) {
-  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device);
-}
+// The order of stream_order.h on torch's streams and events of one device, through the
+// device-generic c10 interfaces (c10::Event, c10::impl::VirtualGuardImpl), so that the
+// extension builds against CPU-only torch too.
+class TorchStreams {
+ public:
+  using Stream = c10::Stream;
+  using Event = c10::Event;
+  using Buffer = at::Tensor;
 
-// The cudaStream_t of torch's current stream, as Python read it (torch.cuda.current_stream()
-// .cuda_stream): c10::Stream has no native handle before torch 2.10, and the extension is
-// built without CUDA headers.
-uint64_t checked_raw_stream(c10::Device device, int64_t raw) {
-  TORCH_CHECK(!device.is_cuda() || raw >= 0, "sdp4bit: CUDA stream handle ", raw,
-              " is negative");
-  return static_cast<uint64_t>(raw);
-}
+  explicit TorchStreams(c10::Device device) : device_(device) {}
+
+  Stream current() const { return guard().getStream(device_); }
+
+  Event record(const Stream& stream) const {
+    Event event(device_.type());
+    event.record(stream);
+    return event;
+  }
+
+  void block(const Event& event, const Stream& stream) const { event.block(stream); }
+
+  bool query(const Event& event) const { return event.query(); }
+
+  // Tensor.record_stream: the caching allocator keeps the memory from other uses until
+  // `stream` has passed this point, even if the tensor is freed before (memory torch did not
+  // allocate is left to its owner).
+  void protect(const Buffer& tensor, const Stream& stream) const {
+    guard().recordDataPtrOnStream(tensor.storage().data_ptr(), stream);
+  }
+
+  template <class F>
+  void with_current(const Stream& stream, F&& f) const {
+    c10::StreamGuard on_stream(stream);
+    f();
+  }
+
+ private:
+  c10::impl::VirtualGuardImpl guard() const { return c10::impl::VirtualGuardImpl(device_.type()); }
+
+  c10::Device device_;
+};
+
+using DeviceCompletion = SideStreamCompletion<TorchStreams>;
 
 uint64_t device_address(const void* data) { return reinterpret_cast<uint64_t>(data); }
 
@@ -253,7 +293,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_optional(const std::string& name)
 
 }  // namespace
 
-// The process groups of one DP group and the thread their collectives run on.
+// The process groups of one DP group, the thread their CPU collectives run on and the side
+// stream of each device their CUDA collectives are enqueued on.
 class ProcessGroups : public torch::CustomClassHolder {
  public:
   ProcessGroups(const std::string& world, const std::string& intra, const std::string& inter) {
@@ -282,7 +323,8 @@ class ProcessGroups : public torch::CustomClassHolder {
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
 
-  // The groups' comms; only jobs on the executor use them, and none runs after close().
+  // The groups' comms; only jobs on the executor and CUDA collectives being enqueued (under
+  // issue_mutex_) use them, and none runs after close().
   const ffi::TorchComms& comms() const { return *comms_; }
 
   // Runs every collective already queued, stops the executor thread and releases the c10d
@@ -293,7 +335,62 @@ class ProcessGroups : public torch::CustomClassHolder {
       WithoutGil unlocked;
       executor_.shutdown();
     }
+    std::lock_guard<std::mutex> lock(issue_mutex_);
     comms_.reset();
+  }
+
+  // The side stream of CUDA device `device_index` as torch.cuda.Stream's constructor takes it:
+  // [stream_id, device_index, device_type].
+  std::vector<int64_t> side_stream_ids(int64_t device_index) {
+    TORCH_CHECK(device_index >= 0, "sdp4bit: CUDA device index ", device_index, " is negative");
+    c10::Stream stream = side_stream(c10::Device(c10::DeviceType::CUDA,
+                                                 static_cast<c10::DeviceIndex>(device_index)));
+    c10::StreamData3 ids = stream.pack3();
+    return {ids.stream_id, ids.device_index, static_cast<int64_t>(ids.device_type)};
+  }
+
+  // The side stream of `device`: taken from torch's stream pool the first time (as
+  // torch.cuda.Stream() takes one), then the same one for every collective of these groups.
+  c10::Stream side_stream(c10::Device device) {
+    std::lock_guard<std::mutex> lock(side_streams_mutex_);
+    auto found = side_streams_.find(device.index());
+    if (found == side_streams_.end()) {
+      c10::Stream stream =
+          c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+      found = side_streams_.emplace(device.index(), stream).first;
+    }
+    return found->second;
+  }
+
+  // Why a bucket on `device` cannot join these groups, or "": CPU collectives run on the
+  // executor thread and CUDA ones on the caller's, so one set of groups serves one kind, or
+  // the two kinds' c10d calls could reach the groups in a different order on each rank.
+  std::string kind_problem(c10::Device device) {
+    std::lock_guard<std::mutex> lock(side_streams_mutex_);
+    if (!kind_ || kind_->is_cuda() == device.is_cuda()) return "";
+    return "these process groups already serve buckets on " + kind_->str() +
+           "; a bucket on " + device.str() +
+           " needs its own sdp4bit.ProcessGroups (CPU and CUDA buckets cannot share them)";
+  }
+
+  // Records that these groups serve buckets of `device`'s kind (after a bucket's set-up).
+  void serve(c10::Device device) {
+    std::lock_guard<std::mutex> lock(side_streams_mutex_);
+    if (!kind_) kind_ = device.is_cuda() ? c10::Device(c10::DeviceType::CUDA) : device;
+  }
+
+  // Enqueues `collective` on the side stream of `device` on the calling thread, in the order
+  // of stream_order.h, with `tensors` recorded on the side stream.
+  template <class F>
+  DeviceCompletion enqueue_on_side_stream(c10::Device device,
+                                          const std::vector<at::Tensor>& tensors,
+                                          F&& collective) {
+    std::lock_guard<std::mutex> lock(issue_mutex_);
+    TORCH_CHECK(comms_, "sdp4bit: these process groups were closed (ProcessGroups.close())");
+    return rethrow_as_torch_error([&] {
+      return sdp4bit::enqueue_on_side_stream(TorchStreams(device), side_stream(device), tensors,
+                                             std::forward<F>(collective));
+    });
   }
 
   // Runs `job` on the executor after everything queued before it, and waits for it.
@@ -315,33 +412,66 @@ class ProcessGroups : public torch::CustomClassHolder {
   std::unique_ptr<ffi::TorchComms> comms_;
   int64_t rank_ = 0;
   int64_t size_ = 0;
+  std::mutex issue_mutex_;  // CUDA collectives being enqueued, and close()
+  std::mutex side_streams_mutex_;
+  std::map<c10::DeviceIndex, c10::Stream> side_streams_;
+  std::optional<c10::Device> kind_;  // CPU, or CUDA (any index): the buckets' kind
   Executor executor_;  // declared last: joined before the groups are released
 };
 
-// A collective in flight. It keeps its tensors and the collective object alive, and waits for
-// the collective if it is dropped before completing, so nothing it uses is freed under the
-// executor thread.
+// The cudaStream_t of `side` as Python read it (torch.cuda.Stream(...).cuda_stream): the
+// extension is built without CUDA headers, and c10::Stream has a native handle only from
+// torch 2.10 on, where the two are checked to be the same stream.
+uint64_t checked_side_stream_handle(const c10::Stream& side, int64_t handle) {
+  TORCH_CHECK(handle > 0, "sdp4bit: CUDA side stream handle ", handle, " is not a stream");
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10)
+  auto native = reinterpret_cast<uint64_t>(side.native_handle());
+  TORCH_CHECK(native == static_cast<uint64_t>(handle), "sdp4bit: stream handle ", handle,
+              " is not the groups' side stream on ", side.device().str(), " (", native, ")");
+#else
+  (void)side;
+#endif
+  return static_cast<uint64_t>(handle);
+}
+
+// A collective in flight, with c10d's Work semantics (torch/csrc/distributed/c10d/Work.hpp).
+// A CPU collective: wait() blocks until the executor has run it and rethrows its error; the
+// Work keeps its tensors and the collective object alive and waits for the collective if it
+// is dropped before completing, so nothing it uses is freed under the executor thread.
+// A CUDA collective (already enqueued, its errors raised by start()): wait() makes the current
+// stream of the bucket's device wait for its done event and returns at once; is_completed()
+// queries the event; the tensors are protected by record_stream, the collective object (whose
+// buffers the side stream uses) is kept alive.
 class Work : public torch::CustomClassHolder {
  public:
   Work(std::shared_future<void> done, std::vector<at::Tensor> keep_alive,
        c10::intrusive_ptr<torch::CustomClassHolder> owner)
       : done_(std::move(done)), keep_alive_(std::move(keep_alive)), owner_(std::move(owner)) {}
 
+  Work(DeviceCompletion completion, c10::intrusive_ptr<torch::CustomClassHolder> owner)
+      : completion_(std::move(completion)), owner_(std::move(owner)) {}
+
   ~Work() override {
     if (done_.valid()) wait_for(done_);
   }
 
   void wait() {
+    if (completion_) {
+      completion_->wait_on_current_stream();
+      return;
+    }
     wait_for(done_);
     rethrow_as_torch_error([&] { done_.get(); });
   }
 
   bool is_completed() {
+    if (completion_) return completion_->is_completed();
     return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
   }
 
  private:
-  std::shared_future<void> done_;
+  std::shared_future<void> done_;                 // CPU collectives
+  std::optional<DeviceCompletion> completion_;    // CUDA collectives
   std::vector<at::Tensor> keep_alive_;
   c10::intrusive_ptr<torch::CustomClassHolder> owner_;
 };
@@ -358,6 +488,7 @@ class GradReduceScatter : public torch::CustomClassHolder {
     // A device this rank cannot use fails the set-up on every rank, not just here.
     std::string problem;
     device_ = resolve_device(device, problem);
+    if (problem.empty()) problem = groups_->kind_problem(device_);
     if (problem.empty()) problem = device_problem(device_);
     if (problem.empty()) {
       problem = self_check_problem(device_, config, labels, groups_->rank(), false);
@@ -370,6 +501,9 @@ class GradReduceScatter : public torch::CustomClassHolder {
       rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
       auto rank = static_cast<size_t>(groups_->rank());
       if (device_.is_cuda()) {
+        // The buffers come from torch's caching allocator for the side stream, which alone
+        // uses them.
+        c10::StreamGuard on_side(groups_->side_stream(device_));
         return ffi::new_cuda_grad_bucket(*parsed, nodes, rank, static_cast<size_t>(numel),
                                          bucket_id_, static_cast<size_t>(device_.index()));
       }
@@ -377,8 +511,11 @@ class GradReduceScatter : public torch::CustomClassHolder {
     });
     shard_len_ = static_cast<int64_t>((*bucket_)->shard_len());
     if (device_.is_cuda()) {
+      // Allocated with the side stream current: only the side stream uses it.
+      c10::StreamGuard on_side(groups_->side_stream(device_));
       scratch_device_ = at::empty({shard_len_}, at::TensorOptions().dtype(at::kFloat).device(device_));
     }
+    groups_->serve(device_);
   }
 
   int64_t shard_len() const { return shard_len_; }
@@ -405,25 +542,26 @@ class GradReduceScatter : public torch::CustomClassHolder {
     return std::string((*bucket_)->notice());
   }
 
-  // `raw_stream`: for a CUDA bucket, the cudaStream_t of torch's current stream (ignored on
-  // the CPU).
+  // `side_stream_handle`: for a CUDA bucket, the cudaStream_t of the groups' side stream of
+  // the bucket's device (ignored on the CPU).
   c10::intrusive_ptr<Work> start(at::Tensor bucket, at::Tensor shard, int64_t step,
-                                 int64_t raw_stream) {
+                                 int64_t side_stream_handle) {
     check_tensor("gradient bucket", bucket, at::kFloat, numel_, device_);
     check_tensor("gradient shard", shard, at::kFloat, shard_len_, device_);
     uint64_t at_step = checked_step(step);
     Span<float> in(bucket), out(shard);
-    std::shared_future<void> done;
+    auto owner = c10::intrusive_ptr<GradReduceScatter>::reclaim_copy(this);
     if (device_.is_cuda()) {
-      c10::Stream stream = current_stream(device_);
-      uint64_t raw = checked_raw_stream(device_, raw_stream);
-      done = groups_->submit(
-          [this, in, out, stream, raw, at_step] { run_cuda(in, out, stream, raw, at_step); });
-    } else {
-      done = groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
+      uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
+      std::lock_guard<std::mutex> lock(mutex_);
+      DeviceCompletion done = groups_->enqueue_on_side_stream(
+          device_, {bucket, shard}, [&] { run_cuda(in, out, raw, at_step); });
+      return c10::make_intrusive<Work>(std::move(done), std::move(owner));
     }
+    std::shared_future<void> done =
+        groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
     return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{bucket, shard},
-                                     c10::intrusive_ptr<GradReduceScatter>::reclaim_copy(this));
+                                     std::move(owner));
   }
 
  private:
@@ -446,10 +584,9 @@ class GradReduceScatter : public torch::CustomClassHolder {
     std::memcpy(shard.data, scratch_.data(), shard.len * sizeof(float));
   }
 
-  void run_cuda(Span<float> bucket, Span<float> shard, c10::Stream stream, uint64_t raw,
-                uint64_t step) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    c10::StreamGuard on_stream(stream);
+  // Enqueues the collective on the current stream (the side stream, whose handle is `raw`);
+  // the caller holds mutex_.
+  void run_cuda(Span<float> bucket, Span<float> shard, uint64_t raw, uint64_t step) {
     bool alias = aliased(bucket, shard);
     float* out = alias ? scratch_device_.data_ptr<float>() : shard.data;
     (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data), device_address(out), raw,
@@ -474,11 +611,11 @@ class GradReduceScatter : public torch::CustomClassHolder {
 // The parameter all-gather of one bf16 bucket, on the CPU or on the params' CUDA device.
 class WeightAllGather : public torch::CustomClassHolder {
  public:
-  // `raw_stream`: for CUDA params, the cudaStream_t of torch's current stream (the first qWD
-  // reference is copied on it); ignored on the CPU.
+  // `side_stream_handle`: for CUDA params, the cudaStream_t of the groups' side stream of their
+  // device (the first qWD reference is copied on it); ignored on the CPU.
   WeightAllGather(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
                   const std::vector<int64_t>& node_labels, at::Tensor params, int64_t bucket_id,
-                  int64_t raw_stream)
+                  int64_t side_stream_handle)
       : groups_(std::move(groups)),
         bucket_id_(checked_bucket_id(bucket_id)),
         device_(params.defined() ? params.device() : c10::Device(at::kCPU)) {
@@ -490,6 +627,7 @@ class WeightAllGather : public torch::CustomClassHolder {
       problem = tensor_problem("param bucket", params, at::kBFloat16, numel_, device_);
     }
     if (problem.empty() && numel_ <= 0) problem = "param bucket is empty";
+    if (problem.empty()) problem = groups_->kind_problem(device_);
     if (problem.empty()) problem = device_problem(device_);
     auto labels = checked_labels(node_labels);
     if (problem.empty()) {
@@ -499,22 +637,28 @@ class WeightAllGather : public torch::CustomClassHolder {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel_));
     });
-    bucket_ = rethrow_as_torch_error([&] {
-      rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
-      auto rank = static_cast<size_t>(groups_->rank());
-      if (device_.is_cuda()) {
-        // The first qWD reference is copied on the caller's current stream, after whatever
-        // wrote `params` on it.
-        return ffi::new_cuda_weight_bucket(*parsed, nodes, rank, bucket_id_,
-                                           static_cast<size_t>(device_.index()),
-                                           device_address(params.data_ptr()),
-                                           static_cast<size_t>(numel_),
-                                           checked_raw_stream(device_, raw_stream));
-      }
-      return ffi::new_weight_bucket(*parsed, nodes, rank, bucket_id_,
-                                    const_slice<uint16_t>(params));
-    });
+    rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
+    auto rank = static_cast<size_t>(groups_->rank());
+    if (device_.is_cuda()) {
+      // The first qWD reference is copied on the side stream after whatever wrote `params` on
+      // the caller's stream, and the caller's stream waits for the copy before it may write
+      // `params` again.
+      uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
+      groups_
+          ->enqueue_on_side_stream(device_, {params}, [&] {
+            bucket_ = ffi::new_cuda_weight_bucket(
+                *parsed, nodes, rank, bucket_id_, static_cast<size_t>(device_.index()),
+                device_address(params.data_ptr()), static_cast<size_t>(numel_), raw);
+          })
+          .wait_on_current_stream();
+    } else {
+      bucket_ = rethrow_as_torch_error([&] {
+        return ffi::new_weight_bucket(*parsed, nodes, rank, bucket_id_,
+                                      const_slice<uint16_t>(params));
+      });
+    }
     shard_len_ = static_cast<int64_t>((*bucket_)->shard_len());
+    groups_->serve(device_);
   }
 
   int64_t shard_len() const { return shard_len_; }
@@ -529,28 +673,26 @@ class WeightAllGather : public torch::CustomClassHolder {
     return wire_pair((*bucket_)->baseline_wire_bytes());
   }
 
-  // `raw_stream` as for GradReduceScatter::start.
-  c10::intrusive_ptr<Work> start(at::Tensor params, int64_t step, int64_t raw_stream) {
+  // `side_stream_handle` as for GradReduceScatter::start.
+  c10::intrusive_ptr<Work> start(at::Tensor params, int64_t step, int64_t side_stream_handle) {
     check_tensor("param bucket", params, at::kBFloat16, numel_, device_);
     uint64_t at_step = checked_step(step);
     Span<uint16_t> bits(params);
-    std::shared_future<void> done;
+    auto owner = c10::intrusive_ptr<WeightAllGather>::reclaim_copy(this);
     if (device_.is_cuda()) {
-      c10::Stream stream = current_stream(device_);
-      uint64_t raw = checked_raw_stream(device_, raw_stream);
-      done = groups_->submit([this, bits, stream, raw, at_step] {
-        std::lock_guard<std::mutex> lock(mutex_);
-        c10::StreamGuard on_stream(stream);
+      uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
+      std::lock_guard<std::mutex> lock(mutex_);
+      DeviceCompletion done = groups_->enqueue_on_side_stream(device_, {params}, [&] {
         (*bucket_)->run_cuda(groups_->comms(), device_address(bits.data), raw, at_step);
       });
-    } else {
-      done = groups_->submit([this, bits, at_step] {
-        std::lock_guard<std::mutex> lock(mutex_);
-        (*bucket_)->run(groups_->comms(), bits.out(), at_step);
-      });
+      return c10::make_intrusive<Work>(std::move(done), std::move(owner));
     }
+    std::shared_future<void> done = groups_->submit([this, bits, at_step] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      (*bucket_)->run(groups_->comms(), bits.out(), at_step);
+    });
     return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{params},
-                                     c10::intrusive_ptr<WeightAllGather>::reclaim_copy(this));
+                                     std::move(owner));
   }
 
  private:
@@ -685,6 +827,7 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def(torch::init<std::string, std::string, std::string>())
       .def("rank", &ProcessGroups::rank)
       .def("size", &ProcessGroups::size)
+      .def("side_stream", &ProcessGroups::side_stream_ids)
       .def("close", &ProcessGroups::close);
   m.class_<Work>("Work").def("wait", &Work::wait).def("is_completed", &Work::is_completed);
   m.class_<GradReduceScatter>("GradReduceScatter")

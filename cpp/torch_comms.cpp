@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "sdp4bit/src/ffi/mod.rs.h"
@@ -126,6 +127,37 @@ PendingExchange::~PendingExchange() = default;
 void PendingExchange::wait() {
   state_->work->wait();
   if (state_->staged_out.defined()) state_->out.copy_(state_->staged_out);
+}
+
+struct TorchDeviceMemory::State {
+  c10::DataPtr memory;
+};
+
+TorchDeviceMemory::TorchDeviceMemory(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+TorchDeviceMemory::~TorchDeviceMemory() = default;
+
+std::uint64_t TorchDeviceMemory::addr() const {
+  return reinterpret_cast<std::uint64_t>(state_->memory.get());
+}
+
+// The allocator behind torch.empty(..., device="cuda"): it serves the current device and
+// associates the block with the current stream (the extension makes both the bucket's device
+// and its groups' side stream), and counts it in torch.cuda.memory_allocated.
+std::unique_ptr<TorchDeviceMemory> allocate_torch_device_memory(std::size_t device,
+                                                                std::size_t bytes) {
+  c10::Device current = current_cuda_device();
+  if (static_cast<std::size_t>(current.index()) != device) {
+    throw std::runtime_error("sdp4bit: device memory for cuda:" + std::to_string(device) +
+                             " was asked for while " + current.str() + " is current");
+  }
+  auto state = std::make_unique<TorchDeviceMemory::State>();
+  state->memory = c10::GetAllocator(c10::DeviceType::CUDA)->allocate(bytes);
+  if (state->memory.get() == nullptr) {
+    throw std::runtime_error("sdp4bit: torch's CUDA allocator returned no memory for " +
+                             std::to_string(bytes) + " bytes");
+  }
+  return std::make_unique<TorchDeviceMemory>(std::move(state));
 }
 
 TorchComms::TorchComms(std::unique_ptr<Groups> groups) : groups_(std::move(groups)) {}

@@ -31,6 +31,28 @@ class PendingExchange {
   std::unique_ptr<State> state_;
 };
 
+// Memory from torch's CUDA caching allocator (the Rust CUDA backend's buffers in the
+// extension), returned to the allocator when destroyed.
+class TorchDeviceMemory {
+ public:
+  struct State;  // the allocator's DataPtr, defined with torch in torch_comms.cpp
+
+  explicit TorchDeviceMemory(std::unique_ptr<State> state);
+  ~TorchDeviceMemory();
+  TorchDeviceMemory(const TorchDeviceMemory&) = delete;
+  TorchDeviceMemory& operator=(const TorchDeviceMemory&) = delete;
+
+  std::uint64_t addr() const;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+// `bytes` bytes of CUDA device `device` from torch's caching allocator, for the current stream
+// of that device, which must be the calling thread's current device.
+std::unique_ptr<TorchDeviceMemory> allocate_torch_device_memory(std::size_t device,
+                                                                std::size_t bytes);
+
 class TorchComms {
  public:
   struct Groups;  // the c10d process groups, defined with torch in torch_comms.cpp

@@ -1,5 +1,6 @@
 """Compressed collectives of one flat bucket: the gradient reduce-scatter and the parameter
-all-gather, each started on the groups' background thread and completed by ``wait()``."""
+all-gather, each started by ``start()`` (queued on the groups' background thread for CPU
+buckets, enqueued on the groups' side stream for CUDA buckets) and completed by ``wait()``."""
 
 from __future__ import annotations
 
@@ -32,13 +33,28 @@ _LONGEST_PAUSE_S = 1e-3
 
 
 class Handle:
-    """A collective in flight; :meth:`wait` completes it (and raises its error, if any)."""
+    """A collective in flight; :meth:`wait` completes it (and raises its error, if any).
 
-    def __init__(self, work) -> None:
+    For a CUDA bucket the collective is already enqueued (its errors were raised by
+    ``start``): :meth:`wait` makes the current stream wait for it and returns at once, as
+    ``torch.distributed``'s async work does; :meth:`is_completed` asks whether the device has
+    finished it."""
+
+    def __init__(self, work, on_device: bool) -> None:
         self._work = work
+        self._on_device = on_device
 
     def wait(self) -> None:
-        """Blocks until the collective completes. The waiting is done in Python's
+        """Completes the collective: for a CPU bucket blocks until it has run, for a CUDA
+        bucket orders the current stream after it."""
+        if self._on_device:
+            with translated_errors():
+                self._work.wait()
+            return
+        self._wait_for_host()
+
+    def _wait_for_host(self) -> None:
+        """Blocks until the CPU collective completes. The waiting is done in Python's
         ``time.sleep`` between short completion checks, never inside a blocking call into
         the extension: torch gives up the GIL around every call into a TorchScript class
         and takes it back after it, and a thread taking it back after the interpreter began
@@ -75,10 +91,10 @@ def _check_tensor(what: str, tensor: torch.Tensor, dtype: torch.dtype, numel: in
         )
 
 
-def _raw_stream(device: torch.device) -> int:
-    """The cudaStream_t of torch's current stream on `device` (0 on the CPU), which the
+def _side_stream_handle(groups: ProcessGroups, device: torch.device) -> int:
+    """The cudaStream_t of the groups' side stream on `device` (0 on the CPU), which the
     extension enqueues a CUDA bucket's work on."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return groups.side_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def _check_step(step: int) -> int:
@@ -97,9 +113,10 @@ class GradReduceScatter:
     rank of the DP group constructs its bucket with the same config, bucket id and size, or
     all of them raise (also when a rank cannot use its device).
 
-    On CUDA, ``start`` enqueues nothing itself: the groups' thread enqueues every kernel and
-    exchange on the stream that was current at ``start``; after ``wait()`` work issued on that
-    stream sees the shard.
+    On CUDA, ``start`` enqueues every kernel and exchange on the groups' side stream after
+    the work already issued on the current stream, and returns without waiting; after
+    ``wait()``, work issued on the stream current at ``wait()`` sees the shard. The current
+    stream must not touch `bucket` or `shard` between ``start`` and ``wait``.
     """
 
     def __init__(self, groups: ProcessGroups, config: Config, numel: int, bucket_id: int,
@@ -115,14 +132,15 @@ class GradReduceScatter:
             )
         self.device = torch.device(self._native.device())
         self.shard_len = self._native.shard_len()
+        self._side_stream = _side_stream_handle(groups, self.device)
 
     def start(self, bucket: torch.Tensor, shard: torch.Tensor, step: int) -> Handle:
         """Starts reduce-scattering `bucket` into `shard` for optimizer step `step`."""
         _check_tensor("gradient bucket", bucket, torch.float32, self.numel, self.device)
         _check_tensor("gradient shard", shard, torch.float32, self.shard_len, self.device)
         with translated_errors():
-            return Handle(self._native.start(bucket, shard, _check_step(step),
-                                             _raw_stream(self.device)))
+            work = self._native.start(bucket, shard, _check_step(step), self._side_stream)
+        return Handle(work, self.device.type == "cuda")
 
     def quantizes_at(self, step: int) -> bool:
         """Whether step `step` sends quantized gradients (false for the uncompressed codec
@@ -146,7 +164,7 @@ class WeightAllGather:
     """The parameter all-gather of one bf16 bucket.
 
     `params` is the bucket as every replica holds it at set-up, on the CPU or a CUDA device
-    (kernels on the caller's current stream, as for :class:`GradReduceScatter`). Before each
+    (kernels on the groups' side stream, as for :class:`GradReduceScatter`). Before each
     ``start(params, step)`` the caller writes this rank's new shard (shard ``rank``,
     ``numel / W`` elements) into `params`; after ``wait()`` every replica holds the same bucket,
     bit for bit (qWD sends 4-bit differences from the previous values, kept on each rank).
@@ -160,17 +178,20 @@ class WeightAllGather:
             # runs even when this rank's input is bad), so they are left to the extension.
             self._native = _native.classes().WeightAllGather(
                 groups.native, config.spec(), groups.node_labels, params, bucket_id,
-                _raw_stream(params.device) if isinstance(params, torch.Tensor) else 0,
+                _side_stream_handle(groups, params.device)
+                if isinstance(params, torch.Tensor) else 0,
             )
         self.numel = params.numel()
         self.device = params.device
         self.shard_len = self._native.shard_len()
+        self._side_stream = _side_stream_handle(groups, self.device)
 
     def start(self, params: torch.Tensor, step: int) -> Handle:
         """Starts all-gathering `params` for optimizer step `step`."""
         _check_tensor("param bucket", params, torch.bfloat16, self.numel, self.device)
         with translated_errors():
-            return Handle(self._native.start(params, _check_step(step), _raw_stream(self.device)))
+            work = self._native.start(params, _check_step(step), self._side_stream)
+        return Handle(work, self.device.type == "cuda")
 
     def wire_bytes(self) -> WireBytes:
         """Bytes this rank sends per call."""

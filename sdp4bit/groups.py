@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from . import _native
@@ -96,8 +97,10 @@ def _layout(labels: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
 @dataclass
 class ProcessGroups:
     """A DP group and, when every node holds the same number of its ranks, its intra-node and
-    inter-node subgroups, as private process groups (so that the background thread that runs
-    the compressed collectives never interleaves with the training loop's own collectives).
+    inter-node subgroups, as private process groups (so that the compressed collectives, run
+    on a background thread for CPU buckets and on a side stream for CUDA buckets, never
+    interleave with the training loop's own collectives). One set of groups serves buckets
+    of one kind, CPU or CUDA.
 
     Build it once per DP group with :meth:`create`; every rank of the DP group must call it.
     """
@@ -197,3 +200,13 @@ class ProcessGroups:
     def size(self) -> int:
         """Ranks in the DP group."""
         return len(self.global_ranks)
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream the collectives of CUDA buckets on `device` run on: one per device and
+        set of groups, taken from torch's stream pool by the extension. Work issued on it
+        runs alongside the caller's stream; a collective's ``wait()`` makes the caller's
+        current stream wait for it."""
+        with translated_errors():
+            stream_id, device_index, device_type = self.native.side_stream(device.index)
+        return torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                                 device_type=device_type)

@@ -4,9 +4,10 @@ use half::bf16;
 
 use super::bridge::{TorchComms, WireBytes};
 use super::torch_comm::TorchLevels;
+use super::torch_memory::TorchCachingAllocator;
 use super::{FfiResult, guard};
 use crate::backend::cpu::Host;
-use crate::backend::cuda::{Cuda, DeviceSpan, Kernels, Stream};
+use crate::backend::cuda::{Allocator, Cuda, DeviceSpan, Kernels, Stream};
 use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
@@ -53,14 +54,17 @@ fn topology(node_labels: &[u64]) -> Result<Topology> {
     Topology::from_node_labels(node_labels)
 }
 
-/// The CUDA backend of device `device` on the raw stream `stream` (torch's current stream).
+/// The buffers of the extension's CUDA buckets come from torch's caching allocator.
+static TORCH_ALLOCATOR: TorchCachingAllocator = TorchCachingAllocator;
+
+/// The CUDA backend of device `device` on the raw stream `stream` (the side stream of the
+/// bucket's process groups, current on the calling thread), with buffers from torch.
 fn cuda(device: usize, stream: u64) -> Result<Cuda> {
     let kernels = Kernels::get(device)?;
-    // SAFETY: the extension passes the current stream of `device`, taken from torch, which
-    // stays alive while the collective runs (the caller keeps using it).
-    Ok(Cuda::new(kernels, unsafe {
-        Stream::from_raw(stream as usize)
-    }))
+    // SAFETY: the extension passes a stream of torch's pool on `device`, which torch never
+    // destroys.
+    let stream = unsafe { Stream::from_raw(stream as usize) };
+    Ok(Cuda::new(kernels, stream).with_allocator(Allocator::Given(&TORCH_ALLOCATOR)))
 }
 
 /// `len` elements of `T` at device address `addr`.
@@ -176,7 +180,8 @@ pub(super) fn new_cuda_grad_bucket(
 ) -> FfiResult<Box<GradBucket>> {
     guard("new_cuda_grad_bucket", || {
         let topology = topology(node_labels)?;
-        // Planning only allocates and uploads synchronously: no stream is used.
+        // Planning allocates (for the current stream, the side stream) and uploads
+        // synchronously: no stream is enqueued on.
         let backend = cuda(device, 0)?;
         GradReduceScatter::with_backend(&backend, &config.0, &topology, rank, numel, bucket_id)
             .map(|rs| Box::new(GradBucket::Cuda(rs, device)))

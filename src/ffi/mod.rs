@@ -14,6 +14,7 @@ mod buckets;
 mod schema;
 mod simulate;
 mod torch_comm;
+mod torch_memory;
 
 use buckets::{
     GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_bucket_problem,
@@ -234,6 +235,17 @@ mod bridge {
 
     unsafe extern "C++" {
         include!("sdp4bit/cpp/torch_comms.h");
+
+        /// A block of torch's CUDA caching allocator, returned to it when dropped.
+        type TorchDeviceMemory;
+        /// The block's device address.
+        fn addr(self: &TorchDeviceMemory) -> u64;
+        /// `bytes` bytes of CUDA device `device` (the calling thread's current device) from
+        /// torch's caching allocator, associated with that device's current stream.
+        fn allocate_torch_device_memory(
+            device: usize,
+            bytes: usize,
+        ) -> Result<UniquePtr<TorchDeviceMemory>>;
 
         /// The process groups of one DP group (world, and intra/inter when nodes are equal).
         type TorchComms;

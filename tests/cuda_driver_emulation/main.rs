@@ -16,6 +16,8 @@
 //! - the hot path without the host ([`hot_path`]): host synchronisations are counted (and
 //!   `end_to_end` finds none inside either collective), Global-QSGD's special buckets and an
 //!   overflow of its integer sum on the device;
+//! - the buffers come from the allocator the backend is given, and the sdp4bit preset's
+//!   device bytes per parameter ([`device_memory`]);
 //! - `gpu_suite_runs_on_the_emulation`: `tests/cuda_gpu.rs`, unchanged, in a child process
 //!   that finds the emulation as its `libcuda.so` ([`gpu_suite`]).
 //!
@@ -24,6 +26,7 @@
 
 mod child;
 mod comm;
+mod device_memory;
 mod end_to_end;
 mod faults;
 mod gpu_suite;

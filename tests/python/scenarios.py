@@ -214,6 +214,12 @@ def mismatched_setups(rank, world):
     shard = torch.empty(rs.shard_len)
     rs.start(torch.ones(world * 1024), shard, 0).wait()
     assert torch.allclose(shard, torch.full_like(shard, float(world)), rtol=0.1)
+    # Groups that serve CPU buckets take no CUDA bucket (nor the reverse): that rank names it
+    # before it looks at the device, the others name that rank.
+    fragment = "needs its own sdp4bit.ProcessGroups" if rank == 3 else "rank 3 failed to set up"
+    seen.append(_expect_error(Sdp4bitError, fragment,
+                              lambda: GradReduceScatter(groups, Config(), world * 1024, 1,
+                                                        device="cuda:0" if rank == 3 else "cpu")))
     groups.close()
     return [(message, seconds) for message, seconds in seen]
 

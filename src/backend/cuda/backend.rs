@@ -1,18 +1,18 @@
 //! [`Cuda`]: the [`Backend`] of one CUDA device. Buffers are device allocations
-//! ([`DeviceBuffer`]), views are [`DeviceSpan`]s, and every pass is a kernel launch (or an
+//! ([`DeviceBuffer`], from the backend's [`Allocator`]), views are [`DeviceSpan`]s, and every pass is a kernel launch (or an
 //! async copy / memset) on the caller's stream, so the collectives of
 //! [`crate::collective`] run on device memory unchanged.
 //!
 //! No pass waits for the device: Global-QSGD's kernels read the all-reduced absmax from
 //! device memory (docs/cuda.md).
 
-use std::marker::PhantomData;
 use std::ops::Range;
 
 use cudarc::driver::result as driver;
 use cudarc::driver::sys;
 use half::bf16;
 
+use super::alloc::{Allocator, DeviceBuffer};
 use super::launch::{DeviceSpan, Stream, dest_table};
 use super::module::{Kernels, driver_error};
 use crate::backend::{Backend, Element};
@@ -21,22 +21,33 @@ use crate::codec::slab::SlabLayout;
 use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
-use crate::error::{Error, Result, check_len};
+use crate::error::{Result, check_len};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
-/// The kernels of one device and the stream the passes are enqueued on.
+/// The kernels of one device, the stream the passes are enqueued on and the allocator the
+/// buffers come from.
 #[derive(Debug, Clone, Copy)]
 pub struct Cuda {
     kernels: &'static Kernels,
     stream: Stream,
+    allocator: Allocator,
 }
 
 impl Cuda {
     /// Passes on `kernels`' device, enqueued on `stream` (a stream of that device's primary
-    /// context, see [`Stream::from_raw`]).
+    /// context, see [`Stream::from_raw`]), with buffers from the driver.
     pub fn new(kernels: &'static Kernels, stream: Stream) -> Self {
-        Self { kernels, stream }
+        Self {
+            kernels,
+            stream,
+            allocator: Allocator::Driver,
+        }
+    }
+
+    /// The same backend with buffers from `allocator`.
+    pub fn with_allocator(self, allocator: Allocator) -> Self {
+        Self { allocator, ..self }
     }
 
     /// The kernels (and device) the passes run with.
@@ -80,68 +91,6 @@ impl Cuda {
     }
 }
 
-/// `len` elements of `T` allocated on a device with `cuMemAlloc` and freed when dropped.
-/// A zero-length buffer allocates nothing (its address is 0).
-#[derive(Debug)]
-pub struct DeviceBuffer<T> {
-    kernels: &'static Kernels,
-    addr: u64,
-    len: usize,
-    _element: PhantomData<fn() -> T>,
-}
-
-// SAFETY: the buffer is an address of device memory owned by this value; the driver may be
-// called with it from any thread.
-unsafe impl<T> Send for DeviceBuffer<T> {}
-
-impl<T: Element> DeviceBuffer<T> {
-    fn new(kernels: &'static Kernels, len: usize) -> Result<Self> {
-        let bytes = len
-            .checked_mul(size_of::<T>())
-            .ok_or_else(|| Error::Buffer(format!("a device buffer of {len} elements overflows")))?;
-        let addr = if bytes == 0 {
-            0
-        } else {
-            kernels.with_context(|| {
-                // SAFETY: the device's primary context is current.
-                unsafe { driver::malloc_sync(bytes) }.map_err(|e| {
-                    Error::Cuda(format!(
-                        "cuMemAlloc of {bytes} bytes on device {} failed: {e}",
-                        kernels.ordinal()
-                    ))
-                })
-            })?
-        };
-        Ok(Self {
-            kernels,
-            addr,
-            len,
-            _element: PhantomData,
-        })
-    }
-
-    fn span(&self) -> DeviceSpan<T> {
-        // SAFETY: `addr` holds `len` elements of device memory owned by this buffer, which
-        // outlives the borrow the span is handed out under.
-        unsafe { DeviceSpan::from_raw(self.addr, self.len) }
-    }
-}
-
-impl<T> Drop for DeviceBuffer<T> {
-    fn drop(&mut self) {
-        if self.addr == 0 {
-            return;
-        }
-        let addr = self.addr;
-        // A failure to free cannot be reported from drop; the driver only fails here when the
-        // context is already gone, and then the memory went with it.
-        let _ = self.kernels.with_context(|| {
-            // SAFETY: `addr` came from cuMemAlloc in this context and is freed once.
-            unsafe { driver::free_sync(addr) }.map_err(driver_error("cuMemFree"))
-        });
-    }
-}
-
 /// The span of elements `range` of `span` (panics when out of range, as slicing does).
 fn sub_span<T>(span: DeviceSpan<T>, range: Range<usize>) -> DeviceSpan<T> {
     assert!(
@@ -172,7 +121,7 @@ impl Backend for Cuda {
     type GradTables = DeviceBuffer<u32>;
 
     fn alloc<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        DeviceBuffer::new(self.kernels, len)
+        DeviceBuffer::new(self.kernels, self.allocator, len)
     }
 
     fn src<T: Element>(buffer: &DeviceBuffer<T>) -> DeviceSpan<T> {
@@ -253,12 +202,12 @@ impl Backend for Cuda {
 
     fn grad_tables(&self, layout: &GradLayout) -> Result<DeviceBuffer<u32>> {
         let table = dest_table(layout)?;
-        let buffer = DeviceBuffer::<u32>::new(self.kernels, table.len())?;
+        let buffer = DeviceBuffer::<u32>::new(self.kernels, self.allocator, table.len())?;
         if !table.is_empty() {
             self.kernels.with_context(|| {
                 // SAFETY: the buffer holds `table.len()` u32s in this context; the copy is
                 // synchronous, so `table` outlives it.
-                unsafe { driver::memcpy_htod_sync(buffer.addr, &table) }
+                unsafe { driver::memcpy_htod_sync(buffer.addr(), &table) }
                     .map_err(driver_error("cuMemcpyHtoD"))
             })?;
         }

@@ -13,8 +13,10 @@
 //! - [`abi`]: `#[repr(C)]` mirrors of the launch ABI (`kernels/sdp4bit_abi.h`);
 //! - [`Kernels`]: the per-device cache of loaded kernels, with one launch method per kernel;
 //! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch;
-//! - [`Cuda`], [`DeviceBuffer`]: the collectives' [`Backend`](crate::backend::Backend) on
-//!   one device (persistent device buffers, every pass enqueued on one stream);
+//! - [`Cuda`]: the collectives' [`Backend`](crate::backend::Backend) on one device (every
+//!   pass enqueued on one stream);
+//! - [`alloc`]: its persistent [`DeviceBuffer`]s and the [`Allocator`] they come from (the
+//!   driver, or one it is given, such as torch's caching allocator);
 //! - [`SideStream`], [`DeviceExchange`]: a device communicator's exchanges on a side stream,
 //!   ordered by events, so pipeline chunks overlap.
 //!
@@ -22,6 +24,7 @@
 //! launch methods every step; results are ready when the stream reaches them.
 
 pub mod abi;
+pub mod alloc;
 mod backend;
 pub mod compile;
 mod exchange;
@@ -31,7 +34,8 @@ pub mod probe;
 pub mod source;
 pub mod target;
 
-pub use backend::{Cuda, DeviceBuffer};
+pub use alloc::{Allocator, DeviceAllocator, DeviceBlock, DeviceBuffer};
+pub use backend::Cuda;
 pub use compile::{Arch, Compiled, Target};
 pub use exchange::{DeviceExchange, SideStream};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};

@@ -1,0 +1,77 @@
+// The order a device collective's work takes on the streams of its device: the order FSDP2's
+// reduce-scatter and Megatron's overlapped gradient reduction give theirs.
+//
+//   start (on the caller's thread, enqueuing only):
+//     ready = event recorded on the caller's current stream       (what produced the inputs)
+//     side stream waits for `ready`
+//     every input and output buffer is recorded on the side stream (the caching allocator
+//       does not hand its memory out again before the side stream has passed this point)
+//     the collective's kernels and exchanges are enqueued with the side stream current
+//     done = event recorded on the side stream
+//   wait():         the stream current at wait() waits for `done` (the host does not block)
+//   is_completed(): whether the device has passed `done`
+//
+// As torch does it (torch 2.11, megatron-core 0.16.1):
+// - torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:532-557 (foreach_reduce): the
+//   reduce-scatter stream waits for the current stream, the collective is issued inside
+//   `with device_handle.stream(reduce_scatter_stream)`, and an event is recorded after it;
+//   _fsdp_param_group.py:538 makes the current stream wait for that event later.
+// - megatron/core/distributed/param_and_grad_buffer.py:417-433 (start_grad_sync): the
+//   communication stream waits for the default stream and the collectives are issued in its
+//   stream context; :529-536 (finish_grad_sync) makes the default stream wait for it.
+// - torch/csrc/distributed/c10d/Work.hpp:83-98 (synchronize, which ProcessGroupNCCL's wait()
+//   does for CUDA work): "the streams of the caller wait for completion"; :67-68 isCompleted()
+//   is non-blocking.
+//
+// The order is written once over a `Device` policy so that it runs on torch's c10 streams and
+// events in the extension (TorchStreams in sdp4bit_ops.cpp) and on a model of streams in the
+// tests (tests/stream_order/). A `Device` provides, none of them blocking the host:
+//   using Stream, Event, Buffer;
+//   Stream current() const;                            the caller's current stream
+//   Event record(const Stream&) const;                 an event recorded on the stream now
+//   void block(const Event&, const Stream&) const;     the stream waits for the event
+//   bool query(const Event&) const;                    whether the device has passed it
+//   void protect(const Buffer&, const Stream&) const;  the allocator's record_stream
+//   template <class F> void with_current(const Stream&, F&&) const;
+//                                                      runs F with the stream current
+#pragma once
+
+#include <utility>
+#include <vector>
+
+namespace sdp4bit {
+
+// The completion of a collective enqueued by enqueue_on_side_stream: its done event.
+template <class Device>
+class SideStreamCompletion {
+ public:
+  SideStreamCompletion(Device device, typename Device::Event done)
+      : device_(std::move(device)), done_(std::move(done)) {}
+
+  // Makes the caller's current stream wait for the collective; returns at once.
+  void wait_on_current_stream() const { device_.block(done_, device_.current()); }
+
+  // Whether the device has finished the collective.
+  bool is_completed() const { return device_.query(done_); }
+
+ private:
+  Device device_;
+  typename Device::Event done_;
+};
+
+// Enqueues `collective` (a callable that enqueues kernels and exchanges on the current stream)
+// on `side`, after everything enqueued so far on the caller's current stream and with
+// `buffers` recorded on `side`; the caller's current stream is not made to wait. If
+// `collective` throws, the exception propagates and the buffers stay recorded on `side`.
+template <class Device, class Collective>
+SideStreamCompletion<Device> enqueue_on_side_stream(
+    const Device& device, const typename Device::Stream& side,
+    const std::vector<typename Device::Buffer>& buffers, Collective&& collective) {
+  typename Device::Event ready = device.record(device.current());
+  device.block(ready, side);
+  for (const auto& buffer : buffers) device.protect(buffer, side);
+  device.with_current(side, std::forward<Collective>(collective));
+  return SideStreamCompletion<Device>(device, device.record(side));
+}
+
+}  // namespace sdp4bit
