@@ -18,23 +18,11 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
-use sdp4bit_test_support::gxx::compile_in_parallel;
+use sdp4bit_test_support::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
 
-/// g++ flags of every translation unit: the kernel emulator's (no fused multiply-add),
-/// position-independent, only the driver API exported.
-const CXX_FLAGS: [&str; 11] = [
-    "-std=c++20",
-    "-O1",
-    "-ffp-contract=off",
-    "-fno-fast-math",
-    "-Wall",
-    "-Wextra",
-    "-Werror",
-    "-Wno-unknown-pragmas",
-    "-pthread",
-    "-fPIC",
-    "-fvisibility=hidden",
-];
+/// g++ flags of every translation unit besides [`KERNEL_HOST_FLAGS`]: position-independent,
+/// only the driver API exported.
+const CXX_FLAGS: [&str; 4] = ["-O1", "-pthread", "-fPIC", "-fvisibility=hidden"];
 
 /// The kernel emulator's UBSan flags (undefined behaviour in a kernel stops the process), for
 /// the kernels and the warp scheduler; the driver's own model is built without them, which
@@ -135,7 +123,11 @@ fn build(dir: &Path) -> Result<PathBuf, String> {
         sources.extend(found);
     }
     let objects = compile_in_parallel(&sources, dir, |source| {
-        let mut flags: Vec<OsString> = CXX_FLAGS.iter().map(OsString::from).collect();
+        let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
+            .iter()
+            .chain(&CXX_FLAGS)
+            .map(OsString::from)
+            .collect();
         if runs_kernel_code(source) {
             flags.extend(SANITIZE.iter().map(OsString::from));
         }

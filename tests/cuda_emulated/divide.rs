@@ -15,6 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use sdp4bit_test_support::gxx::KERNEL_HOST_FLAGS;
 use sdp4bit_test_support::random::SplitMix64;
 
 type DivideFn = unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, usize);
@@ -39,19 +40,8 @@ fn helpers() -> Helpers {
     std::fs::create_dir_all(&dir).expect("create the build directory");
     let library = dir.join("libdivide.so");
     let out = Command::new("g++")
-        .args([
-            "-std=c++20",
-            "-O2",
-            "-ffp-contract=off",
-            "-fno-fast-math",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-Wno-unknown-pragmas",
-            "-shared",
-            "-fPIC",
-            "-include",
-        ])
+        .args(KERNEL_HOST_FLAGS)
+        .args(["-O2", "-shared", "-fPIC", "-include"])
         .arg(harness.join("cuda_shim.h"))
         .arg("-I")
         .arg(root.join("kernels"))

@@ -7,22 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use sdp4bit_test_support::gxx::compile_in_parallel;
+use sdp4bit_test_support::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
 
-/// g++ flags of every translation unit. `-ffp-contract=off`: no fused multiply-add, as NVRTC's
-/// `--fmad=false`. CUDA's `#pragma unroll` means nothing to g++, hence `-Wno-unknown-pragmas`.
-/// UBSan (linked too) stops the emulator at undefined behaviour in a kernel: misaligned
-/// accesses (which work on x86 but fault on a GPU), out-of-range shifts and float-to-int
-/// conversions, signed overflow.
-const CXX_FLAGS: [&str; 11] = [
-    "-std=c++20",
+/// g++ flags of every translation unit besides [`KERNEL_HOST_FLAGS`]. UBSan (linked too) stops
+/// the emulator at undefined behaviour in a kernel: misaligned accesses (which work on x86 but
+/// fault on a GPU), out-of-range shifts and float-to-int conversions, signed overflow.
+const CXX_FLAGS: [&str; 4] = [
     "-O1",
-    "-ffp-contract=off",
-    "-fno-fast-math",
-    "-Wall",
-    "-Wextra",
-    "-Werror",
-    "-Wno-unknown-pragmas",
     "-pthread",
     "-fsanitize=undefined,float-cast-overflow",
     "-fno-sanitize-recover=all",
@@ -95,7 +86,11 @@ fn build(kernels: &Path, dir: &Path) -> Result<PathBuf, String> {
 
     let shim = harness.join("cuda_shim.h");
     let objects = compile_in_parallel(&sources, dir, |_| {
-        let mut flags: Vec<OsString> = CXX_FLAGS.iter().map(OsString::from).collect();
+        let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
+            .iter()
+            .chain(&CXX_FLAGS)
+            .map(OsString::from)
+            .collect();
         flags.extend([
             "-include".into(),
             shim.clone().into(),

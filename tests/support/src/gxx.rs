@@ -6,6 +6,20 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+/// The g++ flags every host build of the kernels starts with: C++20, no fused multiply-add
+/// (`-ffp-contract=off`, as NVRTC's `--fmad=false`), no fast-math, warnings as errors, and
+/// CUDA's `#pragma unroll` (meaningless to g++) not warned about. Callers add the optimisation
+/// level and their own flags.
+pub const KERNEL_HOST_FLAGS: [&str; 7] = [
+    "-std=c++20",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wno-unknown-pragmas",
+];
+
 /// Compiles every source in parallel, as C++, into `dir` (object `i` of `sources[i]`), with
 /// `flags(source)` before the source; returns the objects in the order of `sources`. The error
 /// names g++ when it cannot start, and otherwise holds the compiler's output for every source
