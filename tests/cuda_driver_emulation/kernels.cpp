@@ -65,7 +65,9 @@ void on_signal(int sig, siginfo_t* info, void* context)
 
 const HostKernel* find_host_kernel(const std::string& name)
 {
-    static const std::vector<HostKernel> kernels = make_host_kernels();
+    // Never destroyed: a stream's worker thread may still run a queued launch while the process
+    // exits (a test that abandons work), after static destructors would have freed the table.
+    static const std::vector<HostKernel>& kernels = *new std::vector<HostKernel>(make_host_kernels());
     for (const HostKernel& k : kernels) {
         if (name == k.name) {
             return &k;
