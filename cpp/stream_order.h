@@ -58,7 +58,7 @@
 // after the current stream's work, and Work::wait() makes the current stream wait for it
 // (torch 2.11: torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:291-319 and :357-370, Types.hpp:
 // 165-168); FSDP2 issues its all-gather so on its all-gather stream and waits for the Work later
-// (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:274-282 and :360-364).
+// (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:274-282 and :363-364).
 //
 // A `Device` that runs exchanges provides in addition:
 //   using Work;                                         an exchange in flight
