@@ -302,6 +302,36 @@ impl<B: Backend> GradReduceScatter<B> {
         }
     }
 
+    /// The status word in which a backend summing on a device records the first overflow of
+    /// Global-QSGD's integer sum (zeroed at set-up; the passes only ever raise it), for a
+    /// caller that reads it without waiting (the torch extension copies it into pinned host
+    /// memory and clears it on the stream); `None` when this bucket has none.
+    pub fn integer_sum_status(&mut self) -> Option<B::Dst<'_, u32>> {
+        let status = match &mut self.engine {
+            Engine::Global(GlobalBuffers::I8(b)) => &mut b.status,
+            Engine::Global(GlobalBuffers::I16(b)) => &mut b.status,
+            _ => return None,
+        };
+        if B::len(B::src(status)) == 1 {
+            Some(B::dst(status))
+        } else {
+            None
+        }
+    }
+
+    /// The error [`check_integer_sums`](Self::check_integer_sums) returns for a value of the
+    /// status word, read by the caller ([`integer_sum_status`](Self::integer_sum_status)).
+    pub fn integer_sum_error(&self, status: u32) -> Result<()> {
+        let (rank, shard_len) = (self.rank, self.plan.shard_len);
+        match &self.engine {
+            Engine::Global(GlobalBuffers::I8(_)) => sum_status_error::<i8>(status, rank, shard_len),
+            Engine::Global(GlobalBuffers::I16(_)) => {
+                sum_status_error::<i16>(status, rank, shard_len)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Bytes the uncompressed fp32 reduce-scatter of this bucket sends.
     pub fn baseline_wire_bytes(&self) -> WireBytes {
         if self.topology.world() == 1 {
@@ -375,6 +405,15 @@ impl<B: Backend> GradReduceScatter<B> {
         };
         clock.finish(self.plan.chunks);
         result
+    }
+}
+
+/// The host sum's error for the overflow a status word records (none when it is 0): rank
+/// `rank`'s shard of `shard_len` `T`s.
+fn sum_status_error<T: SumElement>(status: u32, rank: usize, shard_len: usize) -> Result<()> {
+    match overflow_from_status(status, shard_len) {
+        Some((_, element)) => Err(sum_overflow::<T>(rank * shard_len + element, shard_len)),
+        None => Ok(()),
     }
 }
 
@@ -613,9 +652,6 @@ impl<B: Backend, T: IntCode + Element + SumElement> IntBuffers<B, T> {
             return Ok(());
         }
         let status = backend.take_sum_status(B::dst(&mut self.status))?;
-        match overflow_from_status(status, shard_len) {
-            Some((_, element)) => Err(sum_overflow::<T>(rank * shard_len + element, shard_len)),
-            None => Ok(()),
-        }
+        sum_status_error::<T>(status, rank, shard_len)
     }
 }

@@ -92,7 +92,7 @@ impl DeviceExchange {
 
 /// A recorded event (timing disabled), destroyed when dropped.
 #[derive(Debug)]
-struct Event {
+pub(super) struct Event {
     kernels: &'static Kernels,
     raw: sys::CUevent,
 }
@@ -102,7 +102,7 @@ unsafe impl Send for Event {}
 
 impl Event {
     /// An event recorded on `stream` now: it fires once the work enqueued there so far has run.
-    fn record(kernels: &'static Kernels, stream: Stream) -> Result<Self> {
+    pub(super) fn record(kernels: &'static Kernels, stream: Stream) -> Result<Self> {
         kernels.with_context(|| {
             let raw = driver::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(driver_error("cuEventCreate"))?;
@@ -111,6 +111,28 @@ impl Event {
             unsafe { driver::event::record(raw, stream.raw()) }
                 .map_err(driver_error("cuEventRecord"))?;
             Ok(event)
+        })
+    }
+
+    /// Whether the device has run the work the event follows; never blocks. An error of that
+    /// work is returned as the error.
+    pub(super) fn query(&self) -> Result<bool> {
+        self.kernels.with_context(|| {
+            // SAFETY: a live event of the current context.
+            match unsafe { driver::event::query(self.raw) } {
+                Ok(()) => Ok(true),
+                Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+                Err(e) => Err(driver_error("cuEventQuery")(e)),
+            }
+        })
+    }
+
+    /// Blocks the host until the device has run the work the event follows.
+    pub(super) fn synchronize(&self) -> Result<()> {
+        self.kernels.with_context(|| {
+            // SAFETY: a live event of the current context.
+            unsafe { driver::event::synchronize(self.raw) }
+                .map_err(driver_error("cuEventSynchronize"))
         })
     }
 

@@ -18,7 +18,9 @@
 //! - [`alloc`]: its persistent [`DeviceBuffer`]s and the [`Allocator`] they come from (the
 //!   driver, or one it is given, such as torch's caching allocator);
 //! - [`SideStream`], [`DeviceExchange`]: a device communicator's exchanges on a side stream,
-//!   ordered by events, so pipeline chunks overlap.
+//!   ordered by events, so pipeline chunks overlap;
+//! - [`StatusReadback`]: Global-QSGD's integer-sum status word read on the host through
+//!   pinned memory and an event query, without waiting for the device.
 //!
 //! Use: `Kernels::get(device)?` once, upload [`dest_table`] once per bucket, then call the
 //! launch methods every step; results are ready when the stream reaches them.
@@ -31,6 +33,7 @@ mod exchange;
 mod launch;
 mod module;
 pub mod probe;
+mod readback;
 pub mod source;
 pub mod target;
 
@@ -40,4 +43,5 @@ pub use compile::{Arch, Compiled, Target};
 pub use exchange::{DeviceExchange, SideStream};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
 pub use module::{Kernels, device_count, driver_version, format_driver_version};
+pub use readback::StatusReadback;
 pub use target::TargetChoice;
