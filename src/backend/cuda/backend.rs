@@ -124,6 +124,11 @@ impl Backend for Cuda {
         DeviceBuffer::new(self.kernels, self.allocator, len)
     }
 
+    /// [`DeviceBuffer::take`] for this backend's stream.
+    fn call_buffer<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::take(self.kernels, self.allocator, self.stream, len)
+    }
+
     fn src<T: Element>(buffer: &DeviceBuffer<T>) -> DeviceSpan<T> {
         buffer.span()
     }

@@ -85,8 +85,14 @@ impl DeviceExchange {
     /// Orders the compute stream after the exchange (its receive buffer then holds the
     /// result for every pass enqueued later), without waiting on the host. An error of the
     /// exchange itself surfaces on the stream, where the caller's next synchronisation sees it.
+    /// When the stream cannot be made to wait, the host waits for the exchange before the
+    /// error is returned, so that its buffers are free to reuse either way.
     pub fn complete(&mut self) -> Result<()> {
-        self.done.wait_on(self.main)
+        self.done.wait_on(self.main).inspect_err(|_| {
+            // The error to report is the wait's; a failing host wait means the context is
+            // gone, and the buffers with it.
+            let _ = self.done.synchronize();
+        })
     }
 }
 
@@ -137,7 +143,7 @@ impl Event {
     }
 
     /// Makes the work enqueued on `stream` after this call wait for the event.
-    fn wait_on(&self, stream: Stream) -> Result<()> {
+    pub(super) fn wait_on(&self, stream: Stream) -> Result<()> {
         self.kernels.with_context(|| {
             // SAFETY: a live event and a live stream of the current context.
             unsafe {
