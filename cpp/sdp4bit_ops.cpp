@@ -523,11 +523,6 @@ class GradReduceScatter : public torch::CustomClassHolder {
       return ffi::new_grad_bucket(*parsed, nodes, rank, static_cast<size_t>(numel), bucket_id_);
     });
     shard_len_ = static_cast<int64_t>((*bucket_)->shard_len());
-    if (device_.is_cuda()) {
-      // Allocated with the side stream current: only the side stream uses it.
-      c10::StreamGuard on_side(groups_->side_stream(device_));
-      scratch_device_ = at::empty({shard_len_}, at::TensorOptions().dtype(at::kFloat).device(device_));
-    }
     groups_->serve(device_);
   }
 
@@ -585,7 +580,8 @@ class GradReduceScatter : public torch::CustomClassHolder {
 
  private:
   // The core reads the bucket while it writes the shard: when the shard is a view into the
-  // bucket (Megatron's layout), it writes a persistent scratch shard that is copied over.
+  // bucket (Megatron's layout), it writes a scratch shard that is copied over (kept by a CPU
+  // bucket; taken per call by a CUDA bucket).
   static bool aliased(Span<float> bucket, Span<float> shard) {
     const float* b = bucket.data;
     return b < shard.data + shard.len && shard.data < b + bucket.len;
@@ -614,14 +610,19 @@ class GradReduceScatter : public torch::CustomClassHolder {
   // Enqueues the collective on the current stream (the side stream, whose handle is `raw`);
   // the caller holds mutex_.
   void run_cuda(Span<float> bucket, Span<float> shard, uint64_t raw, uint64_t step) {
-    bool alias = aliased(bucket, shard);
-    float* out = alias ? scratch_device_.data_ptr<float>() : shard.data;
-    (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data), device_address(out), raw,
-                         step);
-    if (alias) {
-      at::from_blob(shard.data, {static_cast<int64_t>(shard.len)}, scratch_device_.options())
-          .copy_(scratch_device_);
+    if (!aliased(bucket, shard)) {
+      (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data),
+                           device_address(shard.data), raw, step);
+      return;
     }
+    // Taken with the side stream current and given back when this call has enqueued the copy:
+    // the caching allocator hands the block only to later allocations on the side stream, so
+    // the next call reuses it after this one (as the core's call buffers).
+    at::Tensor scratch =
+        at::empty({shard_len_}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data),
+                         device_address(scratch.data_ptr<float>()), raw, step);
+    at::from_blob(shard.data, {shard_len_}, scratch.options()).copy_(scratch);
   }
 
   c10::intrusive_ptr<ProcessGroups> groups_;
@@ -630,8 +631,7 @@ class GradReduceScatter : public torch::CustomClassHolder {
   c10::Device device_ = c10::Device(at::kCPU);
   int64_t shard_len_ = 0;
   std::optional<rust::Box<ffi::GradBucket>> bucket_;
-  std::vector<float> scratch_;
-  at::Tensor scratch_device_;  // CUDA buckets: the scratch shard, never seen by Python
+  std::vector<float> scratch_;  // CPU buckets: the scratch shard, never seen by Python
   std::mutex mutex_;
 };
 
