@@ -188,7 +188,7 @@ const MODELS: [Model; 10] = [
         pointers: "const int16_t* __restrict__ p0, float* __restrict__ p1",
         arguments: "p0, p1",
         struct_name: "sdp_global",
-        min_blocks: 8,
+        min_blocks: 6,
         elements_per_unit: 128.0,
         bytes_per_element: 8.0 * 2.0 + 4.0,
         loaded_per_unit: 8.0 * 128.0 * 2.0,

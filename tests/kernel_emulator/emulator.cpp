@@ -18,6 +18,8 @@
 //     u32 pointer count, then per pointer: u32 buffer index, or 0xffffffff for null
 //     u32 parameter bytes, then the parameter struct as the Rust side's #[repr(C)] mirror
 //       lays it out (its length must equal the C struct's sizeof)
+//   The Global-QSGD dequantization takes a third pointer, its status word (or null): the
+//   emulator sets the parameters' `status` field to that buffer's address.
 // Output file: the final bytes of every output buffer, in buffer order.
 #include "cuda_shim.h"
 
@@ -75,6 +77,15 @@ P params_of(const void* bytes)
     return params;
 }
 
+// `params` recording overflows in the status word at `status` (left as it is when null).
+static sdp_global with_status(sdp_global params, void* status)
+{
+    if (status != nullptr) {
+        params.status = (uint64_t)(uintptr_t)status;
+    }
+    return params;
+}
+
 struct KernelEntry {
     const char* name;
     unsigned pointers;
@@ -122,13 +133,13 @@ constexpr KernelEntry kKernels[] = {
      [](void* const* p, const void* a) {
          global_quantize_i16((const float*)p[0], (int16_t*)p[1], params_of<sdp_global>(a));
      }},
-    {"global_dequantize_i8", 2, sizeof(sdp_global),
+    {"global_dequantize_i8", 3, sizeof(sdp_global),
      [](void* const* p, const void* a) {
-         global_dequantize_i8((const int8_t*)p[0], (float*)p[1], params_of<sdp_global>(a));
+         global_dequantize_i8((const int8_t*)p[0], (float*)p[1], with_status(params_of<sdp_global>(a), p[2]));
      }},
-    {"global_dequantize_i16", 2, sizeof(sdp_global),
+    {"global_dequantize_i16", 3, sizeof(sdp_global),
      [](void* const* p, const void* a) {
-         global_dequantize_i16((const int16_t*)p[0], (float*)p[1], params_of<sdp_global>(a));
+         global_dequantize_i16((const int16_t*)p[0], (float*)p[1], with_status(params_of<sdp_global>(a), p[2]));
      }},
 };
 

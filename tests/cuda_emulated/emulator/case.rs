@@ -34,6 +34,9 @@ pub(crate) enum Expect {
     Ints(usize),
     /// One `u32` left by `global_absmax`, compared as `absmax_from_bits` of it.
     AbsmaxBits,
+    /// The status word of a Global-QSGD dequantization summing blocks of this many integers:
+    /// one `u32`, compared exactly and described as the overflow it names.
+    OverflowStatus(usize),
 }
 
 /// An output buffer and the bytes the CPU backend says it must end as.
