@@ -408,7 +408,11 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
         "decoding (code loads, corrupt checks, dequantize, peer sums)",
         &[
             "sdp_load_run_codes",
-            "sdp_has_zero_field",
+            "sdp_run_codes_at",
+            "sdp_decode_run_codes",
+            "sdp_run_codes_corrupt",
+            "sdp_zero_field_borrows",
+            "sdp_zero_field_found",
             "sdp_field_as_float",
             "sdp_dequantize",
             "sdp_sum_peers_tile",
@@ -445,6 +449,9 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
             "sdp_udiv_quotient",
             "sdp_warp_id",
             "sdp_warp_count",
+            "sdp_unit_walk_of",
+            "sdp_unit_walk_next",
+            "sdp_digits_of",
             "sdp_lane",
             "sdp_slab_at",
             "sdp_codes_offset",
@@ -771,8 +778,12 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
          compiler keeps out of line counts as its call only, not its body: the compiler's own \
          division slow path, and the kernels' out-of-line fallbacks (the exact division for \
          scales or values outside the fast path's range, element-wise loads of unaligned or \
-         partial runs), which valid, aligned buckets do not reach. The estimate is the smallest \
-         of:\n\n\
+         partial runs), which valid, aligned buckets do not reach. Likewise Global-QSGD's \
+         dequantization: its grid-stride loop (the one counted) takes the whole runs of aligned \
+         buffers, and a second loop after it the rest (unaligned buffers, the last partial run \
+         and, only after an overflow of the integer sum, the element-wise re-scan for the status \
+         word), which aligned buckets without an overflow do not enter. The estimate is the \
+         smallest of:\n\n\
          - HBM3: {hbm:.2} TB/s, for the bytes the kernel reads and writes per element;\n\
          - issue: {mp} multiprocessors x {issue} warp instructions per clock x {clock:.2} GHz, \
            every loop-body instruction issued once per unit;\n\

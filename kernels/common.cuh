@@ -971,22 +971,38 @@ __device__ __forceinline__ float sdp_field_as_float(uint32_t word, uint32_t bits
 // symmetric code -2^(b-1), which the quantizer never writes.
 // A signed field c is decoded as the unsigned field of c + 2^(b-1) (the word with every
 // field's top bit flipped) minus 2^(b-1); the code -2^(b-1) is the zero field there.
+// sdp_run_codes_at gives the byte offset in the group's codes of the run's aligned word and,
+// for 4-bit codes, the shift of the run in it.
 template <uint32_t E>
-__device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uint8_t* codes, uint32_t t, uint32_t r,
-                                                   uint32_t lane, float* c, uint32_t& marks)
+__device__ __forceinline__ uint32_t sdp_run_codes_at(const sdp_quant& q, uint32_t t, uint32_t r, uint32_t lane,
+                                                     uint32_t& shift)
 {
     const uint32_t first = sdp_tile_element<E>(t, r * E, lane);
+    if (q.bits == 4) {
+        // Byte offset of the run's word, and where in the word its codes start.
+        const uint32_t byte = first / 2;
+        shift = 8 * (byte & 3u);
+        return byte & ~3u;
+    }
+    shift = 0;
+    return first;
+}
+
+// The decoding of sdp_load_run_codes from the run's word(s) at `word` (sdp_run_codes_at).
+template <uint32_t E>
+__device__ __forceinline__ void sdp_decode_run_codes(const sdp_quant& q, const uint8_t* word, uint32_t shift, float* c,
+                                                     uint32_t& marks)
+{
     uint32_t lo;
     uint32_t hi = 0;
     if (q.bits == 4) {
-        const uint32_t byte = first / 2;
-        lo = __ldg((const unsigned int*)(codes + (byte & ~3u))) >> (8 * (byte & 3u));
+        lo = __ldg((const unsigned int*)word) >> shift;
     } else if (E == 8) {
-        const uint2 w = __ldg((const uint2*)(codes + first));
+        const uint2 w = __ldg((const uint2*)word);
         lo = w.x;
         hi = w.y;
     } else {
-        lo = __ldg((const unsigned int*)(codes + first));
+        lo = __ldg((const unsigned int*)word);
     }
     float bias = 0.0f;
     if (q.symmetric) {
@@ -1007,6 +1023,15 @@ __device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uin
             c[k] = sdp_field_as_float(k < 4 ? lo : hi, 8, k % 4, bias);
         }
     }
+}
+
+template <uint32_t E>
+__device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uint8_t* codes, uint32_t t, uint32_t r,
+                                                   uint32_t lane, float* c, uint32_t& marks)
+{
+    uint32_t shift;
+    const uint32_t at = sdp_run_codes_at<E>(q, t, r, lane, shift);
+    sdp_decode_run_codes<E>(q, codes + at, shift, c, marks);
 }
 
 // Whether the marks sdp_load_run_codes<E> OR-ed for runs of a symmetric group show a corrupt
@@ -1044,7 +1069,13 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
     for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
         v[i] = 0.0f;
     }
-    const uint8_t* codes = recv + sdp_codes_offset(layout, k);
+    // The word of each run of this lane in group k of the current slab.
+    const uint8_t* run_codes[SDP_LANE_VALUES / E];
+    uint32_t shift[SDP_LANE_VALUES / E];
+#pragma unroll
+    for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
+        run_codes[r] = recv + sdp_codes_offset(layout, k) + sdp_run_codes_at<E>(q, t, r, lane, shift[r]);
+    }
     const uint8_t* scale = recv + sdp_scale_offset(layout, k);
     const uint64_t to_offset = sdp_offset_offset(layout, k) - sdp_scale_offset(layout, k);
     float lowest = 0.0f;
@@ -1052,7 +1083,7 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
     uint32_t marks = 0;
     for (uint32_t s = 0; s < peers; ++s) {
         sdp_coded_group grp;
-        grp.codes = codes;
+        grp.codes = nullptr;  // the runs' words are in run_codes
         grp.scale = __ldg((const float*)scale);
         grp.offset = q.symmetric ? 0.0f : __ldg((const float*)(scale + to_offset));
         lowest = fminf(lowest, grp.scale);
@@ -1064,7 +1095,7 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
         for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
             if (sdp_run_in_group<E>(q.group_size, t, r, lane)) {
                 float c[E];
-                sdp_load_run_codes<E>(q, grp.codes, t, r, lane, c, marks);
+                sdp_decode_run_codes<E>(q, run_codes[r], shift[r], c, marks);
 #pragma unroll
                 for (uint32_t e = 0; e < E; ++e) {
                     const float x = sdp_dequantize(q, grp, c[e]);
@@ -1072,7 +1103,10 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
                 }
             }
         }
-        codes += layout.byte_len;
+#pragma unroll
+        for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
+            run_codes[r] += layout.byte_len;
+        }
         scale += layout.byte_len;
     }
     corrupt |= lowest < 0.0f || sdp_is_inf(largest) || sdp_run_codes_corrupt<E>(q, marks);

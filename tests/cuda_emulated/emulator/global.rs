@@ -147,7 +147,7 @@ fn global_codes<T: WireInt>(
         T::DEQUANTIZE,
         numel as u64,
         ELEMENTS_PER_BLOCK,
-        &[Some(sums), Some(out), None],
+        &[Some(sums), Some(out)],
         &SdpGlobal::dequantize(numel, scale),
     );
     // Whole aligned runs take the device's main loop when numel is a multiple of 4 (a padded
@@ -242,10 +242,11 @@ fn global_sums<T: WireInt>(
         T::DEQUANTIZE,
         numel as u64,
         ELEMENTS_PER_BLOCK,
-        &[Some(sums), Some(out), Some(word)],
+        &[Some(sums), Some(out)],
         &SdpGlobal {
             scale,
             ..SdpGlobal::sum_and_dequantize(numel, blocks as u32, 0)
         },
     );
+    case.address_in_params(std::mem::offset_of!(SdpGlobal, status), word);
 }
