@@ -844,9 +844,37 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
     );
     for row in rows.iter().filter(|r| r.estimate() < 0.8) {
         let _ = writeln!(w, "\n{}", what_bounds(row));
+        if let Some((_, note)) = BOUND_NOTES.iter().find(|(k, _)| *k == row.model.kernel) {
+            let _ = writeln!(w, "\n{note}");
+        }
     }
     Ok(out)
 }
+
+/// What keeps a kernel below 80% without a change of its numerics (printed only while it is).
+const BOUND_NOTES: [(&str, &str); 2] = [
+    (
+        "grad_quantize_first",
+        "Per group of 128 (one run of 4 values per lane) the bytes fix most of the count: one \
+         Philox block (10 rounds for the 4 words), the uniform add and rounding of 4 values, 4 \
+         correctly rounded IEEE divisions (docs/numerics.md §1.4; the reciprocal path of \
+         `weight_encode`, tried here, costs as much as it saves over 4 values with its range \
+         checks and out-of-line fallback, and spills the runtime-configured build at 64 \
+         registers), the Hadamard block of 32 and the group's scale: about 210 of the 251 \
+         instructions 80% allows, leaving about 40 for the loads, the statistics, the packing, \
+         the tile control and the unit's index and addresses.",
+    ),
+    (
+        "grad_requantize_second",
+        "Per group of 128 with 8 first-level peers, decoding is 4 instructions per value and \
+         peer that the bytes fix (the field into 2^23's mantissa, the exact subtraction, the \
+         product with the peer's scale rounded, then the add in slab order rounded: \
+         docs/numerics.md §1.4 and §7.1, so no fused multiply-add), 128 in all; with the Philox block, the rounding, 4 IEEE divisions (as for \
+         `grad_quantize_first`) and the output scale, about 300 of the 438 instructions 80% \
+         allows, leaving about 140 for 8 peers' loads, addresses and folded corrupt checks, the \
+         statistics, the packing, the tile control and the unit's index.",
+    ),
+];
 
 /// For a kernel below 80%: the loop body that 80% would allow and its largest categories.
 fn what_bounds(row: &Row<'_>) -> String {

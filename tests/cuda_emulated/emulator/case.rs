@@ -178,7 +178,10 @@ impl Case {
     /// (a device address field, such as Global-QSGD's status word).
     pub(crate) fn address_in_params(&mut self, offset: usize, buffer: Buf) {
         let launch = self.launches.last_mut().expect("a launch to patch");
-        assert!(offset + 8 <= launch.params.len(), "address field inside the parameters");
+        assert!(
+            offset + 8 <= launch.params.len(),
+            "address field inside the parameters"
+        );
         launch.addresses.push((offset, buffer));
     }
 

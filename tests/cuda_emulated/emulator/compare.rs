@@ -3,8 +3,8 @@
 //! compared as NaN-ness (a GPU's NaN payloads differ from the host's).
 
 use half::bf16;
-use sdp4bit::backend::cuda::absmax_from_bits;
 use sdp4bit::backend::cuda::abi::overflow_from_status;
+use sdp4bit::backend::cuda::absmax_from_bits;
 use sdp4bit::codec::slab::SlabLayout;
 
 use super::case::Expect;

@@ -152,7 +152,11 @@ fn global_codes<T: WireInt>(
     );
     // Whole aligned runs take the device's main loop when numel is a multiple of 4 (a padded
     // shard); otherwise every run is summed element by element.
-    for (blocks, numel) in [(2, numel), (8, numel.next_multiple_of(4)), (5, numel.next_multiple_of(4))] {
+    for (blocks, numel) in [
+        (2, numel),
+        (8, numel.next_multiple_of(4)),
+        (5, numel.next_multiple_of(4)),
+    ] {
         global_sums::<T>(case, rand, numel, blocks, scale);
     }
 }
@@ -215,7 +219,10 @@ fn global_sums<T: WireInt>(
     // The host's sum in rank order stops at the same first overflow, or agrees on every sum.
     let bytes: Vec<Vec<u8>> = ranks.iter().map(|r| T::le_bytes(r)).collect();
     let mut host = vec![T::default(); numel];
-    match (sum_in_rank_order(bytes.iter().map(Vec::as_slice), &mut host, 0), first) {
+    match (
+        sum_in_rank_order(bytes.iter().map(Vec::as_slice), &mut host, 0),
+        first,
+    ) {
         (Ok(()), None) => assert!(host == sums, "host sums differ from the reference's"),
         (Err(e), Some((_, i))) => assert!(
             e.to_string().contains(&format!("at element {i} of")),
