@@ -1,7 +1,8 @@
 """Convergence study: the paper's ablation at small scale (docs/numerics.md §10).
 
 Trains megatron-core's GPTModel with its real DistributedOptimizer (examples/gpt_cpu/train.py)
-on W = 4 gloo ranks as 2 nodes x 2 ranks on CPU, once per row and seed: baseline, qW, qWD,
+on W = 4 gloo ranks as 2 nodes x 2 ranks on CPU (forked by cpu_support/rank_launcher.py, which
+imports the libraries once for all runs), once per row and seed: baseline, qW, qWD,
 TLq, TLq-HS, SDP4Bit, QSDP, Global-QSGD, ZeRO++-style; and a byte-level GPT under PyTorch
 FSDP2 (examples/fsdp2/train.py, sdp4bit.fsdp) with FSDP's own numerics (FSDP2) and with QSDP's
 weight and gradient codecs (FSDP2 QSDP). Every row runs the seeds of --seeds, and the rows
@@ -15,7 +16,7 @@ reference with a 95% interval, the relative error of the gradient reduce-scatter
 weight all-gather from sdp4bit's telemetry, bytes sent), convergence.json (every run) and
 convergence.png (loss curves and paired differences with their intervals).
 
-    bash scripts/bench.sh convergence --out bench/results        # the full study (~89 min)
+    bash scripts/bench.sh convergence --out bench/results        # the full study (~72 min)
     bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows baseline,SDP4Bit \\
         --val-tokens 8192 --out /tmp/smoke                        # the test command's smoke run
 
@@ -36,22 +37,26 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "cpu_support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convergence_stats import interval, paired_difference, seeds_for_width  # noqa: E402
+from rank_launcher import RankLauncher  # noqa: E402  (cpu_support, put on the path above)
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
 FSDP_TRAIN = ROOT / "examples" / "fsdp2" / "train.py"
 BASELINE = "baseline"
 FSDP_BASELINE = "FSDP2"
+#: Ranks of every run (2 nodes x 2), and the longest a run may take before it is stopped.
+WORLD = 4
+RUN_TIMEOUT_SECONDS = 1800
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,10 @@ class Row:
         """Whether this row is a reference (the baseline of its script's rows)."""
         return self.reference == self.name
 
-    def command(self, seed: int, steps: int, common: list[str], json_out: Path) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "4", str(self.script), "--ranks-per-node", "2",
-                *self.args, "--seed", str(seed), "--steps", str(steps),
+    def script_args(self, seed: int, steps: int, common: list[str],
+                    json_out: Path) -> list[str]:
+        """The arguments of `script` for one run (on WORLD ranks as 2 nodes)."""
+        return ["--ranks-per-node", "2", *self.args, "--seed", str(seed), "--steps", str(steps),
                 "--json-out", str(json_out), *common]
 
 
@@ -127,17 +132,19 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: standard deviation of about 0.0094 (20 seeds; 0.0075 over the first 5), and a 95% interval's
 #: full width is 2 t(0.975, n - 1) / sqrt(n) times that, so a full width under 0.5% of the loss
 #: (0.0093) needs about 19 seeds: SDP4Bit and its baseline (DECIDING_ROWS) run 20 seeds
-#: (DECIDING_SEEDS), every other row the study's minimum of 3 (SEEDS). Time: 400 steps, a run's
-#: time per row on the 2 cores as the fastest of that row's kept runs (bench/results/
-#: convergence.json; the machine was shared during most of them, so these are upper bounds):
-#: baseline 68 s, SDP4Bit 89 s, the other 7 Megatron rows 66-84 s (531 s together), the 2
-#: FSDP2 rows 101 s and 105 s. 20 x (68 + 89) + 3 x (531 + 206) = 5351 s, 89 minutes, inside
-#: the 90 the study may take (an estimate from single runs: the default study has not been
-#: timed end to end on an idle machine).
+#: (DECIDING_SEEDS), every other row the study's minimum of 3 (SEEDS). Time: 400 steps; per
+#: row, the training and evaluation time of the fastest of its kept runs (bench/results/
+#: convergence.json; the machine was shared during most of them, so these are upper bounds)
+#: plus the launch of a run by cpu_support/rank_launcher.py (2.4 s a Megatron run, 5 s an
+#: FSDP2 run, measured on the shared machine): baseline 56 s, SDP4Bit 68 s, the other 7
+#: Megatron rows 427 s together, the 2 FSDP2 rows 180 s together. 20 x (56 + 68) + 3 x (427 +
+#: 180) = 4301 s, 72 minutes, inside the 90 the study may take (an estimate from single runs:
+#: the default study has not been timed end to end on an idle machine). Launched by torchrun,
+#: every run paid 12-24 s more, for the imports of torch and megatron-core on every rank.
 #: The committed study ran the other rows on 5 seeds (`--seeds 1,2,3,4,5`), for narrower
 #: intervals there; its 85 runs took 147 minutes on the shared machine.
 STEPS = 400
-ESTIMATED_MINUTES = 89
+ESTIMATED_MINUTES = 72
 SEEDS = "1,2,3"
 #: The rows whose paired difference the study's precision target is about (SDP4Bit's interval
 #: narrower than 0.5% of the baseline's loss), and the seeds they run when --seeds is left at
@@ -156,13 +163,14 @@ def common_args(steps: int, val_tokens: int) -> list[str]:
     return [arg.format(**values) for arg in COMMON]
 
 
-def run(row: Row, seed: int, steps: int, common: list[str], runs_dir: Path) -> dict:
-    """One training run; its JSON, with the wall time it took and the arguments it ran with.
-    A result already in `runs_dir` from the same script and arguments is reused (so a study
-    that stopped part way resumes where it stopped); any other is run again."""
+def run(row: Row, seed: int, steps: int, common: list[str], runs_dir: Path,
+        launcher: RankLauncher) -> dict:
+    """One training run, its ranks forked by `launcher`; its JSON, with the wall time it took
+    and the arguments it ran with. A result already in `runs_dir` from the same script and
+    arguments is reused (so a study that stopped part way resumes where it stopped); any other
+    is run again."""
     safe = "".join(c if c.isalnum() else "_" for c in row.name)
     result = runs_dir / f"{safe}-seed{seed}.json"
-    command = row.command(seed, steps, common, result)
     ran_with = [_shown_path(row.script), *row.args, "--seed", str(seed), "--steps", str(steps),
                 *common]
     if result.exists():
@@ -171,12 +179,12 @@ def run(row: Row, seed: int, steps: int, common: list[str], runs_dir: Path) -> d
             print(f"{row.name:>13} seed {seed}: validation loss {data['val_loss']:.4f} "
                   f"(reused from {result})", flush=True)
             return data
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     start = time.monotonic()
-    done = subprocess.run(command, env=env, cwd=runs_dir, capture_output=True, text=True)
+    done = launcher.run(row.script, row.script_args(seed, steps, common, result), WORLD,
+                        runs_dir, RUN_TIMEOUT_SECONDS)
     if done.returncode != 0:
-        sys.exit(f"{row.name} seed {seed} failed (exit {done.returncode}):\n{done.stdout}\n"
-                 f"{done.stderr[-3000:]}")
+        sys.exit(f"{row.name} seed {seed} failed (exit {done.returncode}):\n"
+                 f"{done.output[-6000:]}")
     data = json.loads(result.read_text())
     data["seconds"] = time.monotonic() - start
     data["ran_with"] = ran_with
@@ -198,14 +206,14 @@ def row_seeds(rows: list[Row], seeds: list[int], deciding: list[int]) -> dict[st
 
 
 def run_study(rows: list[Row], seeds: dict[str, list[int]], steps: int, common: list[str],
-              runs_dir: Path) -> dict[str, dict[int, dict]]:
+              runs_dir: Path, launcher: RankLauncher) -> dict[str, dict[int, dict]]:
     """Every row for each of its seeds (`seeds`: row name -> seeds), seed after seed (so a
     study cut short has whole seeds): row name -> seed -> the run's JSON."""
     runs: dict[str, dict[int, dict]] = {row.name: {} for row in rows}
     for seed in sorted({s for of_row in seeds.values() for s in of_row}):
         for row in rows:
             if seed in seeds[row.name]:
-                runs[row.name][seed] = run(row, seed, steps, common, runs_dir)
+                runs[row.name][seed] = run(row, seed, steps, common, runs_dir, launcher)
     return runs
 
 
@@ -481,7 +489,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         runs_dir = args.runs_dir.resolve() if args.runs_dir else Path(scratch)
         runs_dir.mkdir(parents=True, exist_ok=True)
-        runs = run_study(rows, seeds_by_row, args.steps, common, runs_dir)
+        launcher = RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        runs = run_study(rows, seeds_by_row, args.steps, common, runs_dir, launcher)
     summary = summarize(rows, runs)
     text = report(args, rows, summary, started, time.monotonic() - clock)
     (args.out / "convergence.md").write_text(text)

@@ -1,6 +1,7 @@
 """The convergence study's rows (bench/convergence.py): each row is paired with its reference
 row, a baseline trained by the same script, without training anything."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import convergence  # noqa: E402
 from convergence import BASELINE, FSDP_BASELINE, ROWS, Row, select_rows  # noqa: E402
+from rank_launcher import Finished  # noqa: E402  (cpu_support, on the path convergence set)
 
 
 def test_every_row_is_differenced_against_a_reference_row_of_its_own_script():
@@ -81,29 +83,52 @@ def test_each_row_is_differenced_seed_by_seed_from_its_own_reference():
     assert [d.mean for d in curves["SDP4Bit"]] == pytest.approx([0.0, 0.01])
 
 
-def test_the_study_runs_seed_after_seed_and_resumes_from_kept_runs(tmp_path, monkeypatch):
-    launched = []
+class FakeLauncher:
+    """Stands in for the rank launcher without training: records each run's (preset, seed)
+    and writes the run's JSON with the validation loss `loss(preset, seed)`."""
 
-    def fake_launch(command, **_):
-        launched.append(command[command.index("--seed") + 1])
-        out = Path(command[command.index("--json-out") + 1])
-        out.write_text(__import__("json").dumps(_run(2.0, [3.0, 2.0])))
-        return __import__("subprocess").CompletedProcess(command, 0, "", "")
+    def __init__(self, loss=lambda preset, seed: 2.0):
+        self.loss, self.launched = loss, []
 
-    monkeypatch.setattr(convergence.subprocess, "run", fake_launch)
+    def run(self, script, args, world, cwd, timeout):
+        assert world == 4 and Path(cwd).is_dir() and timeout > 0
+        preset, seed = args[args.index("--preset") + 1], int(args[args.index("--seed") + 1])
+        self.launched.append((preset, seed))
+        value = self.loss(preset, seed)
+        Path(args[args.index("--json-out") + 1]).write_text(json.dumps(_run(value,
+                                                                             [3.0, value])))
+        return Finished(0, "")
+
+
+def test_the_study_runs_seed_after_seed_and_resumes_from_kept_runs(tmp_path):
+    launcher = FakeLauncher()
     rows = select_rows([BASELINE, "SDP4Bit"])
     common = convergence.common_args(2, 4096)
     seeds = convergence.row_seeds(rows, [1, 2], [1, 2])
-    runs = convergence.run_study(rows, seeds, 2, common, tmp_path)
-    assert launched == ["1", "1", "2", "2"]  # whole seeds first
+    runs = convergence.run_study(rows, seeds, 2, common, tmp_path, launcher)
+    # whole seeds first
+    assert launcher.launched == [("baseline", 1), ("sdp4bit", 1), ("baseline", 2),
+                                 ("sdp4bit", 2)]
     assert set(runs) == {BASELINE, "SDP4Bit"} and set(runs["SDP4Bit"]) == {1, 2}
     assert runs["SDP4Bit"][2]["ran_with"][:3] == ["examples/gpt_cpu/train.py", "--preset",
                                                   "sdp4bit"]
-    launched.clear()
-    convergence.run_study(rows, seeds, 2, common, tmp_path)
-    assert launched == []  # every result kept with the same arguments is reused
-    convergence.run_study(rows, seeds, 3, convergence.common_args(3, 4096), tmp_path)
-    assert len(launched) == 4  # other arguments: run again
+    launcher.launched.clear()
+    convergence.run_study(rows, seeds, 2, common, tmp_path, launcher)
+    assert launcher.launched == []  # every result kept with the same arguments is reused
+    convergence.run_study(rows, seeds, 3, convergence.common_args(3, 4096), tmp_path, launcher)
+    assert len(launcher.launched) == 4  # other arguments: run again
+
+
+def test_a_failed_run_stops_the_study_with_its_ranks_output(tmp_path):
+    class Failing:
+        def run(self, script, args, world, cwd, timeout):
+            return Finished(3, "--- rank 1 ---\nrank 1 gives up\n")
+
+    rows = select_rows([BASELINE])
+    with pytest.raises(SystemExit, match="baseline seed 1 failed \\(exit 3\\)"
+                                         ":\n--- rank 1 ---\nrank 1 gives up"):
+        convergence.run_study(rows, {BASELINE: [1]}, 2, convergence.common_args(2, 4096),
+                              tmp_path, Failing())
 
 
 def test_the_report_says_how_many_seeds_a_half_percent_interval_needs(tmp_path):
@@ -129,29 +154,21 @@ def test_the_report_says_how_many_seeds_a_half_percent_interval_needs(tmp_path):
     assert "half-width NOT under 0.5%" in text
 
 
-def test_the_deciding_rows_run_more_seeds_and_every_row_pairs_over_its_own(tmp_path, monkeypatch):
-    launched = []
-
-    def fake_launch(command, **_):
-        seed = int(command[command.index("--seed") + 1])
-        preset = command[command.index("--preset") + 1]
-        launched.append((preset, seed))
-        loss = 2.0 + 0.01 * seed + (0.001 * seed if preset == "sdp4bit" else 0.0)
-        out = Path(command[command.index("--json-out") + 1])
-        out.write_text(__import__("json").dumps(_run(loss, [3.0, loss])))
-        return __import__("subprocess").CompletedProcess(command, 0, "", "")
-
-    monkeypatch.setattr(convergence.subprocess, "run", fake_launch)
+def test_the_deciding_rows_run_more_seeds_and_every_row_pairs_over_its_own(tmp_path):
+    launcher = FakeLauncher(
+        lambda preset, seed: 2.0 + 0.01 * seed + (0.001 * seed if preset == "sdp4bit" else 0.0))
     rows = select_rows([BASELINE, "SDP4Bit", "QSDP"])
     with pytest.raises(ValueError, match=r"lacks seeds \[3\]"):
         convergence.row_seeds(rows, [1, 2, 3], [1, 2, 4])
     seeds = convergence.row_seeds(rows, [1, 2], [1, 2, 3, 4])
     assert seeds == {BASELINE: [1, 2, 3, 4], "SDP4Bit": [1, 2, 3, 4], "QSDP": [1, 2]}
-    runs = convergence.run_study(rows, seeds, 2, convergence.common_args(2, 4096), tmp_path)
+    runs = convergence.run_study(rows, seeds, 2, convergence.common_args(2, 4096), tmp_path,
+                                 launcher)
     # Seed after seed; the extra seeds only for the deciding rows.
-    assert launched == [("baseline", 1), ("sdp4bit", 1), ("qsdp", 1),
-                        ("baseline", 2), ("sdp4bit", 2), ("qsdp", 2),
-                        ("baseline", 3), ("sdp4bit", 3), ("baseline", 4), ("sdp4bit", 4)]
+    assert launcher.launched == [("baseline", 1), ("sdp4bit", 1), ("qsdp", 1),
+                                 ("baseline", 2), ("sdp4bit", 2), ("qsdp", 2),
+                                 ("baseline", 3), ("sdp4bit", 3), ("baseline", 4),
+                                 ("sdp4bit", 4)]
     summary = convergence.summarize(rows, runs)
     assert [summary[n]["seeds"] for n in (BASELINE, "SDP4Bit", "QSDP")] == [4, 4, 2]
     # SDP4Bit is 0.001 x seed above the baseline: its mean difference over seeds 1-4 is
