@@ -3,7 +3,7 @@
 //   torch.classes.sdp4bit.ProcessGroups(world, intra, inter)   names of c10d groups
 //       .side_stream(device_index) -> [stream_id, device_index, device_type]
 //   torch.classes.sdp4bit.GradReduceScatter(groups, config, node_labels, numel, bucket_id,
-//                                           device)
+//                                           device, side_stream_handle)
 //       .start(bucket, shard, step, side_stream_handle) -> Work
 //   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id,
 //                                         side_stream_handle)
@@ -40,6 +40,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -439,17 +440,21 @@ uint64_t checked_side_stream_handle(const c10::Stream& side, int64_t handle) {
 // Work keeps its tensors and the collective object alive and waits for the collective if it
 // is dropped before completing, so nothing it uses is freed under the executor thread.
 // A CUDA collective (already enqueued, its errors raised by start()): wait() makes the current
-// stream of the bucket's device wait for its done event and returns at once; is_completed()
-// queries the event; the tensors are protected by record_stream, the collective object (whose
-// buffers the side stream uses) is kept alive.
+// stream of the bucket's device wait for its done event and returns at once, then runs the
+// collective's check that needs no device wait (Global-QSGD's integer-sum status, which may
+// raise); is_completed() queries the event; the tensors are protected by record_stream, the
+// collective object (whose buffers the side stream uses) is kept alive.
 class Work : public torch::CustomClassHolder {
  public:
   Work(std::shared_future<void> done, std::vector<at::Tensor> keep_alive,
        c10::intrusive_ptr<torch::CustomClassHolder> owner)
       : done_(std::move(done)), keep_alive_(std::move(keep_alive)), owner_(std::move(owner)) {}
 
-  Work(DeviceCompletion completion, c10::intrusive_ptr<torch::CustomClassHolder> owner)
-      : completion_(std::move(completion)), owner_(std::move(owner)) {}
+  Work(DeviceCompletion completion, c10::intrusive_ptr<torch::CustomClassHolder> owner,
+       std::function<void()> after_wait = {})
+      : completion_(std::move(completion)),
+        after_wait_(std::move(after_wait)),
+        owner_(std::move(owner)) {}
 
   ~Work() override {
     if (done_.valid()) wait_for(done_);
@@ -458,6 +463,7 @@ class Work : public torch::CustomClassHolder {
   void wait() {
     if (completion_) {
       completion_->wait_on_current_stream();
+      if (after_wait_) after_wait_();
       return;
     }
     wait_for(done_);
@@ -472,6 +478,7 @@ class Work : public torch::CustomClassHolder {
  private:
   std::shared_future<void> done_;                 // CPU collectives
   std::optional<DeviceCompletion> completion_;    // CUDA collectives
+  std::function<void()> after_wait_;              // CUDA collectives: owner_ keeps it valid
   std::vector<at::Tensor> keep_alive_;
   c10::intrusive_ptr<torch::CustomClassHolder> owner_;
 };
@@ -479,9 +486,11 @@ class Work : public torch::CustomClassHolder {
 // The gradient reduce-scatter of one fp32 bucket, on the CPU or on one CUDA device.
 class GradReduceScatter : public torch::CustomClassHolder {
  public:
+  // `side_stream_handle`: for a CUDA bucket, the cudaStream_t of the groups' side stream of
+  // its device, on which the set-up enqueues its uploads (ignored on the CPU).
   GradReduceScatter(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
                     const std::vector<int64_t>& node_labels, int64_t numel, int64_t bucket_id,
-                    const std::string& device)
+                    const std::string& device, int64_t side_stream_handle)
       : groups_(std::move(groups)), numel_(numel), bucket_id_(checked_bucket_id(bucket_id)) {
     TORCH_CHECK(numel > 0, "sdp4bit: bucket size ", numel, " must be positive");
     auto labels = checked_labels(node_labels);
@@ -502,10 +511,14 @@ class GradReduceScatter : public torch::CustomClassHolder {
       auto rank = static_cast<size_t>(groups_->rank());
       if (device_.is_cuda()) {
         // The buffers come from torch's caching allocator for the side stream, which alone
-        // uses them.
-        c10::StreamGuard on_side(groups_->side_stream(device_));
+        // uses them, and the tables are uploaded on it: memory the allocator took back from
+        // an earlier collective on the side stream is written only after that collective
+        // (stream_order.h).
+        c10::Stream side = groups_->side_stream(device_);
+        uint64_t raw = checked_side_stream_handle(side, side_stream_handle);
+        c10::StreamGuard on_side(side);
         return ffi::new_cuda_grad_bucket(*parsed, nodes, rank, static_cast<size_t>(numel),
-                                         bucket_id_, static_cast<size_t>(device_.index()));
+                                         bucket_id_, static_cast<size_t>(device_.index()), raw);
       }
       return ffi::new_grad_bucket(*parsed, nodes, rank, static_cast<size_t>(numel), bucket_id_);
     });
@@ -554,9 +567,15 @@ class GradReduceScatter : public torch::CustomClassHolder {
     if (device_.is_cuda()) {
       uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
       std::lock_guard<std::mutex> lock(mutex_);
+      // An overflow an earlier step's status copy has reported is raised before this step is
+      // enqueued (as the host path raises it from its step).
+      raise_integer_sum_overflow();
       DeviceCompletion done = groups_->enqueue_on_side_stream(
           device_, {bucket, shard}, [&] { run_cuda(in, out, raw, at_step); });
-      return c10::make_intrusive<Work>(std::move(done), std::move(owner));
+      return c10::make_intrusive<Work>(std::move(done), std::move(owner), [this] {
+        std::lock_guard<std::mutex> lock(mutex_);
+        raise_integer_sum_overflow();
+      });
     }
     std::shared_future<void> done =
         groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
@@ -582,6 +601,14 @@ class GradReduceScatter : public torch::CustomClassHolder {
     (*bucket_)->run(groups_->comms(), bucket.in(), rust::Slice<float>(scratch_.data(), shard.len),
                     step);
     std::memcpy(shard.data, scratch_.data(), shard.len * sizeof(float));
+  }
+
+  // Raises the host path's error for an overflow of Global-QSGD's integer sum that the status
+  // copy enqueued after an earlier step reports, once that copy has completed (an event query:
+  // the host never waits; the overflowing shard elements are NaN meanwhile). The caller holds
+  // mutex_.
+  void raise_integer_sum_overflow() {
+    rethrow_as_torch_error([&] { (*bucket_)->check_integer_sums(); });
   }
 
   // Enqueues the collective on the current stream (the side stream, whose handle is `raw`);
@@ -832,7 +859,7 @@ TORCH_LIBRARY(sdp4bit, m) {
   m.class_<Work>("Work").def("wait", &Work::wait).def("is_completed", &Work::is_completed);
   m.class_<GradReduceScatter>("GradReduceScatter")
       .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,
-                       int64_t, int64_t, std::string>())
+                       int64_t, int64_t, std::string, int64_t>())
       .def("start", &GradReduceScatter::start)
       .def("shard_len", &GradReduceScatter::shard_len)
       .def("device", &GradReduceScatter::device)

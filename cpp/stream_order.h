@@ -34,6 +34,37 @@
 //   void protect(const Buffer&, const Stream&) const;  the allocator's record_stream
 //   template <class F> void with_current(const Stream&, F&&) const;
 //                                                      runs F with the stream current
+//
+// Pipelined collectives (P > 1 chunks, docs/numerics.md §5.4) exchange chunk p while the side
+// stream computes chunk p + 1. Inside the collective (the side stream current):
+//
+//   start_exchange:  the exchange is issued asynchronously on the communicator's own stream,
+//                    ordered after the work enqueued on the side stream so far (the pass that
+//                    wrote its send buffer); the side stream goes on with the next passes
+//   wait():          the side stream waits for the exchange's end (the host does not block);
+//                    called before the pass that reads the received chunk and before any pass
+//                    writes either buffer again, and before the collective's done event
+//
+// The exchange buffers are the collective's own, allocated with the side stream current, so the
+// caching allocator hands their memory to a later user only on the side stream, after the point
+// of the free, which comes after every exchange's wait: the Rust core waits for every exchange
+// it starts, also when it returns early with an error (collective::InFlight). For the same
+// reason a collective's set-up, which writes its tables into memory the allocator may just
+// have taken back from an earlier collective on the side stream (a bucket re-created while
+// its predecessor runs), is enqueued on the side stream too, never on the legacy default
+// stream, which a side stream from torch's pool does not wait for.
+//
+// As torch does it: c10d's all-to-all with async_op=True runs on the process group's stream
+// after the current stream's work, and Work::wait() makes the current stream wait for it
+// (torch 2.11: torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp:291-319 and :357-370, Types.hpp:
+// 165-168); FSDP2 issues its all-gather so on its all-gather stream and waits for the Work later
+// (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:274-282 and :363-364).
+//
+// A `Device` that runs exchanges provides in addition:
+//   using Work;                                         an exchange in flight
+//   Work issue_exchange(const Buffer& send, const Buffer& recv) const;
+//                                                      issued after the current stream's work
+//   void wait_exchange(const Work&) const;              the current stream waits for its end
 #pragma once
 
 #include <utility>
@@ -72,6 +103,29 @@ SideStreamCompletion<Device> enqueue_on_side_stream(
   for (const auto& buffer : buffers) device.protect(buffer, side);
   device.with_current(side, std::forward<Collective>(collective));
   return SideStreamCompletion<Device>(device, device.record(side));
+}
+
+// One exchange of a pipelined collective in flight on the communicator's stream.
+template <class Device>
+class ExchangeInFlight {
+ public:
+  ExchangeInFlight(Device device, typename Device::Work work)
+      : device_(std::move(device)), work_(std::move(work)) {}
+
+  // Makes the current stream (the side stream) wait for the exchange; returns at once.
+  void wait() const { device_.wait_exchange(work_); }
+
+ private:
+  Device device_;
+  typename Device::Work work_;
+};
+
+// Issues the exchange of `send` into `recv` after the work enqueued on the current stream so
+// far, without making the current stream wait for it.
+template <class Device>
+ExchangeInFlight<Device> start_exchange(const Device& device, const typename Device::Buffer& send,
+                                        const typename Device::Buffer& recv) {
+  return ExchangeInFlight<Device>(device, device.issue_exchange(send, recv));
 }
 
 }  // namespace sdp4bit

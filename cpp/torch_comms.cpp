@@ -10,6 +10,7 @@
 // host copies (for tests on one GPU; production runs use NCCL, which reads device memory).
 #include "torch_comms_groups.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "sdp4bit/src/ffi/mod.rs.h"
+#include "stream_order.h"
 
 namespace sdp4bit::ffi {
 
@@ -99,11 +101,39 @@ void all_gather_tensors(const Group& group, const at::Tensor& in, const at::Tens
   });
 }
 
+// An equal-split all-to-all of `in` into `out`, issued with c10d's default options, whose
+// asyncOp is true (torch 2.11 torch/csrc/distributed/c10d/Types.hpp:165-168): an NCCL group
+// runs it on its own stream after the current stream's work, gloo on its own threads.
 c10::intrusive_ptr<c10d::Work> issue_all_to_all(const Group& group, at::Tensor out,
                                                 at::Tensor in) {
   std::vector<int64_t> equal_splits;
   return group->alltoall_base(out, in, equal_splits, equal_splits);
 }
+
+// The exchanges of stream_order.h's pipelined collectives over one c10d group: issued as
+// above, completed by Work::wait(), which for NCCL makes the current stream wait for the
+// exchange without blocking the host (ProcessGroupNCCL.hpp:291-319, :357-370) and for gloo
+// blocks until it has run.
+//
+// c10d's own protection of the buffers (record_stream on its stream, or the tensors it stashes
+// until wait() with TORCH_NCCL_AVOID_RECORD_STREAMS, ProcessGroupNCCL.hpp:181-186 and
+// :490-500) does not reach the core's buffers: they are wrapped with from_blob, and the caching
+// allocator skips record_stream for memory it did not hand out through that pointer
+// (c10/cuda/CUDACachingAllocator.cpp, recordStream: "If a tensor is not allocated by this
+// instance, simply skip"), while a stashed wrapper keeps nothing alive. They stay safe as
+// stream_order.h says: allocated with the side stream current, and reused only after the side
+// stream's wait for the exchange, which the core always enqueues.
+struct C10dExchanges {
+  using Buffer = at::Tensor;
+  using Work = c10::intrusive_ptr<c10d::Work>;
+
+  Group group;
+
+  Work issue_exchange(const at::Tensor& send, const at::Tensor& recv) const {
+    return issue_all_to_all(group, recv, send);
+  }
+  void wait_exchange(const Work& work) const { work->wait(); }
+};
 
 void all_to_all_tensors(const Group& group, const at::Tensor& in, const at::Tensor& out,
                         std::optional<c10::Device> staging) {
@@ -114,7 +144,7 @@ void all_to_all_tensors(const Group& group, const at::Tensor& in, const at::Tens
 }  // namespace
 
 struct PendingExchange::State {
-  c10::intrusive_ptr<c10d::Work> work;
+  std::optional<ExchangeInFlight<C10dExchanges>> flight;
   at::Tensor staged_in;   // kept alive while the exchange reads it (staged exchanges only)
   at::Tensor staged_out;  // copied into `out` once the exchange has completed
   at::Tensor out;
@@ -125,9 +155,31 @@ PendingExchange::PendingExchange(std::unique_ptr<State> state) : state_(std::mov
 PendingExchange::~PendingExchange() = default;
 
 void PendingExchange::wait() {
-  state_->work->wait();
+  state_->flight->wait();
   if (state_->staged_out.defined()) state_->out.copy_(state_->staged_out);
 }
+
+namespace {
+
+// Starts the all-to-all of `in` into `out` on `group` (staged on `staging` when given: copied
+// there now, copied back into `out` by wait()).
+std::unique_ptr<PendingExchange> start_exchange_on(const Group& group, const at::Tensor& in,
+                                                   const at::Tensor& out,
+                                                   std::optional<c10::Device> staging) {
+  auto state = std::make_unique<PendingExchange::State>();
+  state->out = out;
+  C10dExchanges exchanges{group};
+  if (staging) {
+    state->staged_in = in.to(*staging);
+    state->staged_out = at::empty_like(out, out.options().device(*staging));
+    state->flight.emplace(start_exchange(exchanges, state->staged_in, state->staged_out));
+  } else {
+    state->flight.emplace(start_exchange(exchanges, in, out));
+  }
+  return std::make_unique<PendingExchange>(std::move(state));
+}
+
+}  // namespace
 
 struct TorchDeviceMemory::State {
   c10::DataPtr memory;
@@ -222,17 +274,8 @@ std::unique_ptr<PendingExchange> TorchComms::start_all_to_all(
     CommLevel level, rust::Slice<const std::uint8_t> send,
     rust::Slice<std::uint8_t> recv) const {
   const Group& group = groups_->at(level);
-  auto state = std::make_unique<PendingExchange::State>();
-  at::Tensor in = wrap_host_bytes(send.data(), send.size());
-  state->out = wrap_host_bytes(recv.data(), recv.size());
-  if (std::optional<c10::Device> device = host_staging(group)) {
-    state->staged_in = in.to(*device);
-    state->staged_out = at::empty_like(state->out, state->out.options().device(*device));
-    state->work = issue_all_to_all(group, state->staged_out, state->staged_in);
-  } else {
-    state->work = issue_all_to_all(group, state->out, in);
-  }
-  return std::make_unique<PendingExchange>(std::move(state));
+  return start_exchange_on(group, wrap_host_bytes(send.data(), send.size()),
+                           wrap_host_bytes(recv.data(), recv.size()), host_staging(group));
 }
 
 float TorchComms::all_reduce_max(CommLevel level, float value) const {
@@ -260,6 +303,20 @@ void TorchComms::all_to_all_device(CommLevel level, std::uint64_t send, std::siz
   c10::Device device = current_cuda_device();
   all_to_all_tensors(group, wrap(send, send_bytes, at::kByte, device),
                      wrap(recv, recv_bytes, at::kByte, device), device_staging(group));
+}
+
+// A pipelined chunk's exchange: issued after the current stream's (the side stream's) work so
+// far, running while the side stream computes the next chunk; wait() makes the side stream wait
+// for it (stream_order.h). A gloo group stages through the host: the send buffer is copied now
+// (waiting for the side stream), wait() blocks for the exchange and copies the result back on
+// the side stream.
+std::unique_ptr<PendingExchange> TorchComms::start_all_to_all_device(
+    CommLevel level, std::uint64_t send, std::size_t send_bytes, std::uint64_t recv,
+    std::size_t recv_bytes) const {
+  const Group& group = groups_->at(level);
+  c10::Device device = current_cuda_device();
+  return start_exchange_on(group, wrap(send, send_bytes, at::kByte, device),
+                           wrap(recv, recv_bytes, at::kByte, device), device_staging(group));
 }
 
 // Global-QSGD's absmax word stays in device memory: NCCL reduces it on the current stream (the

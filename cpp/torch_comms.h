@@ -14,8 +14,10 @@ namespace sdp4bit::ffi {
 enum class CommLevel : std::uint8_t;
 enum class SumDtype : std::uint8_t;
 
-// An exchange issued by TorchComms::start_all_to_all and not yet waited for; wait() blocks
-// until it has completed (copying staged results back) and rethrows its c10d error.
+// An exchange issued by TorchComms::start_all_to_all(_device) and not yet waited for; wait()
+// completes it as c10d's Work::wait() does (host buffers: blocks until it has run; CUDA
+// buffers over NCCL: the current stream waits for it), copies staged results back and
+// rethrows its c10d error.
 class PendingExchange {
  public:
   struct State;  // the c10d work and staged tensors, defined with torch in torch_comms.cpp
@@ -81,6 +83,13 @@ class TorchComms {
                          std::uint64_t recv, std::size_t recv_bytes) const;
   void all_to_all_device(CommLevel level, std::uint64_t send, std::size_t send_bytes,
                          std::uint64_t recv, std::size_t recv_bytes) const;
+  // The all-to-all of CUDA memory, issued after the current stream's work and not waited
+  // for: the buffers must not be reused before the returned exchange's wait() (which the
+  // caller makes with the same stream current), nor freed before the stream has passed it.
+  std::unique_ptr<PendingExchange> start_all_to_all_device(CommLevel level, std::uint64_t send,
+                                                           std::size_t send_bytes,
+                                                           std::uint64_t recv,
+                                                           std::size_t recv_bytes) const;
   void reduce_scatter_device(CommLevel level, SumDtype dtype, std::uint64_t send,
                              std::size_t send_numel, std::uint64_t recv,
                              std::size_t recv_numel) const;

@@ -78,6 +78,8 @@ class RankLauncher:
         port = _free_port()
         with tempfile.TemporaryDirectory() as logs:
             outputs = [Path(logs) / f"rank{rank}.log" for rank in range(world)]
+            for out in outputs:  # there even for a rank stopped before it ran a line
+                out.touch()
             pids = [self._fork_rank(script, args, rank, world, port, cwd, out)
                     for rank, out in enumerate(outputs)]
             status = _wait_all(pids, timeout)

@@ -97,6 +97,22 @@ def _side_stream_handle(groups: ProcessGroups, device: torch.device) -> int:
     return groups.side_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+def _planned_side_stream_handle(groups: ProcessGroups, device: torch.device | str) -> int:
+    """The side stream handle for a bucket planned on the device named `device` (a bare
+    "cuda" is the current device, as the extension reads it), or 0 where this process cannot
+    use such a device: the extension's set-up check then reports why on every rank, so nothing
+    is raised here."""
+    try:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return 0
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return _side_stream_handle(groups, device)
+    except (RuntimeError, ValueError, TypeError):
+        return 0
+
+
 def _check_step(step: int) -> int:
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"sdp4bit: step must be a non-negative int, got {step!r}")
@@ -128,7 +144,8 @@ class GradReduceScatter:
             # A device this rank cannot use is reported by every rank at once (the
             # extension's set-up check), so the name is passed on unchecked.
             self._native = _native.classes().GradReduceScatter(
-                groups.native, config.spec(), groups.node_labels, numel, bucket_id, str(device)
+                groups.native, config.spec(), groups.node_labels, numel, bucket_id, str(device),
+                _planned_side_stream_handle(groups, device),
             )
         self.device = torch.device(self._native.device())
         self.shard_len = self._native.shard_len()

@@ -1,10 +1,13 @@
 //! The torch extension's stream order for CUDA collectives (`cpp/stream_order.h`, the template
 //! `cpp/sdp4bit_ops.cpp` instantiates over torch's c10 streams and events) on a model of a
 //! device: g++ builds `tests/stream_order/model.cpp` with the header unchanged, and the model
-//! runs a training step's use of a collective in many stream interleavings. It must find no
-//! unordered memory access and no wait of the caller's stream on the collective before
-//! `wait()`, and must find the fault when any one step of the order is left out (so the check
-//! can fail). g++ is required.
+//! runs a training step's use of a collective in many stream interleavings (a gradient
+//! reduce-scatter, a weight all-gather, and a pipelined reduce-scatter whose chunks' exchanges
+//! run on the communicator's stream while the side stream computes, its bucket re-created
+//! while it may still run). It must find no unordered memory access, no wait of the caller's
+//! stream on the collective before `wait()` and no pass that should overlap an exchange
+//! ordered after it, and must find the fault when any one step of the order is left out (so
+//! the check can fail). g++ is required.
 
 use std::path::Path;
 use std::process::Command;
@@ -36,10 +39,10 @@ fn stream_order_holds_on_the_device_model() {
         run.status.success(),
         "the stream-order model failed:\n{report}"
     );
-    // The order itself and each of the four sabotaged orders were checked.
+    // The order itself and each of the eight sabotaged orders were checked.
     assert_eq!(
         report.lines().filter(|l| l.starts_with("ok ")).count(),
-        5,
+        9,
         "{report}"
     );
 }

@@ -34,13 +34,22 @@ pub trait Backend: Debug {
     type Src<'a, T: Element>: Copy;
     /// A writable view of `T`s (host: `&mut [T]`).
     type Dst<'a, T: Element>;
-    /// A buffer the collective owns and reuses every step.
+    /// A buffer: kept by a collective across calls ([`alloc`](Self::alloc)) or taken for one
+    /// call ([`call_buffer`](Self::call_buffer)); its memory is given back when dropped.
     type Buffer<T: Element>: Debug + Send;
     /// Per-bucket constant data of the gradient passes (the CUDA destination table).
     type GradTables: Debug + Send;
 
-    /// A buffer of `len` elements (contents unspecified).
+    /// A buffer of `len` elements (contents unspecified) to keep across calls (a bucket's
+    /// qWD reference); nothing may use it any more when it is dropped.
     fn alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>>;
+    /// A buffer of `len` elements (contents unspecified) for one call of a collective, which
+    /// drops it once every pass and exchange using it is enqueued and every exchange on it
+    /// completed ([`crate::collective::InFlight::wait`]). Its memory then goes only to work
+    /// ordered after that work (on a device: stream-ordered reuse, `backend::cuda::alloc`),
+    /// so the buckets that run one after another share their exchange buffers instead of
+    /// each keeping its own.
+    fn call_buffer<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>>;
     /// The whole of `buffer`, to read.
     fn src<T: Element>(buffer: &Self::Buffer<T>) -> Self::Src<'_, T>;
     /// The whole of `buffer`, to write.

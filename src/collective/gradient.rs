@@ -39,13 +39,21 @@ enum Engine<B: Backend> {
     Copy,
     Exact,
     Grouped(Box<Grouped<B>>),
-    Global(GlobalBuffers<B>),
+    Global(Global<B>),
 }
 
+/// What a grouped codec's bucket keeps: its layout and the backend's tables of it. The
+/// exchange buffers are taken per call ([`ExchangeBuffers`]).
 #[derive(Debug)]
 struct Grouped<B: Backend> {
     layout: GradLayout,
     tables: B::GradTables,
+}
+
+/// The buffers of one call's exchanges, taken from the backend ([`Backend::call_buffer`])
+/// when the call starts and dropped once its last pass is enqueued.
+#[derive(Debug)]
+struct ExchangeBuffers<B: Backend> {
     send_first: FirstSend<B>,
     /// Two of each exchange's buffers, used by alternate chunks (chunk `p` in `[p % 2]`), so
     /// that one chunk's exchange runs while its neighbour is computed; the second is empty
@@ -53,6 +61,21 @@ struct Grouped<B: Backend> {
     recv_first: [B::Buffer<u8>; 2],
     send_second: [B::Buffer<u8>; 2],
     recv_second: [B::Buffer<u8>; 2],
+}
+
+impl<B: Backend> ExchangeBuffers<B> {
+    /// The buffers of `layout`'s exchanges.
+    fn take(backend: &B, layout: &GradLayout) -> Result<Self> {
+        let first = layout.first.peers * layout.first.slab.byte_len();
+        let second = layout.second.map_or(0, |s| s.peers * s.slab.byte_len());
+        let chunks = layout.bucket.chunks;
+        Ok(Self {
+            send_first: FirstSend::take(backend, first, chunks)?,
+            recv_first: take_pair(backend, first, chunks)?,
+            send_second: take_pair(backend, second, chunks)?,
+            recv_second: take_pair(backend, second, chunks)?,
+        })
+    }
 }
 
 /// The send buffer of the first exchange.
@@ -66,11 +89,11 @@ enum FirstSend<B: Backend> {
 }
 
 impl<B: Backend> FirstSend<B> {
-    fn new(backend: &B, chunk_bytes: usize, chunks: usize) -> Result<Self> {
+    fn take(backend: &B, chunk_bytes: usize, chunks: usize) -> Result<Self> {
         Ok(if backend.first_pass_by_chunk() {
-            Self::ByChunk(alloc_pair(backend, chunk_bytes, chunks)?)
+            Self::ByChunk(take_pair(backend, chunk_bytes, chunks)?)
         } else {
-            Self::Whole(backend.alloc(chunk_bytes * chunks)?)
+            Self::Whole(backend.call_buffer(chunk_bytes * chunks)?)
         })
     }
 
@@ -90,15 +113,15 @@ impl<B: Backend> FirstSend<B> {
     }
 }
 
-/// Two buffers of `len` elements; the second is empty when a bucket has a single chunk.
-fn alloc_pair<B: Backend, T: Element>(
+/// Two call buffers of `len` elements; the second is empty when a bucket has a single chunk.
+fn take_pair<B: Backend, T: Element>(
     backend: &B,
     len: usize,
     chunks: usize,
 ) -> Result<[B::Buffer<T>; 2]> {
     Ok([
-        backend.alloc(len)?,
-        backend.alloc(if chunks > 1 { len } else { 0 })?,
+        backend.call_buffer(len)?,
+        backend.call_buffer(if chunks > 1 { len } else { 0 })?,
     ])
 }
 
@@ -112,13 +135,39 @@ fn alternate<T>(pair: &mut [T; 2], p: usize) -> (&mut T, &mut T) {
     }
 }
 
-/// Global-QSGD's integer buffers and the backend's absmax scratch word.
-#[derive(Debug)]
-enum GlobalBuffers<B: Backend> {
-    I8(IntBuffers<B, i8>),
-    I16(IntBuffers<B, i16>),
+/// Global-QSGD's integer width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IntWidth {
+    I8,
+    I16,
 }
 
+/// What a Global-QSGD bucket keeps: its integer width and the status word of a backend that
+/// sums on the device. The integer buffers are taken per call ([`IntBuffers`]).
+#[derive(Debug)]
+struct Global<B: Backend> {
+    width: IntWidth,
+    /// The first overflow of the backend's sum since the last check (sums in a pass of the
+    /// backend), else empty.
+    status: B::Buffer<u32>,
+}
+
+impl<B: Backend> Global<B> {
+    fn new(backend: &B, width: IntWidth) -> Result<Self> {
+        let by_pass = backend.sums_exchanged_blocks();
+        let mut global = Self {
+            width,
+            status: backend.alloc(usize::from(by_pass))?,
+        };
+        if by_pass {
+            // Zeroes the word (its first contents are unspecified); set-up may wait.
+            backend.take_sum_status(B::dst(&mut global.status))?;
+        }
+        Ok(global)
+    }
+}
+
+/// Global-QSGD's buffers of one call, taken from the backend ([`Backend::call_buffer`]).
 #[derive(Debug)]
 struct IntBuffers<B: Backend, T: Element> {
     send: B::Buffer<T>,
@@ -126,27 +175,19 @@ struct IntBuffers<B: Backend, T: Element> {
     recv: B::Buffer<T>,
     /// The W blocks the all-to-all delivers (sums in a pass of the backend), else empty.
     blocks: B::Buffer<T>,
-    /// The first overflow of the backend's sum (sums in a pass of the backend), else empty.
-    status: B::Buffer<u32>,
     /// The absmax: this rank's, then (all-reduced in place) the global one the passes read.
     word: B::Buffer<f32>,
 }
 
 impl<B: Backend, T: Element> IntBuffers<B, T> {
-    fn new(backend: &B, numel: usize, shard_len: usize) -> Result<Self> {
+    fn take(backend: &B, numel: usize, shard_len: usize) -> Result<Self> {
         let by_pass = backend.sums_exchanged_blocks();
-        let mut buffers = Self {
-            send: backend.alloc(numel)?,
-            recv: backend.alloc(if by_pass { 0 } else { shard_len })?,
-            blocks: backend.alloc(if by_pass { numel } else { 0 })?,
-            status: backend.alloc(usize::from(by_pass))?,
-            word: backend.alloc(1)?,
-        };
-        if by_pass {
-            // Zeroes the word (its first contents are unspecified); set-up may wait.
-            backend.take_sum_status(B::dst(&mut buffers.status))?;
-        }
-        Ok(buffers)
+        Ok(Self {
+            send: backend.call_buffer(numel)?,
+            recv: backend.call_buffer(if by_pass { 0 } else { shard_len })?,
+            blocks: backend.call_buffer(if by_pass { numel } else { 0 })?,
+            word: backend.call_buffer(1)?,
+        })
     }
 }
 
@@ -202,22 +243,16 @@ impl<B: Backend> GradReduceScatter<B> {
         } else if config.grad.is_grouped() {
             let layout = GradLayout::new(config, topology, &route, plan)
                 .expect("a route over W > 1 ranks has an exchange");
-            let first = layout.first.peers * layout.first.slab.byte_len();
-            let second = layout.second.map_or(0, |s| s.peers * s.slab.byte_len());
-            let chunks = plan.chunks;
             Engine::Grouped(Box::new(Grouped {
                 tables: backend.grad_tables(&layout)?,
-                send_first: FirstSend::new(backend, first, chunks)?,
-                recv_first: alloc_pair(backend, first, chunks)?,
-                send_second: alloc_pair(backend, second, chunks)?,
-                recv_second: alloc_pair(backend, second, chunks)?,
                 layout,
             }))
         } else if config.grad.codec == GradCodec::GlobalQsgd {
-            Engine::Global(match global_bits(config, w)? {
-                8 => GlobalBuffers::I8(IntBuffers::new(backend, numel, plan.shard_len)?),
-                _ => GlobalBuffers::I16(IntBuffers::new(backend, numel, plan.shard_len)?),
-            })
+            let width = match global_bits(config, w)? {
+                8 => IntWidth::I8,
+                _ => IntWidth::I16,
+            };
+            Engine::Global(Global::new(backend, width)?)
         } else {
             Engine::Exact
         };
@@ -276,10 +311,10 @@ impl<B: Backend> GradReduceScatter<B> {
                 }
                 bytes
             }
-            Engine::Global(b) => {
-                let width = match b {
-                    GlobalBuffers::I8(_) => 1,
-                    GlobalBuffers::I16(_) => 2,
+            Engine::Global(g) => {
+                let width = match g.width {
+                    IntWidth::I8 => 1,
+                    IntWidth::I16 => 2,
                 };
                 WireBytes::to_every_peer(t, me, self.plan.shard_len * width)
             }
@@ -296,8 +331,33 @@ impl<B: Backend> GradReduceScatter<B> {
     pub fn check_integer_sums(&mut self, backend: &B) -> Result<()> {
         let (rank, shard_len) = (self.rank, self.plan.shard_len);
         match &mut self.engine {
-            Engine::Global(GlobalBuffers::I8(b)) => b.check_sums(backend, rank, shard_len),
-            Engine::Global(GlobalBuffers::I16(b)) => b.check_sums(backend, rank, shard_len),
+            Engine::Global(g) => g.check_sums(backend, rank, shard_len),
+            _ => Ok(()),
+        }
+    }
+
+    /// The status word in which a backend summing on a device records the first overflow of
+    /// Global-QSGD's integer sum (zeroed at set-up; the passes only ever raise it), for a
+    /// caller that reads it without waiting (the torch extension copies it into pinned host
+    /// memory and clears it on the stream); `None` when this bucket has none.
+    pub fn integer_sum_status(&mut self) -> Option<B::Dst<'_, u32>> {
+        let status = match &mut self.engine {
+            Engine::Global(g) => &mut g.status,
+            _ => return None,
+        };
+        if B::len(B::src(status)) == 1 {
+            Some(B::dst(status))
+        } else {
+            None
+        }
+    }
+
+    /// The error [`check_integer_sums`](Self::check_integer_sums) returns for a value of the
+    /// status word, read by the caller ([`integer_sum_status`](Self::integer_sum_status)).
+    pub fn integer_sum_error(&self, status: u32) -> Result<()> {
+        let (rank, shard_len) = (self.rank, self.plan.shard_len);
+        match &self.engine {
+            Engine::Global(g) => sum_status_error(g.width, status, rank, shard_len),
             _ => Ok(()),
         }
     }
@@ -378,6 +438,19 @@ impl<B: Backend> GradReduceScatter<B> {
     }
 }
 
+/// The host sum's error for the overflow a status word records (none when it is 0): rank
+/// `rank`'s shard of `shard_len` integers of `width`.
+fn sum_status_error(width: IntWidth, status: u32, rank: usize, shard_len: usize) -> Result<()> {
+    let Some((_, element)) = overflow_from_status(status, shard_len) else {
+        return Ok(());
+    };
+    let at = rank * shard_len + element;
+    Err(match width {
+        IntWidth::I8 => sum_overflow::<i8>(at, shard_len),
+        IntWidth::I16 => sum_overflow::<i16>(at, shard_len),
+    })
+}
+
 /// The integer width Global-QSGD uses for `world` ranks.
 pub fn global_bits(config: &Config, world: usize) -> Result<u8> {
     let bits = config
@@ -403,10 +476,11 @@ impl<B: Backend> Grouped<B> {
     /// (the second pass and the second exchange), the last pass. Step `t` starts the
     /// exchanges of chunk `t` (and the second one of chunk `t - 1`), computes the neighbouring
     /// chunks while they travel, then waits for them; every communicator has at most one
-    /// exchange in flight and every rank waits in the same order.
+    /// exchange in flight and every rank waits in the same order. The exchange buffers are
+    /// taken for this call and given back once every exchange has completed.
     #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
-        &mut self,
+        &self,
         backend: &B,
         comms: &CommGroups<'_, C>,
         topology: &Topology,
@@ -416,15 +490,14 @@ impl<B: Backend> Grouped<B> {
         second_rng: &UniformStream,
         clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
-        let Self {
-            layout,
-            tables,
+        let (layout, tables) = (&self.layout, &self.tables);
+        let mut buffers = ExchangeBuffers::take(backend, layout)?;
+        let ExchangeBuffers {
             send_first,
             recv_first,
             send_second,
             recv_second,
-        } = self;
-        let (layout, tables) = (&*layout, &*tables);
+        } = &mut buffers;
         let first_comm = comms.level::<B>(layout.first.level, topology)?;
         let second_comm = match layout.second {
             Some(s) => Some(comms.level::<B>(s.level, topology)?),
@@ -526,8 +599,8 @@ impl<B: Backend> Grouped<B> {
     }
 }
 
-impl<B: Backend> GlobalBuffers<B> {
-    /// [`IntBuffers::run`] at this bucket's integer width.
+impl<B: Backend> Global<B> {
+    /// [`run_with`](Self::run_with) at this bucket's integer width.
     #[allow(clippy::too_many_arguments)]
     fn run<C: Comm<B>>(
         &mut self,
@@ -539,20 +612,23 @@ impl<B: Backend> GlobalBuffers<B> {
         rng: &UniformStream,
         clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
-        match self {
-            Self::I8(b) => b.run(backend, world, bucket, shard, rounding, rng, clock),
-            Self::I16(b) => b.run(backend, world, bucket, shard, rounding, rng, clock),
+        match self.width {
+            IntWidth::I8 => {
+                self.run_with::<C, i8>(backend, world, bucket, shard, rounding, rng, clock)
+            }
+            IntWidth::I16 => {
+                self.run_with::<C, i16>(backend, world, bucket, shard, rounding, rng, clock)
+            }
         }
     }
-}
 
-impl<B: Backend, T: IntCode + Element + SumElement> IntBuffers<B, T> {
     /// All-reduce MAX of the absmax, integer rounding, integer reduce-scatter, dequantize
-    /// (docs/numerics.md §7.2). The global absmax stays in `word`, in the backend's memory,
-    /// and the passes read their scale from it, so on a device nothing waits on the host; a
-    /// non-finite absmax or a zero scale make every code 0 and the shard all NaN or all 0.
+    /// (docs/numerics.md §7.2), with `T` codes in buffers taken for this call. The global
+    /// absmax stays in `word`, in the backend's memory, and the passes read their scale from
+    /// it, so on a device nothing waits on the host; a non-finite absmax or a zero scale make
+    /// every code 0 and the shard all NaN or all 0.
     #[allow(clippy::too_many_arguments)]
-    fn run<C: Comm<B>>(
+    fn run_with<C: Comm<B>, T: IntCode + Element + SumElement>(
         &mut self,
         backend: &B,
         world: &C,
@@ -562,35 +638,36 @@ impl<B: Backend, T: IntCode + Element + SumElement> IntBuffers<B, T> {
         rng: &UniformStream,
         clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
+        let mut b = IntBuffers::<B, T>::take(backend, B::len(bucket), B::len(B::read(&shard)))?;
         clock.time(Phase::FirstPass, || {
-            backend.global_absmax(bucket, B::dst(&mut self.word))
+            backend.global_absmax(bucket, B::dst(&mut b.word))
         })?;
         clock.time(Phase::FirstWait, || {
-            world.all_reduce_max_in_place(B::dst(&mut self.word))
+            world.all_reduce_max_in_place(B::dst(&mut b.word))
         })?;
         let k = global_k(T::BITS, world.size());
         clock.time(Phase::FirstPass, || {
             backend.global_quantize(
                 bucket,
-                B::src(&self.word),
+                B::src(&b.word),
                 k,
                 rounding,
                 rng,
-                B::dst(&mut self.send),
+                B::dst(&mut b.send),
             )
         })?;
         if backend.sums_exchanged_blocks() {
             clock.time(Phase::SecondWait, || {
                 world.all_to_all(
-                    B::as_bytes(B::src(&self.send)),
-                    B::as_bytes_mut(B::dst(&mut self.blocks)),
+                    B::as_bytes(B::src(&b.send)),
+                    B::as_bytes_mut(B::dst(&mut b.blocks)),
                 )
             })?;
             return clock.time(Phase::LastPass, || {
                 backend.global_sum_dequantize(
-                    B::src(&self.blocks),
+                    B::src(&b.blocks),
                     world.size(),
-                    B::src(&self.word),
+                    B::src(&b.word),
                     k,
                     B::dst(&mut self.status),
                     shard,
@@ -598,10 +675,10 @@ impl<B: Backend, T: IntCode + Element + SumElement> IntBuffers<B, T> {
             });
         }
         clock.time(Phase::SecondWait, || {
-            world.reduce_scatter_sum(B::src(&self.send), B::dst(&mut self.recv))
+            world.reduce_scatter_sum(B::src(&b.send), B::dst(&mut b.recv))
         })?;
         clock.time(Phase::LastPass, || {
-            backend.global_dequantize(B::src(&self.recv), B::src(&self.word), k, shard)
+            backend.global_dequantize(B::src(&b.recv), B::src(&b.word), k, shard)
         })
     }
 
@@ -613,9 +690,6 @@ impl<B: Backend, T: IntCode + Element + SumElement> IntBuffers<B, T> {
             return Ok(());
         }
         let status = backend.take_sum_status(B::dst(&mut self.status))?;
-        match overflow_from_status(status, shard_len) {
-            Some((_, element)) => Err(sum_overflow::<T>(rank * shard_len + element, shard_len)),
-            None => Ok(()),
-        }
+        sum_status_error(self.width, status, rank, shard_len)
     }
 }

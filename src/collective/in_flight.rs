@@ -10,7 +10,10 @@ pub trait PendingExchange {
     /// Completes the exchange and returns its result. Called once. On the host it blocks until
     /// the receive buffer holds the result and the buffers may be reused; on a device it
     /// orders the compute stream after the exchange, so that holds for every pass enqueued
-    /// later, and returns at once (an error of the exchange then surfaces on the stream).
+    /// later (and for the work that reuses the buffers once the collective has given them back
+    /// in the compute stream's order, `Backend::call_buffer`), and returns at once (an error of
+    /// the exchange then surfaces on the stream). An implementation that cannot order the
+    /// compute stream waits for the exchange on the host before it returns its error.
     fn complete(&mut self) -> Result<()>;
 }
 

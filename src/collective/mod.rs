@@ -8,7 +8,11 @@
 //! - [`check_ranks_agree`]: the set-up check that all ranks use the same config and bucket;
 //! - [`local`]: an in-process [`Comm`] running W ranks as threads, for tests and benchmarks.
 //!
-//! Each per-bucket object allocates its buffers once and reuses them every step.
+//! Each per-bucket object keeps only what must outlive a call (qWD's reference shard, the
+//! backend's tables of a bucket, Global-QSGD's overflow status); the exchange buffers are taken
+//! from the backend at the start of every call ([`Backend::call_buffer`]) and given back once
+//! the call's last pass is enqueued and every exchange on them has completed, so the buckets
+//! that run one after another reuse the same memory (docs/cuda.md, "Device memory").
 
 mod agreement;
 mod gradient;

@@ -38,18 +38,16 @@ pub struct WeightAllGather<B: Backend = Host> {
     phase_log: Option<PhaseLog>,
 }
 
+/// What a bucket keeps; the send and receive buffers are taken per call
+/// ([`Backend::call_buffer`]) and given back once the call's last pass is enqueued.
 #[derive(Debug)]
 enum Engine<B: Backend> {
-    Exact {
-        send: B::Buffer<bf16>,
-    },
+    Exact,
     Quantized {
         layout: SlabLayout,
         encoding: WeightEncoding,
         /// This rank's previous shard (qWD); empty for direct encodings.
         reference: B::Buffer<bf16>,
-        send: B::Buffer<u8>,
-        recv: B::Buffer<u8>,
     },
 }
 
@@ -94,9 +92,7 @@ impl<B: Backend> WeightAllGather<B> {
         stream_id(bucket_id, rank, Stage::Weight)?;
         let plan = BucketPlan::new(B::len(params), w, config)?;
         let engine = match config.weight.quant_spec() {
-            None => Engine::Exact {
-                send: backend.alloc(plan.shard_len)?,
-            },
+            None => Engine::Exact,
             Some(spec) => {
                 let layout = SlabLayout {
                     spec,
@@ -118,8 +114,6 @@ impl<B: Backend> WeightAllGather<B> {
                     layout,
                     encoding,
                     reference,
-                    send: backend.alloc(layout.byte_len())?,
-                    recv: backend.alloc(w * layout.byte_len())?,
                 }
             }
         };
@@ -142,7 +136,7 @@ impl<B: Backend> WeightAllGather<B> {
     /// Bytes this rank sends per call.
     pub fn wire_bytes(&self) -> WireBytes {
         let per_peer = match &self.engine {
-            Engine::Exact { .. } => self.plan.shard_len * 2,
+            Engine::Exact => self.plan.shard_len * 2,
             Engine::Quantized { layout, .. } => layout.byte_len(),
         };
         if self.topology.world() == 1 {
@@ -187,22 +181,24 @@ impl<B: Backend> WeightAllGather<B> {
         let (plan, rank) = (self.plan, self.rank);
         let mut clock = PhaseClock::start(self.phase_log.as_ref());
         let result = match &mut self.engine {
-            Engine::Exact { send } => {
+            Engine::Exact => {
+                let mut send = backend.call_buffer(plan.shard_len)?;
                 clock.time(Phase::FirstPass, || {
-                    backend.copy(own_shard::<B>(&plan, rank, B::read(&params)), B::dst(send))
+                    let own = own_shard::<B>(&plan, rank, B::read(&params));
+                    backend.copy(own, B::dst(&mut send))
                 })?;
                 clock.time(Phase::FirstWait, || {
-                    world.all_gather(B::as_bytes(B::src(send)), B::as_bytes_mut(params))
+                    world.all_gather(B::as_bytes(B::src(&send)), B::as_bytes_mut(params))
                 })
             }
             Engine::Quantized {
                 layout,
                 encoding,
                 reference,
-                send,
-                recv,
             } => {
                 if plan.world > 1 {
+                    let mut send = backend.call_buffer(layout.byte_len())?;
+                    let mut recv = backend.call_buffer(plan.world * layout.byte_len())?;
                     let stream = stream_id(self.bucket_id, rank, Stage::Weight)?;
                     let rng = UniformStream::new(self.config.seed, step, stream);
                     let new = own_shard::<B>(&plan, rank, B::read(&params));
@@ -215,11 +211,11 @@ impl<B: Backend> WeightAllGather<B> {
                             new,
                             B::src(reference),
                             &rng,
-                            B::dst(send),
+                            B::dst(&mut send),
                         )
                     })?;
                     clock.time(Phase::FirstWait, || {
-                        world.all_gather(B::src(send), B::dst(recv))
+                        world.all_gather(B::src(&send), B::dst(&mut recv))
                     })?;
                     clock.time(Phase::LastPass, || {
                         backend.weight_apply(
@@ -227,7 +223,7 @@ impl<B: Backend> WeightAllGather<B> {
                             *encoding,
                             &plan,
                             rank,
-                            B::src(recv),
+                            B::src(&recv),
                             B::src(reference),
                             B::reborrow(&mut params),
                         )

@@ -7,7 +7,7 @@ use super::torch_comm::TorchLevels;
 use super::torch_memory::TorchCachingAllocator;
 use super::{FfiResult, guard};
 use crate::backend::cpu::Host;
-use crate::backend::cuda::{Allocator, Cuda, DeviceSpan, Kernels, Stream};
+use crate::backend::cuda::{Allocator, Cuda, DeviceSpan, Kernels, StatusReadback, Stream};
 use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
@@ -142,8 +142,9 @@ pub(super) fn cuda_self_check(
 /// [`GradReduceScatter`] for the extension, on host or CUDA buffers.
 pub(super) enum GradBucket {
     Host(GradReduceScatter<Host>),
-    /// Planned on the CUDA device of this ordinal.
-    Cuda(GradReduceScatter<Cuda>, usize),
+    /// Planned on the CUDA device of this ordinal; Global-QSGD's integer-sum status read back
+    /// without waiting (docs/cuda.md).
+    Cuda(GradReduceScatter<Cuda>, usize, Option<StatusReadback>),
 }
 
 /// Calls `$body` with `$rs` bound to the collective of either backend.
@@ -151,7 +152,7 @@ macro_rules! either {
     ($bucket:expr, $rs:ident => $body:expr) => {
         match $bucket {
             GradBucket::Host($rs) => $body,
-            GradBucket::Cuda($rs, _) => $body,
+            GradBucket::Cuda($rs, ..) => $body,
         }
     };
 }
@@ -177,14 +178,21 @@ pub(super) fn new_cuda_grad_bucket(
     numel: usize,
     bucket_id: u32,
     device: usize,
+    stream: u64,
 ) -> FfiResult<Box<GradBucket>> {
     guard("new_cuda_grad_bucket", || {
         let topology = topology(node_labels)?;
-        // Planning allocates (for the current stream, the side stream) and uploads
-        // synchronously: no stream is enqueued on.
-        let backend = cuda(device, 0)?;
-        GradReduceScatter::with_backend(&backend, &config.0, &topology, rank, numel, bucket_id)
-            .map(|rs| Box::new(GradBucket::Cuda(rs, device)))
+        // Planning allocates for the current stream, the side stream `stream`, and enqueues
+        // its uploads there, after whatever used that memory before.
+        let backend = cuda(device, stream)?;
+        let mut rs = GradReduceScatter::with_backend(
+            &backend, &config.0, &topology, rank, numel, bucket_id,
+        )?;
+        let sums = match rs.integer_sum_status() {
+            Some(_) => Some(StatusReadback::new(backend.kernels())?),
+            None => None,
+        };
+        Ok(Box::new(GradBucket::Cuda(rs, device, sums)))
     })
 }
 
@@ -234,7 +242,7 @@ impl GradBucket {
         step: u64,
     ) -> FfiResult<()> {
         guard("GradBucket::run_cuda", || {
-            let GradBucket::Cuda(rs, device) = self else {
+            let GradBucket::Cuda(rs, device, sums) = self else {
                 return Err(wrong_memory("gradient bucket", "host", "CUDA"));
             };
             let plan = *rs.plan();
@@ -244,7 +252,28 @@ impl GradBucket {
             // of these sizes on this device and keeps them alive until the Work completes.
             let (bucket, shard) =
                 unsafe { (span(bucket, plan.numel), span(shard, plan.shard_len)) };
-            rs.run_on(&backend, &levels.groups(), bucket, shard, step)
+            rs.run_on(&backend, &levels.groups(), bucket, shard, step)?;
+            if let (Some(sums), Some(status)) = (sums.as_mut(), rs.integer_sum_status()) {
+                // SAFETY: `stream` is the live side stream the passes were enqueued on.
+                sums.start(unsafe { Stream::from_raw(stream as usize) }, status)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// An overflow of Global-QSGD's integer sum on the device, as the error the host path
+    /// returns from the step, once the copy of the status word enqueued after an earlier step
+    /// has completed: never waits for the device (the overflowing shard elements are NaN
+    /// meanwhile, which the framework's found-inf check sees). `Ok` for other buckets.
+    pub(super) fn check_integer_sums(&mut self) -> FfiResult<()> {
+        guard("GradBucket::check_integer_sums", || {
+            let GradBucket::Cuda(rs, _, Some(sums)) = self else {
+                return Ok(());
+            };
+            match sums.take()? {
+                Some(status) => rs.integer_sum_error(status),
+                None => Ok(()),
+            }
         })
     }
 }

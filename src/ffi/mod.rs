@@ -100,7 +100,9 @@ mod bridge {
             shard: &mut [f32],
             step: u64,
         ) -> Result<()>;
-        /// Plans a bucket like `new_grad_bucket` with its buffers on CUDA device `device`.
+        /// Plans a bucket like `new_grad_bucket` with its buffers on CUDA device `device`,
+        /// allocated for the current stream, the raw CUDA stream `stream`, and its tables
+        /// uploaded on that stream.
         fn new_cuda_grad_bucket(
             config: &ParsedConfig,
             node_labels: &[u64],
@@ -108,9 +110,11 @@ mod bridge {
             numel: usize,
             bucket_id: u32,
             device: usize,
+            stream: u64,
         ) -> Result<Box<GradBucket>>;
         /// Reduce-scatters the fp32 CUDA tensor at device address `bucket` into the one at
-        /// `shard`, enqueuing every pass on the raw CUDA stream `stream` (a CUDA bucket).
+        /// `shard`, enqueuing every pass on the raw CUDA stream `stream` (a CUDA bucket), then
+        /// (Global-QSGD) a copy of its integer-sum status to pinned host memory.
         fn run_cuda(
             self: &mut GradBucket,
             comms: &TorchComms,
@@ -119,6 +123,11 @@ mod bridge {
             stream: u64,
             step: u64,
         ) -> Result<()>;
+
+        /// Raises the host path's error for an overflow of Global-QSGD's integer sum that a
+        /// CUDA bucket's status copy has reported since the last call, once that copy has
+        /// completed; never waits for the device (`Ok` for other buckets).
+        fn check_integer_sums(self: &mut GradBucket) -> Result<()>;
 
         /// The parameter all-gather of one bf16 bucket.
         type WeightBucket;
@@ -279,7 +288,9 @@ mod bridge {
             send: &[u8],
             recv: &mut [u8],
         ) -> Result<UniquePtr<PendingExchange>>;
-        /// Blocks until the exchange has completed; its c10d error, if any.
+        /// Completes the exchange as c10d's `Work::wait` does (host buffers: blocks until it
+        /// has run; CUDA buffers over NCCL: the current stream waits for it); its c10d error,
+        /// if any.
         fn wait(self: Pin<&mut PendingExchange>) -> Result<()>;
         /// MAX all-reduce of one float, blocking.
         fn all_reduce_max(self: &TorchComms, level: CommLevel, value: f32) -> Result<f32>;
@@ -302,6 +313,17 @@ mod bridge {
             recv: u64,
             recv_bytes: usize,
         ) -> Result<()>;
+        /// Equal-split all-to-all of CUDA memory issued after the work of the current stream
+        /// of the current CUDA device and not waited for: the result's `wait` makes that stream
+        /// wait for it (NCCL; gloo blocks). The buffers must not be reused before `wait`.
+        fn start_all_to_all_device(
+            self: &TorchComms,
+            level: CommLevel,
+            send: u64,
+            send_bytes: usize,
+            recv: u64,
+            recv_bytes: usize,
+        ) -> Result<UniquePtr<PendingExchange>>;
         /// MAX all-reduce of the one f32 at device address `word`, in place, as
         /// `all_gather_device`.
         fn all_reduce_max_device(self: &TorchComms, level: CommLevel, word: u64) -> Result<()>;

@@ -128,11 +128,27 @@ fn sum_dtype<T: SumElement>() -> Result<SumDtype> {
     }
 }
 
-/// An all-to-all the process group is running on host buffers borrowed for `'a`.
+/// An all-to-all the process group is running on buffers borrowed for `'a` (host slices, or
+/// device spans of buffers the collective keeps for at least that long).
 struct TorchPending<'a> {
     pending: UniquePtr<CxxPending>,
     level: CommLevel,
     _buffers: PhantomData<&'a mut [u8]>,
+}
+
+impl TorchPending<'_> {
+    /// The exchange the extension started, as an [`InFlight`].
+    fn in_flight<'a>(
+        pending: std::result::Result<UniquePtr<CxxPending>, cxx::Exception>,
+        level: CommLevel,
+    ) -> Result<InFlight<'a>> {
+        let pending = pending.map_err(|e| comm_error("all_to_all", level, e))?;
+        Ok(InFlight::new(TorchPending::<'a> {
+            pending,
+            level,
+            _buffers: PhantomData,
+        }))
+    }
 }
 
 impl PendingExchange for TorchPending<'_> {
@@ -176,15 +192,10 @@ impl Comm for TorchLevel<'_> {
     /// returns; waiting waits for c10d's work.
     fn start_all_to_all<'a>(&'a self, send: &'a [u8], recv: &'a mut [u8]) -> Result<InFlight<'a>> {
         check_all_to_all(self.size, send.len(), recv.len())?;
-        let pending = self
-            .comms
-            .start_all_to_all(self.level, send, recv)
-            .map_err(|e| comm_error("all_to_all", self.level, e))?;
-        Ok(InFlight::new(TorchPending {
-            pending,
-            level: self.level,
-            _buffers: PhantomData,
-        }))
+        TorchPending::in_flight(
+            self.comms.start_all_to_all(self.level, send, recv),
+            self.level,
+        )
     }
 
     fn all_reduce_max(&self, value: f32) -> Result<f32> {
@@ -212,9 +223,9 @@ impl Comm for TorchLevel<'_> {
 }
 
 /// The same process groups exchanging CUDA buffers: the extension issues the c10d collective
-/// on the current stream of the buffers' device (NCCL directly; gloo through host copies).
-/// Reduce-scatters are an all-to-all and a sum in rank order on the device, so they give the
-/// host path's bits.
+/// with the current stream of the buffers' device (the side stream) current (NCCL directly;
+/// gloo through host copies). Reduce-scatters are an all-to-all and a sum in rank order on
+/// the device, so they give the host path's bits.
 impl Comm<Cuda> for TorchLevel<'_> {
     fn rank(&self) -> usize {
         self.rank
@@ -236,6 +247,30 @@ impl Comm<Cuda> for TorchLevel<'_> {
         self.comms
             .all_to_all_device(self.level, send.addr(), send.len(), recv.addr(), recv.len())
             .map_err(|e| comm_error("all_to_all", self.level, e))
+    }
+
+    /// Issues the all-to-all asynchronously (c10d's async_op): over NCCL it runs on the
+    /// process group's stream after the passes enqueued so far on the current stream (the
+    /// one that wrote `send`), while the caller enqueues the neighbouring chunk's passes;
+    /// waiting makes the current stream wait for it, without blocking the host
+    /// (`cpp/stream_order.h`). The buffers are the collective's own, kept until the wait is
+    /// enqueued; gloo stages through the host and blocks in the wait.
+    fn start_all_to_all<'a>(
+        &'a self,
+        send: DeviceSpan<u8>,
+        recv: DeviceSpan<u8>,
+    ) -> Result<InFlight<'a>> {
+        check_all_to_all(self.size, send.len(), recv.len())?;
+        TorchPending::in_flight(
+            self.comms.start_all_to_all_device(
+                self.level,
+                send.addr(),
+                send.len(),
+                recv.addr(),
+                recv.len(),
+            ),
+            self.level,
+        )
     }
 
     fn all_reduce_max(&self, value: f32) -> Result<f32> {

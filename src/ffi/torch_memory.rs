@@ -1,7 +1,10 @@
 //! Torch's CUDA caching allocator as the CUDA backend's [`DeviceAllocator`]: the extension's
 //! CUDA buckets take their buffers from torch's pool (so they count in
-//! `torch.cuda.memory_allocated` and are reused by torch after the bucket is gone), allocated
-//! with the bucket's side stream current, the only stream that uses them.
+//! `torch.cuda.memory_allocated`), allocated with the bucket's side stream current. What a
+//! bucket keeps is reused by torch after the bucket is gone; the exchange buffers of a call go
+//! back to the pool once the call is enqueued, and torch gives them only to later allocations
+//! on the side stream (the next bucket's call), which run after the call's work: c10d's
+//! exchanges on its own stream are waited for on the side stream before the buffers go back.
 
 use cxx::UniquePtr;
 

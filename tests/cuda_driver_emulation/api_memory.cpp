@@ -1,10 +1,14 @@
-// Device memory: allocation, freeing, copies and memsets. Every device range an entry point is
-// given must lie inside one live allocation of the current context's device, else the call
-// reports a fault and fails. Copies and memsets are stream operations (the synchronous ones
-// on the legacy default stream, then waited for, as the driver does for pageable memory).
-// Freeing memory that an operation the host has not synchronised with still uses is a fault.
+// Device memory: allocation, freeing, copies and memsets; pinned host memory. Every device range
+// an entry point is given must lie inside one live allocation of the current context's device,
+// else the call reports a fault and fails. Copies and memsets are stream operations (the
+// synchronous ones on the legacy default stream, then waited for, as the driver does for
+// pageable memory; a copy to the host returns once done unless its destination lies inside
+// pinned memory from cuMemHostAlloc, which it then writes when its stream runs it). Freeing
+// memory that an operation the host has not synchronised with still uses is a fault, and so is
+// freeing pinned memory a queued copy still writes.
 #include "model.h"
 
+#include <cstdlib>
 #include <cstring>
 
 namespace emu {
@@ -27,8 +31,9 @@ Access access_of(Allocation* a, CUdeviceptr addr, size_t bytes, bool write)
 }
 
 // Enqueues `op` on the stream `handle` names for `ctx`; with `wait`, returns once it ran.
+// `enqueued`, when given, receives the stream id and sequence number of the operation.
 CUresult submit(std::unique_lock<std::mutex>& lock, const char* call, Context* ctx, CUstream handle,
-                std::unique_ptr<Op> op, bool wait)
+                std::unique_ptr<Op> op, bool wait, std::pair<uint32_t, uint64_t>* enqueued = nullptr)
 {
     Stream* stream = resolve_stream(handle, ctx);
     if (stream == nullptr) {
@@ -38,6 +43,9 @@ CUresult submit(std::unique_lock<std::mutex>& lock, const char* call, Context* c
     uint64_t seq = 0;
     if (const CUresult r = enqueue(stream, std::move(op), &seq); r != CUDA_SUCCESS) {
         return r;
+    }
+    if (enqueued != nullptr) {
+        *enqueued = {stream->id, seq};
     }
     if (!wait) {
         return CUDA_SUCCESS;
@@ -88,7 +96,22 @@ CUresult copy_to_device(const char* call, CUdeviceptr dst, const void* src, size
     return submit(lock, call, ctx, stream, std::move(op), wait);
 }
 
-CUresult copy_to_host(const char* call, void* dst, CUdeviceptr src, size_t bytes, CUstream stream)
+// The pinned allocation holding [addr, addr + bytes), or null. Locked.
+PinnedHost* find_pinned(const void* addr, size_t bytes)
+{
+    const auto at = reinterpret_cast<uint64_t>(addr);
+    auto& pinned = driver().pinned;
+    auto it = pinned.upper_bound(at);
+    if (it == pinned.begin()) {
+        return nullptr;
+    }
+    --it;
+    return at + bytes <= it->first + it->second.size ? &it->second : nullptr;
+}
+
+// With `asynchronous` (cuMemcpyDtoHAsync), a copy into pinned memory returns once enqueued.
+CUresult copy_to_host(const char* call, void* dst, CUdeviceptr src, size_t bytes, CUstream stream,
+                      bool asynchronous)
 {
     std::unique_lock<std::mutex> lock(driver().mutex);
     Context* ctx = nullptr;
@@ -108,7 +131,16 @@ CUresult copy_to_host(const char* call, void* dst, CUdeviceptr src, size_t bytes
         std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
         return Outcome{};
     };
-    return submit(lock, call, ctx, stream, std::move(op), true);
+    PinnedHost* pinned = asynchronous ? find_pinned(dst, bytes) : nullptr;
+    if (pinned == nullptr) {
+        return submit(lock, call, ctx, stream, std::move(op), true);
+    }
+    std::pair<uint32_t, uint64_t> enqueued;
+    const CUresult r = submit(lock, call, ctx, stream, std::move(op), false, &enqueued);
+    if (r == CUDA_SUCCESS) {
+        pinned->writers.push_back(enqueued);
+    }
+    return r;
 }
 
 CUresult copy_on_device(const char* call, CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream, bool wait)
@@ -224,6 +256,54 @@ CUresult cuMemFree_v2(CUdeviceptr ptr)
     return CUDA_SUCCESS;
 }
 
+CUresult cuMemHostAlloc(void** ptr, size_t bytes, unsigned flags)
+{
+    std::lock_guard<std::mutex> guard(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check("cuMemHostAlloc", &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (ptr == nullptr || bytes == 0 || flags > 7) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    // Filled with a garbage byte, as device memory is: nothing reads it before a copy lands.
+    void* block = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (block == nullptr) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    std::memset(block, 0xa5, bytes);
+    driver().pinned[reinterpret_cast<uint64_t>(block)].size = bytes;
+    *ptr = block;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFreeHost(void* ptr)
+{
+    std::lock_guard<std::mutex> guard(driver().mutex);
+    if (const CUresult r = entry_check("cuMemFreeHost"); r != CUDA_SUCCESS) {
+        return r;
+    }
+    Driver& d = driver();
+    auto it = d.pinned.find(reinterpret_cast<uint64_t>(ptr));
+    if (it == d.pinned.end()) {
+        report_fault(-1, "cuMemFreeHost: not the start of a live cuMemHostAlloc allocation");
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    for (const auto& [stream, seq] : it->second.writers) {
+        if (d.completed[stream] < seq) {
+            // Kept allocated (never released), so the queued copy still lands in live memory.
+            report_fault(-1, "cuMemFreeHost of pinned memory that a copy queued on " +
+                                 name_stream(*d.streams[stream]) +
+                                 " still writes (a missing synchronisation before the free)");
+            d.pinned.erase(it);
+            return CUDA_ERROR_ILLEGAL_STATE;
+        }
+    }
+    d.pinned.erase(it);
+    std::free(ptr);
+    return CUDA_SUCCESS;
+}
+
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes)
 {
     return copy_to_device("cuMemcpyHtoD", dst, src, bytes, nullptr, true);
@@ -236,12 +316,12 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CU
 
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes)
 {
-    return copy_to_host("cuMemcpyDtoH", dst, src, bytes, nullptr);
+    return copy_to_host("cuMemcpyDtoH", dst, src, bytes, nullptr, false);
 }
 
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream stream)
 {
-    return copy_to_host("cuMemcpyDtoHAsync", dst, src, bytes, stream);
+    return copy_to_host("cuMemcpyDtoHAsync", dst, src, bytes, stream, true);
 }
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes)

@@ -105,6 +105,8 @@ SDP4BIT_EXPORT CUresult cuLaunchHostFunc(CUstream stream, CUhostFn fn, void* use
 
 SDP4BIT_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t bytes);
 SDP4BIT_EXPORT CUresult cuMemFree_v2(CUdeviceptr ptr);
+SDP4BIT_EXPORT CUresult cuMemHostAlloc(void** ptr, size_t bytes, unsigned flags);
+SDP4BIT_EXPORT CUresult cuMemFreeHost(void* ptr);
 
 SDP4BIT_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes);
 SDP4BIT_EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes);

@@ -1,5 +1,6 @@
 //! Injected faults are caught: an out-of-bounds kernel access and copy, a host pointer passed
-//! as a device pointer, a missing stream wait, and freeing a buffer a stream still uses. Each
+//! as a device pointer, a missing stream wait, freeing a buffer a stream still uses, and freeing
+//! pinned host memory a queued copy still writes. Each
 //! test runs its scenario in a child process (this test binary again, with
 //! `SDP4BIT_EMULATION_FAULT` naming the test), so a fault that stops the process (a kernel
 //! touching a guard page) or stays in the fault log cannot disturb the other tests; the parent
@@ -239,6 +240,74 @@ fn fault_freed_buffer_still_in_use() {
             "may still use it",
         ]);
         device.first.synchronize().expect("synchronize");
+    }) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// Holds its stream until the gate (an AtomicBool) opens (`cuLaunchHostFunc`'s callback).
+extern "C" fn wait_for_gate(gate: *mut std::ffi::c_void) {
+    // SAFETY: `gate` points to the AtomicBool of the test, alive until its stream is
+    // synchronised.
+    let gate = unsafe { &*gate.cast::<std::sync::atomic::AtomicBool>() };
+    while !gate.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+}
+
+/// Pinned host memory (`cuMemHostAlloc`): a copy into it returns once enqueued, without a
+/// host synchronisation, and lands when its stream runs it; freeing it while such a copy is
+/// still queued (its stream held by a host function) is reported.
+#[test]
+fn fault_pinned_memory_freed_under_a_queued_copy() {
+    use cudarc::driver::result as driver;
+    use cudarc::driver::sys;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let Some(output) = run_isolated("fault_pinned_memory_freed_under_a_queued_copy", || {
+        let device = Device::new();
+        let stream = device.first.cu_stream();
+        let gate = AtomicBool::new(false);
+        // SAFETY: device 0's context is current and `stream` is live; the pinned words and the
+        // device word outlive every copy into or from them (synchronised below), except the
+        // freed word of the broken variant, which the emulation keeps allocated.
+        unsafe {
+            let word = driver::malloc_sync(4).expect("a device word");
+            driver::memset_d8_async(word, 7, 4, stream).expect("memset");
+            // Correct: copy, synchronise, read, free.
+            let pinned = driver::malloc_host(4, 0).expect("pinned memory");
+            let _earlier = emulation().take_host_syncs();
+            sys::cuMemcpyDtoHAsync_v2(pinned, word, 4, stream)
+                .result()
+                .expect("a copy into pinned memory");
+            let enqueued_only = emulation().take_host_syncs();
+            assert!(
+                enqueued_only.is_empty(),
+                "a copy into pinned memory was a synchronisation: {enqueued_only:?}"
+            );
+            driver::stream::synchronize(stream).expect("synchronize");
+            assert_eq!(pinned.cast::<u32>().read_volatile(), 0x0707_0707);
+            driver::free_host(pinned).expect("free the pinned word");
+            assert_no_faults();
+            // Broken: free while the copy is still queued behind a held stream.
+            let pinned = driver::malloc_host(4, 0).expect("pinned memory");
+            sys::cuLaunchHostFunc(
+                stream,
+                Some(wait_for_gate),
+                (&raw const gate).cast_mut().cast(),
+            )
+            .result()
+            .expect("host function");
+            sys::cuMemcpyDtoHAsync_v2(pinned, word, 4, stream)
+                .result()
+                .expect("a queued copy into pinned memory");
+            driver::free_host(pinned).expect_err("freed under a queued copy");
+            assert_faults(&["cuMemFreeHost of pinned memory", "still writes"]);
+            gate.store(true, Ordering::SeqCst);
+            driver::stream::synchronize(stream).expect("synchronize");
+            driver::free_sync(word).expect("free the device word");
+        }
     }) else {
         return;
     };

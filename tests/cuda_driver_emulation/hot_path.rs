@@ -2,13 +2,15 @@
 //! `end_to_end` asserts is zero inside every collective) counts what it must, Global-QSGD's
 //! special buckets (all zeros, NaN, Inf) give the host's shards from a scale the kernels read
 //! in device memory, and an overflow of its integer sum on the device is reported with the
-//! host's error and leaves NaN for the framework's found-inf check.
+//! host's error and leaves NaN for the framework's found-inf check, also when the status word
+//! is read back through pinned memory without any host synchronisation (the torch
+//! extension's way).
 
 use cudarc::driver::CudaContext;
 use cudarc::driver::result as driver;
 use cudarc::driver::sys;
 use sdp4bit::backend::Backend;
-use sdp4bit::backend::cuda::{Cuda, DeviceBuffer};
+use sdp4bit::backend::cuda::{Cuda, DeviceBuffer, StatusReadback, Stream};
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, sum_in_rank_order};
 use sdp4bit::plan::Topology;
@@ -184,12 +186,11 @@ fn global_qsgd_device_sum_overflow_is_reported() {
     assert_child_passed(&output);
 }
 
-fn overflow_scenario() {
-    let topo = Topology::uniform(1, 2).expect("one node of two");
-    let config: Config = cfg(Preset::GlobalQsgd, &[]);
-    let numel = 2 * 64;
-    // Element 0 holds the absmax, so its code is K = 63 whatever the rounding.
-    let grads: Vec<Vec<f32>> = (0..2)
+/// Two ranks' Global-QSGD gradients whose element 0 overflows rank 0's int8 sum once every
+/// launch of the int8 rounding flips bit 6 of its first code (element 0 holds the absmax, so its
+/// code is K = 63 whatever the rounding, and 127 once flipped).
+fn overflowing_grads(numel: usize) -> Vec<Vec<f32>> {
+    (0..2)
         .map(|r| {
             (0..numel)
                 .map(|i| {
@@ -201,7 +202,32 @@ fn overflow_scenario() {
                 })
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+/// The error the host's sum in rank order returns when both ranks send 127 as the first code of
+/// a `shard_len`-element block.
+fn host_overflow_error(shard_len: usize) -> String {
+    let mut want_blocks = vec![vec![0i8; shard_len]; 2];
+    want_blocks[0][0] = 127;
+    want_blocks[1][0] = 127;
+    let mut recv = vec![0i8; shard_len];
+    sum_in_rank_order(
+        want_blocks
+            .iter()
+            .map(|b| bytemuck::cast_slice::<i8, u8>(b)),
+        &mut recv,
+        0,
+    )
+    .expect_err("127 + 127 overflows int8")
+    .to_string()
+}
+
+fn overflow_scenario() {
+    let topo = Topology::uniform(1, 2).expect("one node of two");
+    let config: Config = cfg(Preset::GlobalQsgd, &[]);
+    let numel = 2 * 64;
+    let grads = overflowing_grads(numel);
     emulation().corrupt_kernel_output(Some(c"global_quantize_i8"), 0, 0x40);
     let results = EmulatedCluster::new(&topo).run(|rank| {
         let me = rank.comms.world.rank();
@@ -226,20 +252,8 @@ fn overflow_scenario() {
         shard0[1..].iter().all(|x| x.is_finite()),
         "only element 0 overflows"
     );
-    let mut want_blocks = vec![vec![0i8; *s]; 2];
-    want_blocks[0][0] = 127;
-    want_blocks[1][0] = 127;
-    let mut recv = vec![0i8; *s];
-    let host_error = sum_in_rank_order(
-        want_blocks
-            .iter()
-            .map(|b| bytemuck::cast_slice::<i8, u8>(b)),
-        &mut recv,
-        0,
-    )
-    .expect_err("127 + 127 overflows int8");
     let device_error = checked0.as_ref().expect_err("rank 0's sum overflowed");
-    assert_eq!(device_error.to_string(), host_error.to_string());
+    assert_eq!(device_error.to_string(), host_overflow_error(*s));
     assert!(
         again0.is_ok(),
         "the status is cleared once reported: {again0:?}"
@@ -247,6 +261,102 @@ fn overflow_scenario() {
     let (shard1, checked1, _, _) = &results[1];
     assert!(checked1.is_ok(), "rank 1's sums fit: {checked1:?}");
     assert!(shard1.iter().all(|x| x.is_finite()), "rank 1: {shard1:?}");
+    let faults = emulation().take_faults(-1);
+    assert!(faults.is_empty(), "the emulation reported:\n{faults}");
+}
+
+/// The same overflow read back as the torch extension reads it: after the step, the status
+/// word is copied on the stream into pinned host memory and cleared, and the host polls an
+/// event until the copy has landed, never waiting for the device (no host synchronisation is
+/// counted from the step to the last poll). Rank 0 gets the host's error, once; the next
+/// readback (after another step without the corruption) reads 0; rank 1 reads 0 throughout.
+#[test]
+fn global_qsgd_overflow_is_read_back_without_waiting() {
+    let Some(output) = run_isolated(
+        "hot_path::global_qsgd_overflow_is_read_back_without_waiting",
+        &[],
+        readback_scenario,
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// Starts a readback of `rs`'s status word on `rank`'s stream and polls it until it lands.
+fn read_back(
+    rank: &Rank<'_>,
+    rs: &mut GradReduceScatter<Cuda>,
+    readback: &mut StatusReadback,
+) -> sdp4bit::Result<()> {
+    let status = rs
+        .integer_sum_status()
+        .expect("Global-QSGD on a device has a status word");
+    // SAFETY: the rank's live stream of the device's primary context.
+    let stream = unsafe { Stream::from_raw(rank.stream.cu_stream() as usize) };
+    assert!(readback.start(stream, status).expect("enqueue the copy"));
+    assert!(
+        !readback.start(stream, status).expect("a second start"),
+        "a readback not yet taken is not restarted"
+    );
+    let word = loop {
+        if let Some(word) = readback.take().expect("query the copy") {
+            break word;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    };
+    rs.integer_sum_error(word)
+}
+
+fn readback_scenario() {
+    let topo = Topology::uniform(1, 2).expect("one node of two");
+    let config: Config = cfg(Preset::GlobalQsgd, &[]);
+    let numel = 2 * 64;
+    let grads = overflowing_grads(numel);
+    emulation().corrupt_kernel_output(Some(c"global_quantize_i8"), 0, 0x40);
+    let results = EmulatedCluster::new(&topo).run(|rank| {
+        let me = rank.comms.world.rank();
+        let mut rs = GradReduceScatter::with_backend(&rank.backend, &config, &topo, me, numel, 2)
+            .expect("device plan");
+        let mut readback = StatusReadback::new(rank.backend.kernels()).expect("pinned word");
+        let shard_len = rs.plan().shard_len;
+        let mut shard = upload(rank, &vec![0.0f32; shard_len]);
+        let bucket = upload(rank, &grads[me]);
+        let _set_up = emulation().take_host_syncs();
+        run_device(rank, &mut rs, &bucket, &mut shard).expect("the step itself is enqueued");
+        let first = read_back(rank, &mut rs, &mut readback);
+        // Each rank's copy landed after its corrupted launch ran: once both have, the
+        // corruption goes before the second step is enqueued.
+        rank.comms.world.all_reduce_max(0.0).expect("meet");
+        if me == 0 {
+            emulation().corrupt_kernel_output(None, 0, 0);
+        }
+        rank.comms.world.all_reduce_max(0.0).expect("meet");
+        run_device(rank, &mut rs, &bucket, &mut shard).expect("a clean step");
+        let second = read_back(rank, &mut rs, &mut readback);
+        let syncs = emulation().take_host_syncs();
+        // Before the buffers are freed (the peers' reads of them included).
+        rank.stream.synchronize().expect("stream synchronize");
+        rank.comms.world.all_reduce_max(0.0).expect("meet");
+        (first, second, syncs, shard_len)
+    });
+    let (first0, second0, syncs0, s) = &results[0];
+    let error = first0.as_ref().expect_err("rank 0's sum overflowed");
+    assert_eq!(error.to_string(), host_overflow_error(*s));
+    assert!(
+        second0.is_ok(),
+        "the status was cleared by the copy: {second0:?}"
+    );
+    let (first1, second1, syncs1, _) = &results[1];
+    assert!(
+        first1.is_ok() && second1.is_ok(),
+        "rank 1's sums fit: {first1:?} {second1:?}"
+    );
+    for (rank, syncs) in [(0, syncs0), (1, syncs1)] {
+        assert!(
+            syncs.is_empty(),
+            "rank {rank} waited on the host: {syncs:?}"
+        );
+    }
     let faults = emulation().take_faults(-1);
     assert!(faults.is_empty(), "the emulation reported:\n{faults}");
 }

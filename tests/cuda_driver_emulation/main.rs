@@ -18,6 +18,8 @@
 //!   overflow of its integer sum on the device;
 //! - the buffers come from the allocator the backend is given, and the sdp4bit preset's
 //!   device bytes per parameter ([`device_memory`]);
+//! - a bucket re-created while its predecessor's step may still run sets up after it, with a
+//!   stream-ordered caching allocator ([`set_up`]);
 //! - `gpu_suite_runs_on_the_emulation`: `tests/cuda_gpu.rs`, unchanged, in a child process
 //!   that finds the emulation as its `libcuda.so` ([`gpu_suite`]).
 //!
@@ -34,6 +36,7 @@ mod hot_path;
 mod images;
 mod library;
 mod self_check;
+mod set_up;
 
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::setups::cfg;

@@ -105,6 +105,14 @@ struct Allocation {
     std::vector<AccessRecord> records;
 };
 
+// One cuMemHostAlloc: page-locked host memory, which a copy to the host writes asynchronously
+// (on its stream, after the call returns) instead of before returning.
+struct PinnedHost {
+    size_t size = 0;
+    // The copies into it, by stream id and sequence number, for cuMemFreeHost's check.
+    std::vector<std::pair<uint32_t, uint64_t>> writers;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Streams, operations and events.
 
@@ -208,6 +216,8 @@ struct Driver {
     std::vector<uint64_t> completed;
     std::vector<std::unique_ptr<Event>> events;
     std::vector<std::unique_ptr<Module>> modules;
+    // Live pinned host allocations by address.
+    std::map<uint64_t, PinnedHost> pinned;
     // Live handles by kind: what a handle argument is checked against.
     std::unordered_set<const void*> live_streams;
     std::unordered_set<const void*> live_events;

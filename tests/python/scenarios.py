@@ -89,10 +89,11 @@ def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology, dev
     return report
 
 
-def pipelined_chunks_equal_one_chunk(rank, world, labels):
+def pipelined_chunks_equal_one_chunk(rank, world, labels, device="cpu"):
     """Chunks in flight over the process groups (each chunk's all-to-alls issued while its
-    neighbours are computed): an explicit P and the automatic P of a large bucket give the
-    in-process collective's bytes, and those of P = 1 (the padding is P = 1's in both)."""
+    neighbours are computed; on CUDA, on the process group's stream while the side stream
+    computes): an explicit P and the automatic P of a large bucket give the in-process
+    collective's bytes, and those of P = 1 (the padding is P = 1's in both)."""
     groups = ProcessGroups.create(node_labels=labels)
     cases = [("sdp4bit", {"pipeline_chunks": 4}, world * 3 * 8 * 2048),
              ("qsdp", {"pipeline_chunks": 3}, world * 3 * 8 * 2048),
@@ -102,14 +103,14 @@ def pipelined_chunks_equal_one_chunk(rank, world, labels):
         config = Config.from_knobs(preset, {"seed": 5, **knobs})
         one = Config.from_knobs(preset, {"seed": 5, "pipeline_chunks": 1})
         inputs = gradients(world, numel, seed=40 + bucket_id)
-        rs = GradReduceScatter(groups, config, numel, bucket_id)
+        rs = GradReduceScatter(groups, config, numel, bucket_id, device=device)
         for step in (3, 4):
-            shard = torch.empty(rs.shard_len)
-            rs.start(inputs[rank].clone(), shard, step).wait()
+            shard = torch.empty(rs.shard_len, device=device)
+            rs.start(inputs[rank].to(device, copy=True), shard, step).wait()
             for reference in (config, one):
                 expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
                     reference.spec(), labels, bucket_id, step, inputs)[rank]
-                assert same_bits(shard, expected), (preset, knobs, reference, step)
+                assert same_bits(shard.cpu(), expected), (preset, knobs, reference, step)
         chunks.append(config.values()["pipeline_chunks"])
     groups.close()
     return chunks

@@ -27,5 +27,10 @@ def test_w4_gloo_on_one_gpu_two_levels_equal_the_cpu():
               "cuda:0")
 
 
+def test_pipelined_chunks_on_one_gpu_equal_one_chunk():
+    reports = run_ranks(4, scenarios.pipelined_chunks_equal_one_chunk, [0, 0, 1, 1], "cuda:0")
+    assert reports[0] == ["4", "3", "auto"], reports[0]
+
+
 def test_nan_reaches_every_owner_on_cuda():
     run_ranks(2, scenarios.nan_reaches_the_owner, [0, 1], scenarios.PRESETS, "cuda:0")

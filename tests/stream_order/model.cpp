@@ -16,16 +16,21 @@
 // the compute stream goes on with other work, frees the bucket and reuses its memory, calls
 // wait() and reads the shard. Weights: the optimizer writes this rank's shard of the params,
 // start() enqueues the all-gather (which reads and rewrites the params), the compute stream
-// runs other layers, calls wait() and reads the params. Checked for many interleavings: no
-// unordered access, and the compute stream's work between start() and wait() never waits for
-// the collective. Each step of the order is then removed in turn (a sabotaged device), and
-// the model must catch each in some scenario.
+// runs other layers, calls wait() and reads the params. Pipelined gradients: the chunk loop of
+// the Rust core (src/collective/gradient.rs) for P = 3 chunks, each chunk's exchange issued
+// asynchronously while the side stream quantizes the next chunk and reduces the previous one,
+// then the bucket is dropped and re-created while the collective may still run (the new
+// bucket's set-up writes its tables into the memory the allocator took back). Checked for
+// many interleavings: no unordered access, and the compute stream's work between start() and
+// wait() never waits for the collective. Each step of the order is then removed in turn (a
+// sabotaged device), and the model must catch each in some scenario.
 //
 // Prints one line per case and exits non-zero if any check fails.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -48,6 +53,7 @@ struct Op {
   std::vector<int> gates;  // Access: events the memory was handed out after (allocator)
   bool collective = false; // enqueued by the collective (inside start())
   bool independent = false;  // must not wait for any collective op
+  int overlaps = -1;         // Access: an event it must not be ordered after (-1: none)
   std::string what;
 };
 
@@ -62,6 +68,7 @@ class Model {
 
   int new_event() {
     event_clocks_.emplace_back();
+    event_streams_.push_back(-1);
     return static_cast<int>(event_clocks_.size()) - 1;
   }
 
@@ -70,11 +77,13 @@ class Model {
     queues_[stream].push_back(std::move(op));
   }
 
-  void access(int stream, int block, bool write, std::string what, bool independent = false) {
+  void access(int stream, int block, bool write, std::string what, bool independent = false,
+              int overlaps = -1) {
     Op op(Op::Access);
     op.block = block;
     op.write = write;
     op.independent = independent;
+    op.overlaps = overlaps;
     op.what = std::move(what);
     op.gates = gates_[block];
     push(stream, std::move(op));
@@ -82,6 +91,7 @@ class Model {
 
   int record(int stream) {
     int event = new_event();
+    event_streams_[event] = stream;
     Op op(Op::Record);
     op.event = event;
     push(stream, std::move(op));
@@ -181,6 +191,12 @@ class Model {
             }
           }
           accesses[op.block].push_back({s, clock[s], op.write, op.what});
+          if (op.overlaps >= 0 && recorded[op.overlaps]) {
+            const size_t by = static_cast<size_t>(event_streams_[op.overlaps]);
+            if (clock[by] >= events[op.overlaps][by]) {
+              return {op.what + " waited for the exchange it should overlap"};
+            }
+          }
           break;
         }
       }
@@ -199,6 +215,7 @@ class Model {
  private:
   std::vector<std::vector<Op>> queues_;
   std::vector<Clock> event_clocks_;
+  std::vector<int> event_streams_;  // the stream each event is recorded on
   std::vector<int> block_stream_;
   std::vector<std::vector<int>> recorded_on_;
   std::map<int, std::vector<int>> pending_;  // freed blocks: events recorded at the free
@@ -207,7 +224,17 @@ class Model {
 };
 
 // A step of the order the device leaves out, to show that the model catches its absence.
-enum class Sabotage { None, NoReadyEvent, NoRecordStream, NoDoneWait, CollectiveOnCurrent };
+enum class Sabotage {
+  None,
+  NoReadyEvent,
+  NoRecordStream,
+  NoDoneWait,
+  CollectiveOnCurrent,
+  NoExchangeWait,
+  BuffersOffSideStream,
+  SetUpOnLegacyStream,
+  ExchangeWaitedAtOnce,
+};
 
 const char* name(Sabotage sabotage) {
   switch (sabotage) {
@@ -221,21 +248,35 @@ const char* name(Sabotage sabotage) {
       return "without wait() making the current stream wait";
     case Sabotage::CollectiveOnCurrent:
       return "with the collective on the current stream";
+    case Sabotage::NoExchangeWait:
+      return "without the side stream waiting for each exchange";
+    case Sabotage::BuffersOffSideStream:
+      return "with the collective's buffers allocated for the current stream";
+    case Sabotage::SetUpOnLegacyStream:
+      return "with a bucket's set-up on the legacy default stream";
+    case Sabotage::ExchangeWaitedAtOnce:
+      return "with each exchange waited for as soon as it is issued";
   }
   return "?";
 }
 
+constexpr int kCompute = 0, kSide = 1, kComm = 2;
+
 // The Device policy of stream_order.h over the model; a stream is its index, the current
-// stream is the model's.
+// stream is the model's. Exchanges run on kComm as ProcessGroupNCCL runs an async_op
+// collective: its stream waits for the current one, and the Work's wait() makes the current
+// stream wait for its end.
 struct ModelDevice {
   using Stream = int;
   using Event = int;
   using Buffer = int;  // a memory block
+  using Work = int;    // the event recorded after the exchange on kComm
 
   Model* model;
   int* current_stream;
   Sabotage sabotage;
   int* blocks_done;  // block() calls so far: the first is the ready event's
+  int* last_exchange;  // the Work of the exchange issued last
 
   Stream current() const { return *current_stream; }
   Event record(const Stream& stream) const { return model->record(stream); }
@@ -249,6 +290,17 @@ struct ModelDevice {
   void protect(const Buffer& block, const Stream& stream) const {
     if (sabotage != Sabotage::NoRecordStream) model->record_stream(block, stream);
   }
+  Work issue_exchange(const Buffer& send, const Buffer& recv) const {
+    model->wait(kComm, model->record(current()));
+    model->access(kComm, send, false, "the exchange sends the codes");
+    model->access(kComm, recv, true, "the exchange receives codes");
+    *last_exchange = model->record(kComm);
+    if (sabotage == Sabotage::ExchangeWaitedAtOnce) model->wait(current(), *last_exchange);
+    return *last_exchange;
+  }
+  void wait_exchange(const Work& end) const {
+    if (sabotage != Sabotage::NoExchangeWait) model->wait(current(), end);
+  }
   template <class F>
   void with_current(const Stream& stream, F&& f) const {
     int previous = *current_stream;
@@ -260,26 +312,26 @@ struct ModelDevice {
   }
 };
 
-constexpr int kCompute = 0, kSide = 1, kComm = 2;
+// The stream a collective's buffers are allocated for: the side stream, as the extension
+// allocates them.
+int buffer_stream(Sabotage sabotage) {
+  return sabotage == Sabotage::BuffersOffSideStream ? kCompute : kSide;
+}
 
-// A c10d exchange as ProcessGroupNCCL issues it with `on` current: its stream waits for `on`,
-// and the work's wait() makes `on` wait for its end.
-void exchange(Model& model, int on, int send, int received) {
-  model.wait(kComm, model.record(on));
-  model.access(kComm, send, false, "the exchange sends the codes");
-  model.access(kComm, received, true, "the exchange receives codes");
-  model.wait(on, model.record(kComm));
+// An exchange that is waited for at once (a collective of one chunk).
+void exchange(const ModelDevice& device, int send, int received) {
+  sdp4bit::start_exchange(device, send, received).wait();
 }
 
 // The gradient reduce-scatter of one bucket in a training step, enqueued on the model.
 Model gradient_scenario(Sabotage sabotage) {
   Model model(3);
-  int current = kCompute, blocks_done = 0;
-  ModelDevice device{&model, &current, sabotage, &blocks_done};
+  int current = kCompute, blocks_done = 0, last_exchange = -1;
+  ModelDevice device{&model, &current, sabotage, &blocks_done, &last_exchange};
   int bucket = model.allocate(kCompute);
   int shard = model.allocate(kCompute);
-  int scratch = model.allocate(kSide);  // the collective's own buffers, allocated on the side
-  int received = model.allocate(kSide);
+  int scratch = model.allocate(buffer_stream(sabotage));  // the collective's own buffers
+  int received = model.allocate(buffer_stream(sabotage));
   int other = model.allocate(kCompute);
   model.access(kCompute, bucket, true, "backward writes the bucket");
   model.access(kCompute, shard, true, "the previous step's optimizer writes the shard");
@@ -287,7 +339,7 @@ Model gradient_scenario(Sabotage sabotage) {
     int on = device.current();
     model.access(on, bucket, false, "the quantize kernel reads the bucket");
     model.access(on, scratch, true, "the quantize kernel writes the codes");
-    exchange(model, on, scratch, received);
+    exchange(device, scratch, received);
     model.access(on, received, false, "the reduce kernel reads the received codes");
     model.access(on, shard, true, "the reduce kernel writes the shard");
   });
@@ -303,18 +355,18 @@ Model gradient_scenario(Sabotage sabotage) {
 // The parameter all-gather of one bucket in a training step, enqueued on the model.
 Model weight_scenario(Sabotage sabotage) {
   Model model(3);
-  int current = kCompute, blocks_done = 0;
-  ModelDevice device{&model, &current, sabotage, &blocks_done};
+  int current = kCompute, blocks_done = 0, last_exchange = -1;
+  ModelDevice device{&model, &current, sabotage, &blocks_done, &last_exchange};
   int params = model.allocate(kCompute);
-  int scratch = model.allocate(kSide);
-  int received = model.allocate(kSide);
+  int scratch = model.allocate(buffer_stream(sabotage));
+  int received = model.allocate(buffer_stream(sabotage));
   int other = model.allocate(kCompute);
   model.access(kCompute, params, true, "the optimizer writes this rank's shard");
   auto done = sdp4bit::enqueue_on_side_stream(device, kSide, {params}, [&] {
     int on = device.current();
     model.access(on, params, false, "the encode kernel reads the new shard");
     model.access(on, scratch, true, "the encode kernel writes the codes");
-    exchange(model, on, scratch, received);
+    exchange(device, scratch, received);
     model.access(on, received, false, "the apply kernel reads the received codes");
     model.access(on, params, true, "the apply kernel writes the params");
   });
@@ -324,17 +376,74 @@ Model weight_scenario(Sabotage sabotage) {
   return model;
 }
 
+// The pipelined gradient reduce-scatter of one bucket (P = 3 chunks, one exchange level, the
+// chunk loop of src/collective/gradient.rs), after which the bucket is dropped and re-created
+// while the collective may still run.
+Model pipelined_scenario(Sabotage sabotage) {
+  constexpr int kChunks = 3;
+  Model model(3);
+  int current = kCompute, blocks_done = 0, last_exchange = -1;
+  ModelDevice device{&model, &current, sabotage, &blocks_done, &last_exchange};
+  int bucket = model.allocate(kCompute);
+  int shard = model.allocate(kCompute);
+  const int owner = buffer_stream(sabotage);
+  int send[2] = {model.allocate(owner), model.allocate(owner)};
+  int received[2] = {model.allocate(owner), model.allocate(owner)};
+  int other = model.allocate(kCompute);
+  model.access(kCompute, bucket, true, "backward writes the bucket");
+  model.access(kCompute, shard, true, "the previous step's optimizer writes the shard");
+  auto done = sdp4bit::enqueue_on_side_stream(device, kSide, {bucket, shard}, [&] {
+    int on = device.current();
+    model.access(on, bucket, false, "the quantize kernel of chunk 0 reads the bucket");
+    model.access(on, send[0], true, "the quantize kernel of chunk 0 writes its codes");
+    for (int t = 0; t <= kChunks; ++t) {
+      std::optional<sdp4bit::ExchangeInFlight<ModelDevice>> flight;
+      if (t < kChunks) flight.emplace(sdp4bit::start_exchange(device, send[t % 2], received[t % 2]));
+      if (t + 1 < kChunks) {
+        // Computed while chunk t travels: not ordered after its exchange.
+        model.access(on, bucket, false, "the quantize kernel of the next chunk reads the bucket",
+                     false, last_exchange);
+        model.access(on, send[(t + 1) % 2], true,
+                     "the quantize kernel of the next chunk writes its codes");
+      }
+      if (t >= 1) {
+        model.access(on, received[(t - 1) % 2], false,
+                     "the reduce kernel of the previous chunk reads its codes");
+        model.access(on, shard, true, "the reduce kernel of the previous chunk writes the shard");
+      }
+      if (flight) flight->wait();
+    }
+  });
+  model.access(kCompute, other, true, "backward goes on before wait()", true);
+  // The bucket is re-created: its buffers go back to the allocator and the new bucket's set-up
+  // writes its tables into their memory, from the pool of the stream they were allocated for.
+  for (int block : {send[0], send[1], received[0], received[1]}) model.free(block);
+  int tables = model.allocate(owner, send[0]);
+  if (owner == kCompute) {
+    model.access(kCompute, tables, true, "a new tensor of the current stream in their memory");
+  } else {
+    // The legacy default stream is the compute stream's (torch's default stream).
+    int set_up = sabotage == Sabotage::SetUpOnLegacyStream ? kCompute : kSide;
+    model.access(set_up, tables, true, "the re-created bucket's set-up uploads its tables");
+  }
+  done.wait_on_current_stream();
+  model.access(kCompute, shard, false, "the optimizer reads the shard after wait()");
+  return model;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int runs = argc > 1 ? std::atoi(argv[1]) : 2000;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 0x5eed;
   bool ok = true;
-  for (Sabotage sabotage : {Sabotage::None, Sabotage::NoReadyEvent, Sabotage::NoRecordStream,
-                            Sabotage::NoDoneWait, Sabotage::CollectiveOnCurrent}) {
+  for (Sabotage sabotage :
+       {Sabotage::None, Sabotage::NoReadyEvent, Sabotage::NoRecordStream, Sabotage::NoDoneWait,
+        Sabotage::CollectiveOnCurrent, Sabotage::NoExchangeWait, Sabotage::BuffersOffSideStream,
+        Sabotage::SetUpOnLegacyStream, Sabotage::ExchangeWaitedAtOnce}) {
     std::string first_problem;
     int failing = 0;
-    for (Model (*scenario)(Sabotage) : {gradient_scenario, weight_scenario}) {
+    for (Model (*scenario)(Sabotage) : {gradient_scenario, weight_scenario, pipelined_scenario}) {
       Model model = scenario(sabotage);
       for (int i = 0; i < runs; ++i) {
         Run run = model.run(seed + static_cast<uint64_t>(i));
@@ -344,8 +453,8 @@ int main(int argc, char** argv) {
     }
     bool expected = sabotage == Sabotage::None ? failing == 0 : failing > 0;
     ok = ok && expected;
-    std::printf("%s %s: %d of %d interleavings of the two scenarios wrong%s%s\n",
-                expected ? "ok" : "FAILED", name(sabotage), failing, 2 * runs,
+    std::printf("%s %s: %d of %d interleavings of the three scenarios wrong%s%s\n",
+                expected ? "ok" : "FAILED", name(sabotage), failing, 3 * runs,
                 failing ? "; first: " : "", first_problem.c_str());
   }
   return ok ? 0 : 1;

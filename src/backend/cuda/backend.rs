@@ -124,6 +124,11 @@ impl Backend for Cuda {
         DeviceBuffer::new(self.kernels, self.allocator, len)
     }
 
+    /// [`DeviceBuffer::take`] for this backend's stream.
+    fn call_buffer<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::take(self.kernels, self.allocator, self.stream, len)
+    }
+
     fn src<T: Element>(buffer: &DeviceBuffer<T>) -> DeviceSpan<T> {
         buffer.span()
     }
@@ -200,15 +205,20 @@ impl Backend for Cuda {
         })
     }
 
+    /// Uploads the table on the backend's stream, like every pass: memory an allocator tied
+    /// to that stream (torch's) hands out may still be used by work enqueued there before,
+    /// which a synchronous copy (ordered on the legacy default stream only) could overtake.
     fn grad_tables(&self, layout: &GradLayout) -> Result<DeviceBuffer<u32>> {
         let table = dest_table(layout)?;
         let buffer = DeviceBuffer::<u32>::new(self.kernels, self.allocator, table.len())?;
         if !table.is_empty() {
+            let stream = self.stream.raw();
             self.kernels.with_context(|| {
-                // SAFETY: the buffer holds `table.len()` u32s in this context; the copy is
-                // synchronous, so `table` outlives it.
-                unsafe { driver::memcpy_htod_sync(buffer.addr(), &table) }
-                    .map_err(driver_error("cuMemcpyHtoD"))
+                // SAFETY: the buffer holds `table.len()` u32s in this context and `stream`
+                // belongs to it; a copy from pageable host memory reads `table` before it
+                // returns, so dropping `table` afterwards is sound.
+                unsafe { driver::memcpy_htod_async(buffer.addr(), &table, stream) }
+                    .map_err(driver_error("cuMemcpyHtoDAsync"))
             })?;
         }
         Ok(buffer)

@@ -85,14 +85,20 @@ impl DeviceExchange {
     /// Orders the compute stream after the exchange (its receive buffer then holds the
     /// result for every pass enqueued later), without waiting on the host. An error of the
     /// exchange itself surfaces on the stream, where the caller's next synchronisation sees it.
+    /// When the stream cannot be made to wait, the host waits for the exchange before the
+    /// error is returned, so that its buffers are free to reuse either way.
     pub fn complete(&mut self) -> Result<()> {
-        self.done.wait_on(self.main)
+        self.done.wait_on(self.main).inspect_err(|_| {
+            // The error to report is the wait's; a failing host wait means the context is
+            // gone, and the buffers with it.
+            let _ = self.done.synchronize();
+        })
     }
 }
 
 /// A recorded event (timing disabled), destroyed when dropped.
 #[derive(Debug)]
-struct Event {
+pub(super) struct Event {
     kernels: &'static Kernels,
     raw: sys::CUevent,
 }
@@ -102,7 +108,7 @@ unsafe impl Send for Event {}
 
 impl Event {
     /// An event recorded on `stream` now: it fires once the work enqueued there so far has run.
-    fn record(kernels: &'static Kernels, stream: Stream) -> Result<Self> {
+    pub(super) fn record(kernels: &'static Kernels, stream: Stream) -> Result<Self> {
         kernels.with_context(|| {
             let raw = driver::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(driver_error("cuEventCreate"))?;
@@ -114,8 +120,30 @@ impl Event {
         })
     }
 
+    /// Whether the device has run the work the event follows; never blocks. An error of that
+    /// work is returned as the error.
+    pub(super) fn query(&self) -> Result<bool> {
+        self.kernels.with_context(|| {
+            // SAFETY: a live event of the current context.
+            match unsafe { driver::event::query(self.raw) } {
+                Ok(()) => Ok(true),
+                Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+                Err(e) => Err(driver_error("cuEventQuery")(e)),
+            }
+        })
+    }
+
+    /// Blocks the host until the device has run the work the event follows.
+    pub(super) fn synchronize(&self) -> Result<()> {
+        self.kernels.with_context(|| {
+            // SAFETY: a live event of the current context.
+            unsafe { driver::event::synchronize(self.raw) }
+                .map_err(driver_error("cuEventSynchronize"))
+        })
+    }
+
     /// Makes the work enqueued on `stream` after this call wait for the event.
-    fn wait_on(&self, stream: Stream) -> Result<()> {
+    pub(super) fn wait_on(&self, stream: Stream) -> Result<()> {
         self.kernels.with_context(|| {
             // SAFETY: a live event and a live stream of the current context.
             unsafe {

@@ -1,6 +1,6 @@
 //! The CUDA backend: the fused passes of `backend::cpu` as kernels (`kernels/*.cu`), compiled
 //! by NVRTC at first use for the device's architecture, cached per device, and launched on the
-//! caller's CUDA stream with no allocation and no host synchronisation per call.
+//! caller's CUDA stream with no host synchronisation per call.
 //!
 //! cudarc is used with dynamic loading: nothing links against CUDA, and [`probe`] checks with
 //! libloading that the driver and NVRTC libraries (and every symbol used) are present before
@@ -15,10 +15,13 @@
 //! - [`Stream`], [`DeviceSpan`]: raw stream and device-memory handles, e.g. from torch;
 //! - [`Cuda`]: the collectives' [`Backend`](crate::backend::Backend) on one device (every
 //!   pass enqueued on one stream);
-//! - [`alloc`]: its persistent [`DeviceBuffer`]s and the [`Allocator`] they come from (the
-//!   driver, or one it is given, such as torch's caching allocator);
+//! - [`alloc`]: its [`DeviceBuffer`]s, kept by a bucket or taken for one call and reused in
+//!   stream order, and the [`Allocator`] they come from (the driver, or one it is given, such
+//!   as torch's caching allocator);
 //! - [`SideStream`], [`DeviceExchange`]: a device communicator's exchanges on a side stream,
-//!   ordered by events, so pipeline chunks overlap.
+//!   ordered by events, so pipeline chunks overlap;
+//! - [`StatusReadback`]: Global-QSGD's integer-sum status word read on the host through
+//!   pinned memory and an event query, without waiting for the device.
 //!
 //! Use: `Kernels::get(device)?` once, upload [`dest_table`] once per bucket, then call the
 //! launch methods every step; results are ready when the stream reaches them.
@@ -31,6 +34,7 @@ mod exchange;
 mod launch;
 mod module;
 pub mod probe;
+mod readback;
 pub mod source;
 pub mod target;
 
@@ -40,4 +44,5 @@ pub use compile::{Arch, Compiled, Target};
 pub use exchange::{DeviceExchange, SideStream};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
 pub use module::{Kernels, device_count, driver_version, format_driver_version};
+pub use readback::StatusReadback;
 pub use target::TargetChoice;
