@@ -93,6 +93,64 @@ __device__ __forceinline__ uint64_t sdp_thread_count()
     return (uint64_t)gridDim.x * blockDim.x;
 }
 
+// A warp's walk over the units u < units < 2^32 of a grid-stride loop as mixed-radix digits
+// (d[0] the most significant, digit i < radix[i] for i > 0; radix[0] is not used): each step
+// adds the warp count as digits, an addition and a carry per digit instead of a division per
+// index. The walk starts at the warp's first unit and has passed the last one exactly when
+// d[0] >= units / (radix[1] ... radix[N-1]).
+template <uint32_t N>
+struct sdp_unit_walk {
+    uint32_t at[N];
+    uint32_t step[N];
+};
+
+// `value` as digits of `radix`.
+template <uint32_t N>
+__device__ __forceinline__ void sdp_digits_of(uint32_t value, const uint32_t (&radix)[N], uint32_t (&d)[N])
+{
+#pragma unroll
+    for (uint32_t i = N - 1; i > 0; --i) {
+        d[i] = value % radix[i];
+        value /= radix[i];
+    }
+    d[0] = value;
+}
+
+template <uint32_t N>
+__device__ __forceinline__ sdp_unit_walk<N> sdp_unit_walk_of(uint32_t units, const uint32_t (&radix)[N])
+{
+    sdp_unit_walk<N> w;
+    if (units == 0) {  // No unit (and a radix may be 0): start past the end.
+#pragma unroll
+        for (uint32_t i = 0; i < N; ++i) {
+            w.at[i] = i == 0 ? 0xffffffffu : 0;
+            w.step[i] = 0;
+        }
+        return w;
+    }
+    // Clamped to `units`: a warp starting or stepping past the last unit only needs to end
+    // past it.
+    const uint64_t first = sdp_warp_id() < units ? sdp_warp_id() : units;
+    const uint64_t step = sdp_warp_count() < units ? sdp_warp_count() : units;
+    sdp_digits_of((uint32_t)first, radix, w.at);
+    sdp_digits_of((uint32_t)step, radix, w.step);
+    return w;
+}
+
+// The next unit of the walk: at += step, digit by digit with carries.
+template <uint32_t N>
+__device__ __forceinline__ void sdp_unit_walk_next(sdp_unit_walk<N>& w, const uint32_t (&radix)[N])
+{
+    uint32_t carry = 0;
+#pragma unroll
+    for (uint32_t i = N - 1; i > 0; --i) {
+        w.at[i] += w.step[i] + carry;
+        carry = w.at[i] >= radix[i] ? 1 : 0;
+        w.at[i] -= carry != 0 ? radix[i] : 0;
+    }
+    w.at[0] += w.step[0] + carry;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Vector memory access. Every access wider than an element goes through the CUDA intrinsics
 // (__ldg: read-only inputs; __ldcg: data the same kernel also writes, read through L2, which is
@@ -874,16 +932,23 @@ __device__ __forceinline__ bool sdp_meta_corrupt(const sdp_coded_group& grp)
     return grp.scale < 0.0f || sdp_is_inf(grp.scale) || sdp_is_inf(grp.offset);
 }
 
-// Whether any of the `fields` b-bit fields of `word` (b = 4 or 8, from the low end) is zero:
-// the borrow of (x - 0x..0101) reaches a field's top bit, with that bit clear in x, exactly when
-// some field is zero (a borrow only propagates past a zero field, so a field above the first
-// zero one may be flagged too, but never when none is zero).
-__device__ __forceinline__ bool sdp_has_zero_field(uint32_t word, uint32_t bits, uint32_t fields)
+// Zero fields of b-bit fields (b = 4 or 8): the borrow of (x - 0x..0101) reaches a field's top
+// bit, with that bit clear in x, exactly when some field is zero (a borrow only propagates
+// upwards past a zero field, so a field above the first zero one may be marked too, but never
+// when none is zero). sdp_zero_field_borrows gives those bits of a word before the top bits
+// are selected, so the marks of many words can be OR-ed and tested once by
+// sdp_zero_field_found on their lowest `fields` fields.
+__device__ __forceinline__ uint32_t sdp_zero_field_borrows(uint32_t word, uint32_t bits)
 {
     const uint32_t ones = bits == 4 ? 0x11111111u : 0x01010101u;
-    const uint32_t tops = ones << (bits - 1);
+    return (word - ones) & ~word;
+}
+
+__device__ __forceinline__ bool sdp_zero_field_found(uint32_t marks, uint32_t bits, uint32_t fields)
+{
+    const uint32_t tops = bits == 4 ? 0x88888888u : 0x80808080u;
     const uint32_t used = fields * bits >= 32 ? 0xffffffffu : (1u << (fields * bits)) - 1;
-    return ((word - ones) & ~word & tops & used) != 0;
+    return (marks & tops & used) != 0;
 }
 
 // The b-bit field k of `word` as an exact fp32 integer, the field read as unsigned and then
@@ -901,38 +966,53 @@ __device__ __forceinline__ float sdp_field_as_float(uint32_t word, uint32_t bits
 
 // The E codes of this lane's run r of tile t of a group as exact fp32 values: signed nibbles or
 // bytes (symmetric) or unsigned ones, read as whole words (a 4-bit run of E = 4 is half of the
-// word it shares with the neighbouring lane, which holds codes of the same group). Sets
-// `corrupt` when a symmetric code of the word is -2^(b-1), which the quantizer never writes.
+// word it shares with the neighbouring lane, which holds codes of the same group). ORs into
+// `marks` the zero-field borrows of its words, by which sdp_run_codes_corrupt finds a
+// symmetric code -2^(b-1), which the quantizer never writes.
 // A signed field c is decoded as the unsigned field of c + 2^(b-1) (the word with every
 // field's top bit flipped) minus 2^(b-1); the code -2^(b-1) is the zero field there.
+// sdp_run_codes_at gives the byte offset in the group's codes of the run's aligned word and,
+// for 4-bit codes, the shift of the run in it.
 template <uint32_t E>
-__device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uint8_t* codes, uint32_t t, uint32_t r,
-                                                   uint32_t lane, float* c, bool& corrupt)
+__device__ __forceinline__ uint32_t sdp_run_codes_at(const sdp_quant& q, uint32_t t, uint32_t r, uint32_t lane,
+                                                     uint32_t& shift)
 {
     const uint32_t first = sdp_tile_element<E>(t, r * E, lane);
+    if (q.bits == 4) {
+        // Byte offset of the run's word, and where in the word its codes start.
+        const uint32_t byte = first / 2;
+        shift = 8 * (byte & 3u);
+        return byte & ~3u;
+    }
+    shift = 0;
+    return first;
+}
+
+// The decoding of sdp_load_run_codes from the run's word(s) at `word` (sdp_run_codes_at).
+template <uint32_t E>
+__device__ __forceinline__ void sdp_decode_run_codes(const sdp_quant& q, const uint8_t* word, uint32_t shift, float* c,
+                                                     uint32_t& marks)
+{
     uint32_t lo;
     uint32_t hi = 0;
     if (q.bits == 4) {
-        const uint32_t byte = first / 2;
-        lo = __ldg((const unsigned int*)(codes + (byte & ~3u))) >> (8 * (byte & 3u));
+        lo = __ldg((const unsigned int*)word) >> shift;
     } else if (E == 8) {
-        const uint2 w = __ldg((const uint2*)(codes + first));
+        const uint2 w = __ldg((const uint2*)word);
         lo = w.x;
         hi = w.y;
     } else {
-        lo = __ldg((const unsigned int*)(codes + first));
+        lo = __ldg((const unsigned int*)word);
     }
-    // Codes of this run in lo (and hi): E fields of b bits.
-    const uint32_t lo_fields = q.bits == 4 ? E : (E < 4 ? E : 4);
     float bias = 0.0f;
     if (q.symmetric) {
         const uint32_t flip = q.bits == 4 ? 0x88888888u : 0x80808080u;
         lo ^= flip;
         hi ^= flip;
         bias = (float)(1u << (q.bits - 1));
-        corrupt |= sdp_has_zero_field(lo, q.bits, lo_fields);
+        marks |= sdp_zero_field_borrows(lo, q.bits);
         if (q.bits == 8 && E == 8) {
-            corrupt |= sdp_has_zero_field(hi, 8, 4);
+            marks |= sdp_zero_field_borrows(hi, 8);
         }
     }
 #pragma unroll
@@ -943,6 +1023,23 @@ __device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uin
             c[k] = sdp_field_as_float(k < 4 ? lo : hi, 8, k % 4, bias);
         }
     }
+}
+
+template <uint32_t E>
+__device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uint8_t* codes, uint32_t t, uint32_t r,
+                                                   uint32_t lane, float* c, uint32_t& marks)
+{
+    uint32_t shift;
+    const uint32_t at = sdp_run_codes_at<E>(q, t, r, lane, shift);
+    sdp_decode_run_codes<E>(q, codes + at, shift, c, marks);
+}
+
+// Whether the marks sdp_load_run_codes<E> OR-ed for runs of a symmetric group show a corrupt
+// code: the E fields of a run, in the low word (and the high word, all four of its fields).
+template <uint32_t E>
+__device__ __forceinline__ bool sdp_run_codes_corrupt(const sdp_quant& q, uint32_t marks)
+{
+    return q.symmetric && sdp_zero_field_found(marks, q.bits, q.bits == 4 ? E : (E < 4 ? E : 4));
 }
 
 // The dequantized value of code c (an exact fp32 integer): c * s (symmetric) or lo + c * s
@@ -957,7 +1054,11 @@ __device__ __forceinline__ float sdp_dequantize(const sdp_quant& q, const sdp_co
 // slab order, of dequantize(group k): out = deq(slab 0); out = out + deq(slab 1); ...
 // (gradient::sum_groups); zeros for runs past the group. Sets `corrupt` when a group it reads
 // is corrupt (see sdp_meta_corrupt, sdp_load_run_codes): the caller turns the whole group to
-// NaN once the warp has voted.
+// NaN once the warp has voted. The checks are folded over the peers and tested once: a scale
+// below 0 makes the smallest scale seen negative, an infinite scale or offset makes the
+// largest magnitude seen infinite (fminf and fmaxf pass over NaN, which is not corrupt), and
+// the zero-field marks of every code word are OR-ed. Group k of slab s lies one slab further
+// than group k of slab s - 1, so its addresses advance by one slab per peer.
 template <uint32_t E>
 __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sdp_slab& layout, uint32_t peers,
                                                    uint64_t k, uint32_t t, uint32_t lane,
@@ -968,14 +1069,33 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
     for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
         v[i] = 0.0f;
     }
+    // The word of each run of this lane in group k of the current slab.
+    const uint8_t* run_codes[SDP_LANE_VALUES / E];
+    uint32_t shift[SDP_LANE_VALUES / E];
+#pragma unroll
+    for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
+        run_codes[r] = recv + sdp_codes_offset(layout, k) + sdp_run_codes_at<E>(q, t, r, lane, shift[r]);
+    }
+    const uint8_t* scale = recv + sdp_scale_offset(layout, k);
+    const uint64_t to_offset = sdp_offset_offset(layout, k) - sdp_scale_offset(layout, k);
+    float lowest = 0.0f;
+    float largest = 0.0f;
+    uint32_t marks = 0;
     for (uint32_t s = 0; s < peers; ++s) {
-        const sdp_coded_group grp = sdp_slab_group(sdp_slab_at(recv, layout, s), layout, k);
-        corrupt |= sdp_meta_corrupt(grp);
+        sdp_coded_group grp;
+        grp.codes = nullptr;  // the runs' words are in run_codes
+        grp.scale = __ldg((const float*)scale);
+        grp.offset = q.symmetric ? 0.0f : __ldg((const float*)(scale + to_offset));
+        lowest = fminf(lowest, grp.scale);
+        largest = fmaxf(largest, fabsf(grp.scale));
+        if (!q.symmetric) {
+            largest = fmaxf(largest, fabsf(grp.offset));
+        }
 #pragma unroll
         for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
             if (sdp_run_in_group<E>(q.group_size, t, r, lane)) {
                 float c[E];
-                sdp_load_run_codes<E>(q, grp.codes, t, r, lane, c, corrupt);
+                sdp_decode_run_codes<E>(q, run_codes[r], shift[r], c, marks);
 #pragma unroll
                 for (uint32_t e = 0; e < E; ++e) {
                     const float x = sdp_dequantize(q, grp, c[e]);
@@ -983,5 +1103,11 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
                 }
             }
         }
+#pragma unroll
+        for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
+            run_codes[r] += layout.byte_len;
+        }
+        scale += layout.byte_len;
     }
+    corrupt |= lowest < 0.0f || sdp_is_inf(largest) || sdp_run_codes_corrupt<E>(q, marks);
 }

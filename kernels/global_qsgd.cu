@@ -8,7 +8,7 @@
 // Work unit: one run of 4 consecutive elements per thread (one Philox block for quantize),
 // grid-stride over ceil(numel / 4) runs; a run is moved with one 16-byte access of fp32 (and a
 // 4- or 8-byte access of the integers) when the buffers are aligned for it and the run is
-// whole, element by element otherwise. global_absmax reduces each warp's elements with
+// whole, element by element otherwise (the dequantization takes those runs in a second loop). global_absmax reduces each warp's elements with
 // shuffles and issues one atomicMax per warp.
 #include "common.cuh"
 
@@ -173,39 +173,23 @@ global_quantize_i16(const float* __restrict__ bucket, int16_t* __restrict__ out,
     global_quantize(bucket, out, args);
 }
 
-// The 4 integers of run b of `sum` (one 4- or 8-byte load when `vector`).
-__device__ __forceinline__ void global_load_sums(const int8_t* __restrict__ sum, const sdp_global& args, uint64_t b,
-                                                 bool vector, int32_t* c)
+// The 4 integers of the whole, aligned run at `run` (one 4- or 8-byte load).
+__device__ __forceinline__ void global_load_sums(const int8_t* __restrict__ run, int32_t* c)
 {
-    if (vector && 4 * b + 4 <= args.numel) {
-        const uint32_t word = __ldg((const unsigned int*)(sum + 4 * b));
-#pragma unroll
-        for (uint32_t e = 0; e < 4; ++e) {
-            c[e] = (int32_t)(word << (24 - 8 * e)) >> 24;
-        }
-        return;
-    }
+    const uint32_t word = __ldg((const unsigned int*)run);
 #pragma unroll
     for (uint32_t e = 0; e < 4; ++e) {
-        c[e] = 4 * b + e < args.numel ? sum[4 * b + e] : 0;
+        c[e] = (int32_t)(word << (24 - 8 * e)) >> 24;
     }
 }
 
-__device__ __forceinline__ void global_load_sums(const int16_t* __restrict__ sum, const sdp_global& args, uint64_t b,
-                                                 bool vector, int32_t* c)
+__device__ __forceinline__ void global_load_sums(const int16_t* __restrict__ run, int32_t* c)
 {
-    if (vector && 4 * b + 4 <= args.numel) {
-        const uint2 w = __ldg((const uint2*)(sum + 4 * b));
-        c[0] = (int32_t)(w.x << 16) >> 16;
-        c[1] = (int32_t)w.x >> 16;
-        c[2] = (int32_t)(w.y << 16) >> 16;
-        c[3] = (int32_t)w.y >> 16;
-        return;
-    }
-#pragma unroll
-    for (uint32_t e = 0; e < 4; ++e) {
-        c[e] = 4 * b + e < args.numel ? sum[4 * b + e] : 0;
-    }
+    const uint2 w = __ldg((const uint2*)run);
+    c[0] = (int32_t)(w.x << 16) >> 16;
+    c[1] = (int32_t)w.x >> 16;
+    c[2] = (int32_t)(w.y << 16) >> 16;
+    c[3] = (int32_t)w.y >> 16;
 }
 
 // The largest and smallest value of a Code.
@@ -213,6 +197,12 @@ template <class Code>
 __device__ __forceinline__ int32_t global_code_max()
 {
     return sizeof(Code) == 1 ? 127 : 32767;
+}
+
+template <class Code>
+__device__ __forceinline__ bool global_outside(int32_t v)
+{
+    return v > global_code_max<Code>() || v < -global_code_max<Code>() - 1;
 }
 
 // Records that the sum of element i overflowed when block r was added: the status word keeps
@@ -225,10 +215,47 @@ __device__ __forceinline__ void global_record_overflow(const sdp_global& args, u
     }
 }
 
+// Cold path: run b of the output element by element, each element the sum in rank order of
+// its `blocks` blocks with every partial sum checked: an overflow makes it NaN and is recorded.
+template <class Code>
+__device__ __forceinline__ void global_dequantize_checked(const Code* __restrict__ sum, float* __restrict__ out,
+                                                          const sdp_global& args, uint32_t blocks,
+                                                          const GlobalScale& scale, float fill, uint64_t b)
+{
+#pragma unroll 1
+    for (uint32_t e = 0; e < 4; ++e) {
+        const uint64_t i = 4 * b + e;
+        if (i >= args.numel) {
+            return;
+        }
+        float x = fill;
+        if (scale.outcome == GLOBAL_SCALED) {
+            int32_t acc = sum[i];
+            uint32_t r = 1;
+#pragma unroll 1
+            for (; r < blocks; ++r) {
+                acc += sum[(uint64_t)r * args.numel + i];
+                if (global_outside<Code>(acc)) {
+                    global_record_overflow(args, r, i);
+                    break;
+                }
+            }
+            x = r < blocks ? sdp_nan() : __fmul_rn((float)acc, scale.s);
+        }
+        out[i] = x;
+    }
+}
+
 // out[i] = f32(sum[i]) * scale (NaN or 0 by global_scale's outcome), one run of 4 per thread
 // and step, where sum[i] is the sum in rank order of element i of the `blocks` consecutive
 // blocks of numel integers at `sum` (one block when `blocks` is 0 or 1), each partial sum
 // checked: an element whose sum overflows the Code is NaN and recorded in the status word.
+//
+// The main loop takes the whole runs of aligned buffers and checks each element's partial
+// sums once, by the largest of them offset as below (an element overflows exactly when one
+// of its partial sums lies outside the Code); a thread that meets an overflow there goes
+// over its runs again after it, element by element, to find each first overflow for the
+// status word.
 template <class Code>
 __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, float* __restrict__ out,
                                                   const sdp_global& args)
@@ -239,57 +266,73 @@ __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, 
         (blocks == 1 || args.numel % 4 == 0);
     const GlobalScale scale = global_scale(args);
     const float fill = scale.outcome == GLOBAL_NANS ? sdp_nan() : 0.0f;
-    for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
+    // The runs the main loop takes: every whole run when the buffers are aligned.
+    const uint64_t whole = vector ? args.numel / 4 : 0;
+    bool overflowed = false;
+    uint64_t b = sdp_thread_id();
+    for (; b < whole; b += sdp_thread_count()) {
         float x[4] = {fill, fill, fill, fill};
         if (scale.outcome == GLOBAL_SCALED) {
-            int32_t acc[4];
-            global_load_sums(sum, args, b, vector, acc);
-            // Bit e: element e's sum has overflowed.
-            uint32_t overflow = 0;
-            const Code* block = sum;
+            // Each element's partial sums less the Code's smallest value, as unsigned: inside
+            // the Code exactly when at most `span`, and a sum below it wraps to above 2^31
+            // (|partial sums| < 2^31 for fewer than 65536 blocks), so the largest of them
+            // tells whether any partial sum overflowed.
+            const int32_t lowest = -global_code_max<Code>() - 1;
+            const uint32_t span = 2 * (uint32_t)global_code_max<Code>() + 1;
+            int32_t c[4];
+            global_load_sums(sum + 4 * b, c);
+            uint32_t acc[4];
+            uint32_t reach[4];
+#pragma unroll
+            for (uint32_t e = 0; e < 4; ++e) {
+                acc[e] = (uint32_t)(c[e] - lowest);
+                reach[e] = acc[e];
+            }
+            const Code* block = sum + 4 * b;
             // Unrolled only where `blocks` is a compile-time constant (the kernel model's
             // wrapper); a runtime count stays a loop.
 #pragma unroll
             for (uint32_t r = 1; r < blocks; ++r) {
                 block += args.numel;
-                int32_t c[4];
-                global_load_sums(block, args, b, vector, c);
+                global_load_sums(block, c);
 #pragma unroll
                 for (uint32_t e = 0; e < 4; ++e) {
-                    acc[e] += c[e];
-                    const bool outside = acc[e] > global_code_max<Code>() || acc[e] < -global_code_max<Code>() - 1;
-                    if (outside && (overflow & (1u << e)) == 0) {
-                        overflow |= 1u << e;
-                        global_record_overflow(args, r, 4 * b + e);
-                    }
+                    acc[e] += (uint32_t)c[e];
+                    reach[e] = acc[e] > reach[e] ? acc[e] : reach[e];
                 }
             }
 #pragma unroll
             for (uint32_t e = 0; e < 4; ++e) {
-                x[e] = (overflow & (1u << e)) != 0 ? sdp_nan() : __fmul_rn((float)acc[e], scale.s);
+                const bool outside = reach[e] > span;
+                overflowed |= outside;
+                x[e] = outside ? sdp_nan() : __fmul_rn((float)((int32_t)acc[e] + lowest), scale.s);
             }
         }
-        if (vector && 4 * b + 4 <= args.numel) {
-            sdp_store_f32x4(out + 4 * b, x);
-        } else {
-#pragma unroll
-            for (uint32_t e = 0; e < 4; ++e) {
-                if (4 * b + e < args.numel) {
-                    out[4 * b + e] = x[e];
-                }
-            }
+        sdp_store_f32x4(out + 4 * b, x);
+    }
+    // Cold path: element by element, after an overflow there this thread's runs of the main
+    // loop again (last first), then the runs it did not take (unaligned buffers, the last
+    // partial run).
+    if (overflowed) {
+        for (uint64_t again = b; again >= sdp_thread_count();) {
+            again -= sdp_thread_count();
+            global_dequantize_checked(sum, out, args, blocks, scale, fill, again);
         }
+    }
+    for (; b < global_runs(args); b += sdp_thread_count()) {
+        global_dequantize_checked(sum, out, args, blocks, scale, fill, b);
     }
 }
 
-// global_dequantize_i8 / global_dequantize_i16(sum, out).
+// global_dequantize_i8 / global_dequantize_i16(sum, out). The int16 kernel's peer loop needs
+// 40 registers (six blocks of 256 threads per multiprocessor) to run without spilling.
 extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_dequantize_i8(const int8_t* __restrict__ sum, float* __restrict__ out, sdp_global args)
 {
     global_dequantize(sum, out, args);
 }
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 6)
 global_dequantize_i16(const int16_t* __restrict__ sum, float* __restrict__ out, sdp_global args)
 {
     global_dequantize(sum, out, args);

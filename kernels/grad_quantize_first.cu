@@ -25,16 +25,19 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
     const sdp_shards& sh = args.shards;
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
-    const uint64_t units = (uint64_t)sh.chunks * args.peers1 * layout.groups;
-
-    for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
-        // Units fit in 32 bits (the launch checks), so the index arithmetic is 32-bit.
-        const uint32_t s = (uint32_t)u / (uint32_t)layout.groups;
-        const uint32_t k = (uint32_t)u % (uint32_t)layout.groups;
-        const uint32_t p = s / args.peers1;
-        const uint32_t x1 = s % args.peers1;
-        const uint32_t x2 = k / args.groups_per_chunk;
-        const uint64_t j = k % args.groups_per_chunk;
+    // Unit u = ((p * peers1 + x1) * peers2 + x2) * groups_per_chunk + j, with slab
+    // s = p * peers1 + x1 and its group k = x2 * groups_per_chunk + j (a slab holds peers2 *
+    // groups_per_chunk groups); units fit in 32 bits (the launch checks). Walked as the
+    // digits (p, x1, x2, j): no division in the loop.
+    const uint32_t radix[4] = {0, args.peers1, args.peers2, args.groups_per_chunk};
+    sdp_unit_walk<4> walk = sdp_unit_walk_of(sh.chunks * args.peers1 * args.peers2 * args.groups_per_chunk, radix);
+    for (; walk.at[0] < sh.chunks; sdp_unit_walk_next(walk, radix)) {
+        const uint32_t p = walk.at[0];
+        const uint32_t x1 = walk.at[1];
+        const uint32_t x2 = walk.at[2];
+        const uint64_t j = walk.at[3];
+        const uint32_t s = p * args.peers1 + x1;
+        const uint32_t k = x2 * args.groups_per_chunk + (uint32_t)j;
         const uint64_t z = __ldg(dests + x1 * args.peers2 + x2);
         // In-shard offset of the group's first element; its elements in shard z and how many
         // of them are real (in-shard offset < S).

@@ -31,14 +31,15 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
     const sdp_shards& sh = args.shards;
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
-    const uint64_t gc = args.groups_per_chunk;
-    const uint64_t units = (uint64_t)args.peers2 * gc;
-
-    for (uint64_t u = sdp_warp_id(); u < units; u += sdp_warp_count()) {
-        // Units fit in 32 bits (the launch checks), so the index arithmetic is 32-bit.
-        const uint32_t x2 = (uint32_t)u / (uint32_t)gc;
-        const uint64_t j = (uint32_t)u % (uint32_t)gc;
-        const uint64_t k_in = x2 * gc + j;
+    const uint32_t gc = args.groups_per_chunk;
+    // Unit u = x2 * gc + j (units fit in 32 bits, the launch checks), walked as the digits
+    // (x2, j): no division in the loop.
+    const uint32_t radix[2] = {0, gc};
+    sdp_unit_walk<2> walk = sdp_unit_walk_of(args.peers2 * gc, radix);
+    for (; walk.at[0] < args.peers2; sdp_unit_walk_next(walk, radix)) {
+        const uint32_t x2 = walk.at[0];
+        const uint32_t j = walk.at[1];
+        const uint64_t k_in = (uint64_t)x2 * gc + j;
         const uint64_t z = __ldg(dests + (uint64_t)args.my_x1 * args.peers2 + x2);
 
         // Tile t: the slab-order sum of the peers' dequantized values; NaN in the lane that
@@ -53,7 +54,7 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
                 }
             }
         };
-        const uint64_t first_index = z * sh.padded_shard_len + args.chunk * sh.chunk_len + j * g;
+        const uint64_t first_index = z * sh.padded_shard_len + args.chunk * sh.chunk_len + (uint64_t)j * g;
         sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, x2), layout, j, load, args.rng, first_index,
                                    lane);
     }

@@ -95,7 +95,9 @@ weight_apply(const uint8_t* __restrict__ recv, const uint16_t* __restrict__ own_
             }
             // Every code of the group is checked, those of the padding too (as on the CPU).
             float c[8];
-            sdp_load_run_codes<8>(q, grp.codes, t, 0, lane, c, corrupt);
+            uint32_t marks = 0;
+            sdp_load_run_codes<8>(q, grp.codes, t, 0, lane, c, marks);
+            corrupt |= sdp_run_codes_corrupt<8>(q, marks);
             if (i < args.shard_len) {
                 float d[8];
 #pragma unroll

@@ -248,7 +248,7 @@ const EXPECTED: [Expected; Kernel::COUNT] = [
     },
     Expected {
         kernel: Kernel::GlobalDequantizeI16,
-        max_registers: 32,
+        max_registers: 40,
         widest_load: 64,
         widest_store: 128,
     },

@@ -9,7 +9,7 @@
 //   status 1 (after the emulator prints where it happened).
 //
 // Case file (all integers little-endian):
-//   "SDPEMU01"
+//   "SDPEMU02"
 //   u32 buffer count, then per buffer: u8 is_output, u64 length, the initial bytes
 //   u32 launch count, then per launch:
 //     u32 name length, the kernel's name
@@ -18,6 +18,9 @@
 //     u32 pointer count, then per pointer: u32 buffer index, or 0xffffffff for null
 //     u32 parameter bytes, then the parameter struct as the Rust side's #[repr(C)] mirror
 //       lays it out (its length must equal the C struct's sizeof)
+//     u32 address count, then per address: u32 byte offset in the parameter struct, u32 buffer
+//       index: the buffer's address is written there as a u64 (an address a parameter struct
+//       holds, such as Global-QSGD's status word)
 // Output file: the final bytes of every output buffer, in buffer order.
 #include "cuda_shim.h"
 
@@ -264,7 +267,7 @@ void parse_case(const std::vector<uint8_t>& bytes, Case& c)
     Reader r(bytes);
     char magic[8];
     r.take(magic, 8);
-    if (std::memcmp(magic, "SDPEMU01", 8) != 0) {
+    if (std::memcmp(magic, "SDPEMU02", 8) != 0) {
         throw std::string("not a case file (bad magic)");
     }
     const uint32_t buffers = r.get<uint32_t>();
@@ -296,6 +299,16 @@ void parse_case(const std::vector<uint8_t>& bytes, Case& c)
         }
         l.params.resize(r.get<uint32_t>());
         r.take(l.params.data(), l.params.size());
+        const uint32_t addresses = r.get<uint32_t>();
+        for (uint32_t a = 0; a < addresses; ++a) {
+            const uint32_t offset = r.get<uint32_t>();
+            const uint32_t buffer = r.get<uint32_t>();
+            if (buffer >= buffers || (uint64_t)offset + sizeof(uint64_t) > l.params.size()) {
+                throw "launch " + std::to_string(i) + ": address " + std::to_string(a) + " out of range";
+            }
+            const uint64_t address = (uint64_t)(uintptr_t)c.buffers[buffer].data;
+            std::memcpy(l.params.data() + offset, &address, sizeof address);
+        }
         if (l.grid == 0 || l.order > 2) {
             throw "launch " + std::to_string(i) + ": bad grid or warp order";
         }

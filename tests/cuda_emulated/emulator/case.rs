@@ -34,6 +34,9 @@ pub(crate) enum Expect {
     Ints(usize),
     /// One `u32` left by `global_absmax`, compared as `absmax_from_bits` of it.
     AbsmaxBits,
+    /// The status word of a Global-QSGD dequantization summing blocks of this many integers:
+    /// one `u32`, compared exactly and described as the overflow it names.
+    OverflowStatus(usize),
 }
 
 /// An output buffer and the bytes the CPU backend says it must end as.
@@ -55,6 +58,8 @@ struct Launch {
     order_seed: u64,
     pointers: Vec<Option<Buf>>,
     params: Vec<u8>,
+    /// (byte offset in `params`, buffer): the buffer's address goes there.
+    addresses: Vec<(usize, Buf)>,
 }
 
 /// The launch parameter structs of `abi`: `#[repr(C)]` with fixed-width fields and no padding
@@ -165,12 +170,24 @@ impl Case {
             order_seed: self.shapes.next_u64(),
             pointers: pointers.to_vec(),
             params: param_bytes(params),
+            addresses: Vec::new(),
         });
+    }
+
+    /// Makes the last launch's parameter struct hold the address of `buffer` at byte `offset`
+    /// (a device address field, such as Global-QSGD's status word).
+    pub(crate) fn address_in_params(&mut self, offset: usize, buffer: Buf) {
+        let launch = self.launches.last_mut().expect("a launch to patch");
+        assert!(
+            offset + 8 <= launch.params.len(),
+            "address field inside the parameters"
+        );
+        launch.addresses.push((offset, buffer));
     }
 
     /// The case file (format: `tests/kernel_emulator/emulator.cpp`).
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = b"SDPEMU01".to_vec();
+        let mut out = b"SDPEMU02".to_vec();
         let u32_le = |out: &mut Vec<u8>, v: usize| {
             out.extend(u32::try_from(v).expect("fits u32").to_le_bytes())
         };
@@ -193,6 +210,11 @@ impl Case {
             }
             u32_le(&mut out, l.params.len());
             out.extend(&l.params);
+            u32_le(&mut out, l.addresses.len());
+            for &(offset, buffer) in &l.addresses {
+                u32_le(&mut out, offset);
+                out.extend(buffer.0.to_le_bytes());
+            }
         }
         out
     }

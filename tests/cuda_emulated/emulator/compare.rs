@@ -3,6 +3,7 @@
 //! compared as NaN-ness (a GPU's NaN payloads differ from the host's).
 
 use half::bf16;
+use sdp4bit::backend::cuda::abi::overflow_from_status;
 use sdp4bit::backend::cuda::absmax_from_bits;
 use sdp4bit::codec::slab::SlabLayout;
 
@@ -64,6 +65,17 @@ pub(crate) fn first_difference(expect: Expect, cpu: &[u8], emu: &[u8]) -> Option
                 format!(
                     "absmax: cpu {c:e}, emulated {e:e} (bits {:#010x})",
                     word(emu)
+                )
+            })
+        }
+        Expect::OverflowStatus(numel) => {
+            let word = |b: &[u8]| u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
+            let (c, e) = (word(cpu), word(emu));
+            (c != e).then(|| {
+                format!(
+                    "status word: cpu {c:#010x} {:?}, emulated {e:#010x} {:?} ((block, element) of the first overflow)",
+                    overflow_from_status(c, numel),
+                    overflow_from_status(e, numel)
                 )
             })
         }

@@ -6,7 +6,8 @@ use sdp4bit::backend::cpu::global_qsgd;
 use sdp4bit::backend::cuda::abi::SdpGlobal;
 use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::codec::int_code::IntCode;
-use sdp4bit::collective::global_k;
+use sdp4bit::codec::sum::SumElement;
+use sdp4bit::collective::{global_k, sum_in_rank_order};
 use sdp4bit::rng::Stage;
 
 use super::case::{Buf, Case, ELEMENTS_PER_BLOCK, Expect};
@@ -25,9 +26,11 @@ pub enum GlobalData {
 }
 
 /// Integer codes Global-QSGD sums, with their kernels.
-trait WireInt: IntCode + Default {
+trait WireInt: IntCode + Default + SumElement + Into<i64> + TryFrom<i64> {
     const QUANTIZE: Kernel;
     const DEQUANTIZE: Kernel;
+    /// The largest value (the smallest is `-MAX - 1`).
+    const MAX: i64;
     fn random(rand: &mut SplitMix64) -> Self;
     fn le_bytes(values: &[Self]) -> Vec<u8>;
 }
@@ -35,6 +38,7 @@ trait WireInt: IntCode + Default {
 impl WireInt for i8 {
     const QUANTIZE: Kernel = Kernel::GlobalQuantizeI8;
     const DEQUANTIZE: Kernel = Kernel::GlobalDequantizeI8;
+    const MAX: i64 = i8::MAX as i64;
     fn random(rand: &mut SplitMix64) -> Self {
         rand.next_u64() as i8
     }
@@ -46,6 +50,7 @@ impl WireInt for i8 {
 impl WireInt for i16 {
     const QUANTIZE: Kernel = Kernel::GlobalQuantizeI16;
     const DEQUANTIZE: Kernel = Kernel::GlobalDequantizeI16;
+    const MAX: i64 = i16::MAX as i64;
     fn random(rand: &mut SplitMix64) -> Self {
         rand.next_u64() as i16
     }
@@ -145,4 +150,110 @@ fn global_codes<T: WireInt>(
         &[Some(sums), Some(out)],
         &SdpGlobal::dequantize(numel, scale),
     );
+    // Whole aligned runs take the device's main loop when numel is a multiple of 4 (a padded
+    // shard); otherwise every run is summed element by element.
+    for (blocks, numel) in [
+        (2, numel),
+        (8, numel.next_multiple_of(4)),
+        (5, numel.next_multiple_of(4)),
+    ] {
+        global_sums::<T>(case, rand, numel, blocks, scale);
+    }
+}
+
+/// The dequantization of `blocks` rank blocks of `numel` integers summed in rank order on the
+/// device: a third of the elements draw their integers from the whole range of `T`, so many
+/// partial sums overflow (some sums come back into range afterwards), the others stay small
+/// enough never to. Every element with a partial sum outside `T` must be NaN, the others the
+/// host's scaled sum, and the status word must name the first overflow in rank order, the one
+/// `sum_in_rank_order` reports.
+fn global_sums<T: WireInt>(
+    case: &mut Case,
+    rand: &mut SplitMix64,
+    numel: usize,
+    blocks: usize,
+    scale: f32,
+) {
+    let small = T::MAX as usize / blocks;
+    let wide: Vec<bool> = (0..numel).map(|_| rand.below(3) == 0).collect();
+    let ranks: Vec<Vec<T>> = (0..blocks)
+        .map(|_| {
+            wide.iter()
+                .map(|&wide| {
+                    if wide {
+                        T::random(rand)
+                    } else {
+                        let v = rand.below(2 * small + 1) as i64 - small as i64;
+                        T::try_from(v).ok().expect("a small value fits")
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    // Each element's sum in rank order and the first block whose partial sum leaves T.
+    let (lowest, highest) = (-T::MAX - 1, T::MAX);
+    let mut sums = vec![T::default(); numel];
+    let mut first_overflow = vec![None; numel];
+    for i in 0..numel {
+        let mut acc: i64 = ranks[0][i].into();
+        for (r, rank) in ranks.iter().enumerate().skip(1) {
+            acc += rank[i].into();
+            if first_overflow[i].is_none() && !(lowest..=highest).contains(&acc) {
+                first_overflow[i] = Some(r);
+            }
+        }
+        if first_overflow[i].is_none() {
+            sums[i] = T::try_from(acc).ok().expect("a sum inside T");
+        }
+    }
+    let mut want = vec![0f32; numel];
+    global_qsgd::dequantize(&sums, scale, &mut want);
+    for (w, first) in want.iter_mut().zip(&first_overflow) {
+        if first.is_some() {
+            *w = f32::NAN;
+        }
+    }
+    let first = (0..numel)
+        .filter_map(|i| first_overflow[i].map(|r| (r, i)))
+        .min();
+    // The host's sum in rank order stops at the same first overflow, or agrees on every sum.
+    let bytes: Vec<Vec<u8>> = ranks.iter().map(|r| T::le_bytes(r)).collect();
+    let mut host = vec![T::default(); numel];
+    match (
+        sum_in_rank_order(bytes.iter().map(Vec::as_slice), &mut host, 0),
+        first,
+    ) {
+        (Ok(()), None) => assert!(host == sums, "host sums differ from the reference's"),
+        (Err(e), Some((_, i))) => assert!(
+            e.to_string().contains(&format!("at element {i} of")),
+            "host: {e}, reference: first overflow at element {i}"
+        ),
+        (host, reference) => panic!("host: {host:?}, reference: first overflow {reference:?}"),
+    }
+    let status = first.map_or(0, |(r, i)| u32::MAX - (r * numel + i) as u32);
+    let sums = case.input(bytes.concat());
+    let name = T::DEQUANTIZE.name();
+    let out = case.output(
+        garbage(4 * numel),
+        format!("{name} of {blocks} blocks"),
+        Expect::F32,
+        f32_bytes(&want),
+    );
+    let word = case.output(
+        vec![0; 4],
+        format!("{name} of {blocks} blocks: status word"),
+        Expect::OverflowStatus(numel),
+        status.to_le_bytes().to_vec(),
+    );
+    case.launch(
+        T::DEQUANTIZE,
+        numel as u64,
+        ELEMENTS_PER_BLOCK,
+        &[Some(sums), Some(out)],
+        &SdpGlobal {
+            scale,
+            ..SdpGlobal::sum_and_dequantize(numel, blocks as u32, 0)
+        },
+    );
+    case.address_in_params(std::mem::offset_of!(SdpGlobal, status), word);
 }
