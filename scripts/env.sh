@@ -66,7 +66,8 @@ sdp4bit_main_venv() {
 
 # The sources a package install is built from, as one hash of the files as they are now
 # (tracked or new); empty outside a git checkout. An install into a virtual environment records
-# it (sdp4bit_record_install DIR), and the main job reinstalls only when the tree has changed.
+# it (sdp4bit_record_install DIR [HASH]: the hash taken when the build began, else now), and
+# the main job reinstalls only when the tree has changed.
 SDP4BIT_PACKAGE_SOURCES=(Cargo.toml Cargo.lock build.rs .cargo setup.py pyproject.toml
   MANIFEST.in src cpp kernels sdp4bit megatron_patch scripts/build_native.py)
 
@@ -82,8 +83,12 @@ sdp4bit_install_current() {
     return 0
   fi
   echo "   pip install . (cargo builds the Rust core, then the torch extension)"
+  # The sources' hash as the build starts: a tree changed while it builds is not recorded as
+  # installed, so the next call builds again.
+  local before
+  before=$(sdp4bit_source_hash)
   (cd "$SDP4BIT_ROOT" && rm -rf build && pip install --quiet --no-deps --force-reinstall .)
-  sdp4bit_record_install "$VIRTUAL_ENV"
+  sdp4bit_record_install "$VIRTUAL_ENV" "$before"
 }
 
 SDP4BIT_NVRTC_VERSION=13.0.88
@@ -112,7 +117,7 @@ sdp4bit_cuda_tools() {
 }
 
 sdp4bit_record_install() {
-  sdp4bit_source_hash > "$1/.sdp4bit-installed-source"
+  echo "${2:-$(sdp4bit_source_hash)}" > "$1/.sdp4bit-installed-source"
 }
 
 sdp4bit_installed_is_current() {
