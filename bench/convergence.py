@@ -138,9 +138,10 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: plus the launch of a run by cpu_support/rank_launcher.py (2.4 s a Megatron run, 5 s an
 #: FSDP2 run, measured on the shared machine): baseline 56 s, SDP4Bit 68 s, the other 7
 #: Megatron rows 427 s together, the 2 FSDP2 rows 180 s together. 20 x (56 + 68) + 3 x (427 +
-#: 180) = 4301 s, 72 minutes, inside the 90 the study may take (an estimate from single runs:
-#: the default study has not been timed end to end on an idle machine). Launched by torchrun,
-#: every run paid 12-24 s more, for the imports of torch and megatron-core on every rank.
+#: 180) = 4301 s, 72 minutes, inside the 90 the study may take. Timed end to end on the idle
+#: 2-core machine (2026-11-24, bench/results/convergence_default_timed.md), the default study
+#: took 55.7 minutes, 50 s a run. Launched by torchrun, every run paid 12-24 s more, for the
+#: imports of torch and megatron-core on every rank.
 #: The committed study ran the other rows on 5 seeds (`--seeds 1,2,3,4,5`), for narrower
 #: intervals there; its 85 runs took 147 minutes on the shared machine.
 STEPS = 400

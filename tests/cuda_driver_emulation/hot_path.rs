@@ -223,19 +223,41 @@ fn host_overflow_error(shard_len: usize) -> String {
     .to_string()
 }
 
-fn overflow_scenario() {
+/// The elements of the Global-QSGD bucket whose sum overflows.
+const OVERFLOW_NUMEL: usize = 2 * 64;
+
+/// One node of two ranks running Global-QSGD, with every launch of the int8 rounding corrupted
+/// from now on, so that rank 0's sum overflows at element 0 ([`overflowing_grads`]).
+fn overflow_cluster() -> (Topology, Config) {
     let topo = Topology::uniform(1, 2).expect("one node of two");
-    let config: Config = cfg(Preset::GlobalQsgd, &[]);
-    let numel = 2 * 64;
-    let grads = overflowing_grads(numel);
     emulation().corrupt_kernel_output(Some(c"global_quantize_i8"), 0, 0x40);
+    (topo, cfg(Preset::GlobalQsgd, &[]))
+}
+
+/// `rank`'s plan of the overflowing bucket, a zeroed shard and the rank's gradients, on the
+/// device.
+fn overflowing_bucket(
+    rank: &Rank<'_>,
+    topo: &Topology,
+    config: &Config,
+) -> (
+    GradReduceScatter<Cuda>,
+    DeviceBuffer<f32>,
+    DeviceBuffer<f32>,
+) {
+    let me = rank.comms.world.rank();
+    let rs = GradReduceScatter::with_backend(&rank.backend, config, topo, me, OVERFLOW_NUMEL, 2)
+        .expect("device plan");
+    let shard = upload(rank, &vec![0.0f32; rs.plan().shard_len]);
+    let bucket = upload(rank, &overflowing_grads(OVERFLOW_NUMEL)[me]);
+    (rs, shard, bucket)
+}
+
+fn overflow_scenario() {
+    let (topo, config) = overflow_cluster();
     let results = EmulatedCluster::new(&topo).run(|rank| {
-        let me = rank.comms.world.rank();
-        let mut rs = GradReduceScatter::with_backend(&rank.backend, &config, &topo, me, numel, 2)
-            .expect("device plan");
+        let (mut rs, mut shard, bucket) = overflowing_bucket(rank, &topo, &config);
         let shard_len = rs.plan().shard_len;
-        let mut shard = upload(rank, &vec![0.0f32; shard_len]);
-        let bucket = upload(rank, &grads[me]);
         run_device(rank, &mut rs, &bucket, &mut shard).expect("the step itself is enqueued");
         let checked = rs.check_integer_sums(&rank.backend);
         let again = rs.check_integer_sums(&rank.backend);
@@ -308,19 +330,12 @@ fn read_back(
 }
 
 fn readback_scenario() {
-    let topo = Topology::uniform(1, 2).expect("one node of two");
-    let config: Config = cfg(Preset::GlobalQsgd, &[]);
-    let numel = 2 * 64;
-    let grads = overflowing_grads(numel);
-    emulation().corrupt_kernel_output(Some(c"global_quantize_i8"), 0, 0x40);
+    let (topo, config) = overflow_cluster();
     let results = EmulatedCluster::new(&topo).run(|rank| {
         let me = rank.comms.world.rank();
-        let mut rs = GradReduceScatter::with_backend(&rank.backend, &config, &topo, me, numel, 2)
-            .expect("device plan");
+        let (mut rs, mut shard, bucket) = overflowing_bucket(rank, &topo, &config);
         let mut readback = StatusReadback::new(rank.backend.kernels()).expect("pinned word");
         let shard_len = rs.plan().shard_len;
-        let mut shard = upload(rank, &vec![0.0f32; shard_len]);
-        let bucket = upload(rank, &grads[me]);
         let _set_up = emulation().take_host_syncs();
         run_device(rank, &mut rs, &bucket, &mut shard).expect("the step itself is enqueued");
         let first = read_back(rank, &mut rs, &mut readback);
