@@ -19,6 +19,7 @@ use std::sync::{Mutex, OnceLock};
 use half::bf16;
 
 use crate::backend::cpu::Host;
+use crate::backend::cpu::buffers::HostBuffer;
 use crate::backend::cuda::source::Kernel;
 use crate::backend::cuda::{Cuda, Kernels, Stream, format_driver_version};
 use crate::backend::{Backend, Element};
@@ -169,12 +170,12 @@ trait Staging: Backend {
 }
 
 impl Staging for Host {
-    fn stage<T: Element>(&self, data: &[T]) -> Result<Vec<T>> {
-        Ok(data.to_vec())
+    fn stage<T: Element>(&self, data: &[T]) -> Result<HostBuffer<T>> {
+        Ok(HostBuffer::from(data.to_vec()))
     }
 
-    fn fetch<T: Element>(&self, buffer: &Vec<T>) -> Result<Vec<T>> {
-        Ok(buffer.clone())
+    fn fetch<T: Element>(&self, buffer: &HostBuffer<T>) -> Result<Vec<T>> {
+        Ok(buffer.to_vec())
     }
 }
 

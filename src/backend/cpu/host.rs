@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use half::bf16;
 
+use super::buffers::HostBuffer;
 use super::{global_qsgd, gradient, pool, weight};
 use crate::backend::device::{Backend, Element, GlobalScale, global_scale};
 use crate::codec::int_code::IntCode;
@@ -15,33 +16,36 @@ use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
-/// Host memory: buffers are `Vec`s, views are slices, passes run synchronously with rayon on
-/// the pool of [`pool::pass_threads`] threads.
+/// Host memory: buffers are vectors ([`HostBuffer`]; a call's come from the process-wide pool
+/// of [`super::buffers`]), views are slices, passes run synchronously with rayon on the pool
+/// of [`pool::pass_threads`] threads.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Host;
 
 impl Backend for Host {
     type Src<'a, T: Element> = &'a [T];
     type Dst<'a, T: Element> = &'a mut [T];
-    type Buffer<T: Element> = Vec<T>;
+    type Buffer<T: Element> = HostBuffer<T>;
     /// The host passes compute destinations from the layout itself.
     type GradTables = ();
 
-    fn alloc<T: Element>(&self, len: usize) -> Result<Vec<T>> {
-        Ok(vec![T::zeroed(); len])
+    /// A zeroed vector of its own.
+    fn alloc<T: Element>(&self, len: usize) -> Result<HostBuffer<T>> {
+        Ok(HostBuffer::owned(len))
     }
 
-    /// A new vector: the host passes and exchanges of a call have completed when it returns,
-    /// so the call drops it then.
-    fn call_buffer<T: Element>(&self, len: usize) -> Result<Vec<T>> {
-        self.alloc(len)
+    /// A vector from the pool of [`super::buffers`] (the bytes of its last use, or zeros):
+    /// the host passes and exchanges of a call have completed when the call returns, and it
+    /// goes back to the pool when the call drops it then.
+    fn call_buffer<T: Element>(&self, len: usize) -> Result<HostBuffer<T>> {
+        Ok(HostBuffer::pooled(len))
     }
 
-    fn src<T: Element>(buffer: &Vec<T>) -> &[T] {
+    fn src<T: Element>(buffer: &HostBuffer<T>) -> &[T] {
         buffer
     }
 
-    fn dst<T: Element>(buffer: &mut Vec<T>) -> &mut [T] {
+    fn dst<T: Element>(buffer: &mut HostBuffer<T>) -> &mut [T] {
         buffer
     }
 

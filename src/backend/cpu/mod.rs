@@ -7,6 +7,7 @@
 //! the largest run once per thread and are reused, so the passes do not allocate in steady
 //! state. `benches/cpu.rs` measures every pass against memcpy.
 
+pub mod buffers;
 pub mod global_qsgd;
 pub mod gradient;
 mod host;
