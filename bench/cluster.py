@@ -7,6 +7,9 @@ all-gather per preset (bench/cluster_collectives.py) and the training step of th
     sudo bash scripts/bench.sh cluster --topologies 2x2,4x1 --rates-mbit 1000,10000 \
         --out bench/results
 
+`--rescore bench/results/cluster.json` measures nothing and rewrites the results with the
+current cost model's columns (after bench/calibrate_plan.py changed the model).
+
 Needs root and iproute2 (it says so and stops otherwise); removes everything it made.
 """
 
@@ -129,10 +132,12 @@ def add_predictions(rows: list[dict]) -> None:
         r["prediction_error"] = None if e is None else e["error"]
 
 
-def write_results(rows: list[dict], args, out_dir: Path) -> None:
+def write_results(rows: list[dict], args, out_dir: Path, meta: dict | None = None) -> None:
+    """cluster.json, cluster.md and cluster.png of `rows` in `out_dir`; `meta` (date, machine,
+    command) defaults to this run's."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(),
-            "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
+    meta = meta or {"date": datetime.date.today().isoformat(), "machine": platform.node(),
+                    "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
     (out_dir / "cluster.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         "# Emulated cluster: measured communication and step time", "",
@@ -203,6 +208,19 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rescore(path: Path, parser: argparse.ArgumentParser, out_dir: Path) -> None:
+    """Rewrites the results in `out_dir` from the measurements in `path` (a cluster.json) with
+    the current cost model's columns, keeping the measurement's date, machine and command."""
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    argv = meta["command"].split()
+    script = next(i for i, a in enumerate(argv) if a.endswith("cluster.py"))
+    args = parser.parse_args(argv[script + 1:])
+    rows = data["rows"]
+    add_predictions(rows)
+    write_results(rows, args, out_dir, meta)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topologies", default="2x2,4x1", help="NODESxRANKS, comma-separated")
@@ -220,7 +238,14 @@ def main() -> None:
                    "--corpus-bytes 1000000", help="train.py model arguments")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(ROOT / "bench/results"))
+    p.add_argument("--rescore", type=Path, default=None,
+                   help="measure nothing: rewrite --out from this cluster.json's measurements "
+                   "with the current cost model's columns")
     args = p.parse_args()
+    if args.rescore is not None:
+        rescore(args.rescore, p, Path(args.out))
+        print((Path(args.out) / "cluster.md").read_text())
+        return
     try:
         check_host()
     except ClusterUnavailable as error:

@@ -56,19 +56,64 @@ def measure(topology: str, rate: float, variant: str, args, workdir: Path) -> li
     knobs, env = parse_variant(variant)
     logs = workdir / f"phases-{topology}-{rate}-{abs(hash(variant))}"
     logs.mkdir()
+    cpu_logs = logs / "cpu"
+    cpu_logs.mkdir()
     with Cluster(nodes, Link(rate, 0.0)) as cluster:
         run_ranks(cluster, per_node, [
             str(ROOT / "bench/cluster_collectives.py"), "--numel", str(args.numel),
             "--reps", str(args.reps), "--presets", "sdp4bit", "--skip-baseline",
-            "--knobs", knobs, "--phase-log", str(logs),
+            "--knobs", knobs, "--phase-log", str(logs), "--cpu-log", str(cpu_logs),
             "--out", str(workdir / "coll.json")], 29402, args.timeout, env)
     rows = []
+    for log in sorted(cpu_logs.glob("rank*.json")):
+        rank = int(log.stem.removeprefix("rank"))
+        data = json.loads(log.read_text())
+        CPU_ROWS.append({"topology": topology, "rate_mbit": rate,
+                         "variant": variant or "defaults", "rank": rank,
+                         **data["sdp4bit"], "latency": data["latency"]})
     for log in sorted(logs.glob("*.jsonl")):
         kind, _, rank = log.stem.split("-")
         rows.append({"topology": topology, "rate_mbit": rate, "variant": variant or "defaults",
                      "collective": kind, "rank": int(rank.removeprefix("rank")),
                      **medians(log)})
     return rows
+
+
+# Each rank's CPU accounting of sdp4bit's reduce-scatter + all-gather (cluster_collectives'
+# --cpu-log), filled by measure().
+CPU_ROWS: list[dict] = []
+
+GROUPS = ("main", "pass_pool", "executor_gloo_other")
+
+
+def cpu_table(rows: list[dict]) -> str:
+    """Per rank: wall ms of RS + AG, each thread group's ms on a CPU and ms runnable but
+    waiting for one, the machine's busy / softirq / idle ms in the same calls (all per call),
+    and the fixed costs per call (tiny all-to-alls, tiny sdp4bit collectives)."""
+    head = ["topology", "link", "variant", "rank", "wall ms",
+            *(f"{g} cpu / runq ms" for g in GROUPS), "rank cpu ms", "page faults",
+            "machine user+sys / softirq / idle ms", "a2a world / intra / inter ms",
+            "tiny RS / AG ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["topology"], r["rate_mbit"], r["variant"],
+                                         r["rank"])):
+        g = r["groups"]
+        m = r["machine_ms"]
+        lat = r["latency"]
+        cells = [r["topology"], f"{r['rate_mbit'] / 1000:g} Gbit/s", r["variant"],
+                 str(r["rank"]), f"{r['wall_ms']:.1f}"]
+        for name in GROUPS:
+            x = g.get(name, {"cpu_ms": 0.0, "runqueue_ms": 0.0})
+            cells.append(f"{x['cpu_ms']:.1f} / {x['runqueue_ms']:.1f}")
+        cells.append(f"{sum(x['cpu_ms'] for x in g.values()):.1f}")
+        cells.append(f"{r['minor_faults']:.0f}")
+        cells.append(f"{m['user'] + m['nice'] + m['system']:.0f} / {m['softirq']:.0f} / "
+                     f"{m['idle']:.0f}")
+        cells.append(" / ".join(f"{lat[k]:.2f}" if k in lat else "-"
+                                for k in ("a2a_world_ms", "a2a_intra_ms", "a2a_inter_ms")))
+        cells.append(f"{lat['sdp4bit_rs_tiny_ms']:.2f} / {lat['sdp4bit_ag_tiny_ms']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -107,8 +152,10 @@ def main() -> None:
                     print(f"== {topology} at {rate:g} Mbit/s, {variant or 'defaults'}",
                           flush=True)
                     rows += measure(topology, rate, variant, args, Path(tmp))
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    Path(args.out).write_text(json.dumps({"phases": rows, "cpu": CPU_ROWS}, indent=1))
     print(table(rows))
+    print()
+    print(cpu_table(CPU_ROWS))
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ def test_emulated_cluster_phases_smoke(tmp_path):
          "--variants", ";pipeline_chunks=1,threads=1", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    rows = results["phases"]
     rs = [r for r in rows if r["collective"] == "reduce_scatter"]
     assert sorted((r["variant"], r["rank"]) for r in rs) == [
         ("defaults", 0), ("defaults", 1), ("pipeline_chunks=1,threads=1", 0),
@@ -168,5 +169,16 @@ def test_emulated_cluster_phases_smoke(tmp_path):
         assert r["calls"] >= 3 and r["first_pass_ms"] > 0, r
         assert phases <= r["total_ms"] * 1.5, r  # medians of parts vs the median total
     assert "| 2x1 | 1 Gbit/s | defaults | reduce_scatter | 0 | 2 |" in result.stdout
+    cpu = results["cpu"]
+    assert sorted((r["variant"], r["rank"]) for r in cpu) == sorted(
+        (r["variant"], r["rank"]) for r in rs)
+    for r in cpu:
+        threads = r["groups"]
+        # The calling thread starts and waits; the passes and exchanges run on other threads.
+        assert threads["main"]["cpu_ms"] > 0 and threads["executor_gloo_other"]["cpu_ms"] > 0, r
+        assert sum(g["cpu_ms"] for g in threads.values()) < os.cpu_count() * r["wall_ms"] + 50, r
+        assert r["latency"]["a2a_world_ms"] > 0 and "a2a_intra_ms" not in r["latency"], r
+        assert 0 < r["latency"]["sdp4bit_rs_tiny_ms"] < r["wall_ms"], r
+    assert "| 2x1 | 1 Gbit/s | defaults | 0 |" in result.stdout
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"
