@@ -34,14 +34,20 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_ranks(cluster: Cluster, per_node: int, argv: list[str], port: int, timeout: float,
               extra_env: dict | None = None) -> None:
     """Runs `argv` as every rank (ranks of node k inside namespace k) and waits for all;
-    `extra_env` is added to every rank's environment."""
+    `extra_env` is added to every rank's environment.
+
+    Every emulated node shares this machine's cores, so each rank's pass pool gets the cores
+    divided by all ranks (`RAYON_NUM_THREADS`, unless `extra_env` sets it), not by its node's
+    ranks as on a real cluster: with 4 one-rank nodes on 2 cores, two pass threads per rank
+    made sdp4bit's RS + AG about 10-20% slower (docs/performance.md)."""
     world = cluster.nodes * per_node
+    threads = str(max(1, (os.cpu_count() or 1) // world))
     procs = []
     for rank in range(world):
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
                "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": cluster.address(0),
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               **(extra_env or {})}
+               "RAYON_NUM_THREADS": threads, **(extra_env or {})}
         procs.append(cluster.popen(rank // per_node, [sys.executable, *argv], env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     failed = []
@@ -142,7 +148,8 @@ def write_results(rows: list[dict], args, out_dir: Path, meta: dict | None = Non
     lines = [
         "# Emulated cluster: measured communication and step time", "",
         f"Machine: {meta['cpus']} CPUs ({platform.processor() or platform.machine()}), "
-        f"date {meta['date']}. Command: `{meta['command']}`", "",
+        f"date {meta['date']}. Command: `{meta['command']}`"
+        + (f" ({meta['rescored']})" if "rescored" in meta else ""), "",
         f"Bucket: {rows[0]['bucket_numel']:,} elements (fp32 gradients, bf16 parameters); "
         f"links shaped with tc (tbf rate; {args.delay_ms} ms added one-way delay); training: "
         f"`examples/gpt_cpu/train.py {args.model}`, median step after {args.warmup_steps} "
@@ -218,6 +225,8 @@ def rescore(path: Path, parser: argparse.ArgumentParser, out_dir: Path) -> None:
     args = parser.parse_args(argv[script + 1:])
     rows = data["rows"]
     add_predictions(rows)
+    meta["rescored"] = (f"model columns recomputed {datetime.date.today().isoformat()} with "
+                        "`bench/cluster.py --rescore`")
     write_results(rows, args, out_dir, meta)
 
 

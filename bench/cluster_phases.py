@@ -1,15 +1,17 @@
 """Where sdp4bit's time goes on the emulated cluster: each rank's phases of the gradient
 reduce-scatter and the parameter all-gather (the core's SDP4BIT_PHASE_LOG timing: passes,
 exchange starts, time blocked waiting), per variant (pipeline chunks, rayon threads per rank),
-topology and link rate, as a markdown table on stdout and JSON in --out.
+topology and link rate, as a markdown table on stdout and JSON in --out; then each rank's CPU
+accounting of the RS + AG (CPU and run-queue time per thread group, page faults, the machine's
+CPU by kind) and the fixed costs per call (tiny all-to-alls per group, tiny sdp4bit calls).
 
     python bench/cluster_phases.py --topologies 2x2,4x1 --rates-mbit 1000,10000 \\
         --variants "pipeline_chunks=1;pipeline_chunks=1,threads=1;threads=1"
 
 A variant is `knob=value` pairs for the config plus `threads=N` (RAYON_NUM_THREADS of every
-rank); the empty variant is the defaults (automatic chunks; the passes' pool of cores /
-LOCAL_WORLD_SIZE threads per rank process, which on one machine emulating several nodes still
-puts more threads than cores on it)."""
+rank); the empty variant is the defaults (automatic chunks; the passes' pool of the machine's
+cores divided by all ranks, bench/cluster.py's run_ranks, since the emulated nodes share the
+machine)."""
 
 from __future__ import annotations
 

@@ -182,3 +182,26 @@ def test_emulated_cluster_phases_smoke(tmp_path):
     assert "| 2x1 | 1 Gbit/s | defaults | 0 |" in result.stdout
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"
+
+
+def test_the_committed_cluster_table_has_the_current_model_columns(tmp_path):
+    """bench/results/cluster.md's model columns are what the current model predicts from the
+    committed measurements (`bench/cluster.py --rescore` rewrites them when the model
+    changes), and rescoring keeps every measured number."""
+    committed = ROOT / "bench/results"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench/cluster.py"), "--rescore",
+         str(committed / "cluster.json"), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    def table(path):
+        return [line for line in path.read_text().splitlines() if line.startswith("| ")]
+
+    assert table(tmp_path / "cluster.md") == table(committed / "cluster.md")
+    before = json.loads((committed / "cluster.json").read_text())["rows"]
+    after = json.loads((tmp_path / "cluster.json").read_text())["rows"]
+    model = {"predicted_ms", "prediction_error"}
+    assert [{k: v for k, v in r.items() if k not in model} for r in after] == [
+        {k: v for k, v in r.items() if k not in model} for r in before]
+    assert any(r["prediction_error"] is not None for r in after)
