@@ -98,6 +98,8 @@ EXERCISED = {
         TEST_SH, "bash scripts/bench.sh convergence --steps 3 --seeds 1,2"),
     "sudo bash scripts/bench.sh cluster --topologies 2x2,4x1 --rates-mbit 1000,10000": lambda: (
         _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster", "--topologies"')),
+    "python bench/cluster.py --rescore bench/results/cluster.json": lambda: _contains(
+        "tests/python/test_plan.py", '"--rescore"'),
     "sudo bash scripts/bench.sh cluster_phases": lambda: (
         _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster_phases"')),
     # the cost model, run here
