@@ -20,8 +20,9 @@ use std::sync::Mutex;
 
 use crate::backend::Element;
 
-/// The most bytes the pool keeps between calls: a few buckets' exchange buffers (the default
-/// 4M-element gradient bucket's take about 12 MiB per rank).
+/// The most bytes the pool keeps between calls: the exchange buffers of many buckets (the
+/// sdp4bit preset's reduce-scatter of a 4M-element bucket takes about 10 MiB per rank at
+/// P = 1, half that with two buffers of four chunks).
 pub const POOL_CAP_BYTES: usize = 256 << 20;
 
 /// A host buffer of `T`s: a vector, given back to the pool when dropped if it came from it.
@@ -150,7 +151,6 @@ struct Pool {
     state: Mutex<PoolState>,
 }
 
-#[derive(Default)]
 struct PoolState {
     free: BTreeMap<(TypeId, usize), Vec<Box<dyn Pooled>>>,
     bytes: usize,
