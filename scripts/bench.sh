@@ -8,6 +8,8 @@
 #   bash scripts/bench.sh cluster [ARGS]       python bench/cluster.py (emulated cluster; root)
 #   bash scripts/bench.sh cluster_phases [ARGS]  python bench/cluster_phases.py (each rank's
 #                                              phase times on the emulated cluster; root)
+#   bash scripts/bench.sh cluster_cpu [ARGS]   python bench/cluster_cpu.py (each rank's CPU per
+#                                              preset on the emulated cluster; root)
 #   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
 #
 # The Rust benchmarks get NVRTC on LD_LIBRARY_PATH (and the kernel model ptxas and nvdisasm);
@@ -16,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_phases|convergence [ARGS]}
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_cpu|cluster_phases|convergence [ARGS]}
 shift
 case "$name" in
   cpu | gpu)
@@ -28,13 +30,13 @@ case "$name" in
     sdp4bit_cuda_tools
     exec cargo bench --locked --bench kernels -- "$@"
     ;;
-  cluster | cluster_phases | convergence)
+  cluster | cluster_cpu | cluster_phases | convergence)
     sdp4bit_main_venv
     sdp4bit_install_current
     exec python "bench/$name.py" "$@"
     ;;
   *)
-    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster, cluster_phases or convergence" >&2
+    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster, cluster_cpu, cluster_phases or convergence" >&2
     exit 2
     ;;
 esac
