@@ -1,22 +1,28 @@
-"""Calibrates the cost model of sdp4bit.plan from the emulated cluster's committed measurements
-(bench/results/cluster.json) and writes how well it predicts what it was not calibrated on.
+"""Calibrates the cost model of sdp4bit.plan on the emulated cluster's measurements
+(bench/results/cluster_cpu.json: each preset's time and each rank's CPU per call) and writes how
+well it predicts what it was not calibrated on.
 
-    python bench/calibrate_plan.py [--cluster bench/results/cluster.json] [--out bench/results]
+    python bench/calibrate_plan.py [--measurements bench/results/cluster_cpu.json] \\
+        [--out bench/results]
 
 The model of one bucket's reduce-scatter plus all-gather (docs/performance.md "The cost
-model"): the link part `L = link_ms / eta` is the bytes the core plans over a node's busiest
-link at the link rate (`link_ms`, as cluster.py computes it) over the fraction `eta` of the link
-the transport achieves; the rest `C` (codec passes on cores shared by the node's ranks,
-intra-node copies, per-message costs) does not depend on the link rate. gloo's uncompressed
-collectives do their parts one after the other: `T = C + L / eta_gloo`. The compressed presets
-pipeline chunks, so their codec work hides behind the link except for a fraction `beta`:
-`T = max(C, L) + beta * min(C, L)`.
+model", `sdp4bit.plan.collective_ms`) has two measured inputs per row and six constants:
+- `cpu_ms`, the CPU one rank spends per call (its threads' scheduler accounting, by
+  bench/cluster_cpu.py), which takes `cpu_ms x (1 + (R / c - 1) / kappa)` of wall time when R
+  ranks share c cores (R > c): the rank's own work plus the others' it queues behind, at the
+  fraction `kappa` of the cores' time the ranks get;
+- `link_ms`, the bytes the core plans over a node's busiest link at the link's rate, which the
+  transport runs at the fraction `eta` (compressed presets' exchanges) or `eta_gloo` (gloo's
+  uncompressed collectives) of that rate, less `gamma` per node beyond the first sending into
+  the link at once (TCP incast into the shaped link);
+- CPU and link overlap: the longer of the two plus the fraction `beta` (`beta_gloo`) of the
+  shorter.
 
-Calibration: `C` of each preset and topology comes from its measurement at one link rate
-(the calibration rate); the three constants `eta_gloo`, `eta` and `beta` come from the other
-topology's rows, so no measured row predicts itself. Each row at the other rate is then
-predicted and its error reported, for both directions (fast link -> slow, slow -> fast). The
-constants written for sdp4bit.plan are fitted on every row, `C` taken at the fastest rate.
+Held out: each row is predicted from its preset's CPU accounting at the other link rate (same
+topology) with the constants fitted on every other row (least squares of the relative error
+over a grid), so nothing timed for that preset at that topology and rate is used; and each
+topology's rows from the constants fitted on the other topology alone. The constants written
+for sdp4bit.plan are fitted on every row.
 """
 
 from __future__ import annotations
@@ -25,152 +31,243 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
+from sdp4bit.plan import Transport, collective_ms
+
 ROOT = Path(__file__).resolve().parent.parent
 UNCOMPRESSED = "baseline"
+CONSTANTS = ("kappa", "gamma", "eta", "beta", "eta_gloo", "beta_gloo")
 #: The grids the constants are searched on.
-ETA_GRID = [round(0.30 + 0.01 * i, 2) for i in range(71)]
-BETA_GRID = [round(0.02 * i, 2) for i in range(51)]
+KAPPA_GRID = np.round(np.arange(0.40, 1.2001, 0.02), 2)
+GAMMA_GRID = np.round(np.arange(0.0, 0.4001, 0.02), 2)
+ETA_GRID = np.round(np.arange(0.30, 1.2001, 0.01), 2)
+BETA_GRID = np.round(np.arange(0.0, 1.0001, 0.02), 2)
 
 
-def predict_ms(rest_ms: float, link_ms: float, preset: str, eta_gloo: float, eta: float,
-               beta: float) -> float:
-    """The model's time of one bucket's collectives from its rate-independent part and the
-    link time at full rate."""
-    if preset == UNCOMPRESSED:
-        return rest_ms + link_ms / eta_gloo
-    wire = link_ms / eta
-    return max(rest_ms, wire) + beta * min(rest_ms, wire)
+def transport(constants: dict) -> Transport:
+    """sdp4bit.plan's Transport of a set of constants."""
+    return Transport(link_fraction=constants["eta"],
+                     uncompressed_link_fraction=constants["eta_gloo"],
+                     unhidden_codec=constants["beta"],
+                     uncompressed_unhidden=constants["beta_gloo"],
+                     core_share=constants["kappa"], incast=constants["gamma"])
 
 
-def rest_from(measured_ms: float, link_ms: float, preset: str, eta_gloo: float, eta: float,
-              beta: float) -> float:
-    """The rate-independent part `C` that makes the model reproduce one measurement (the
-    inverse of `predict_ms` in `C`; 0 when the link alone already takes longer)."""
-    if preset == UNCOMPRESSED:
-        return max(0.0, measured_ms - link_ms / eta_gloo)
-    wire = link_ms / eta
-    if measured_ms - beta * wire >= wire:
-        return measured_ms - beta * wire
-    return max(0.0, (measured_ms - wire) / beta) if beta > 0 else 0.0
+def default_constants() -> dict:
+    """The constants sdp4bit.plan uses by default (its Transport's defaults)."""
+    t = Transport()
+    return {"kappa": t.core_share, "gamma": t.incast, "eta": t.link_fraction,
+            "beta": t.unhidden_codec, "eta_gloo": t.uncompressed_link_fraction,
+            "beta_gloo": t.uncompressed_unhidden}
 
 
-def _groups(rows: list[dict]) -> dict[tuple[str, str], dict[float, dict]]:
-    """Rows by (topology, preset), then by link rate."""
-    out: dict[tuple[str, str], dict[float, dict]] = {}
-    for r in rows:
-        out.setdefault((r["topology"], r["preset"]), {})[r["rate_mbit"]] = r
-    return out
+def ranks_per_core(row: dict, cores: int) -> float:
+    """The emulated cluster's ranks (nodes x ranks per node) per core of the machine."""
+    nodes, per_node = (int(x) for x in row["topology"].split("x"))
+    return nodes * per_node / cores
 
 
-def errors(rows: list[dict], constants: tuple[float, float, float],
-           calibration_rate: float | None = None) -> list[dict]:
-    """Each row's prediction from `C` calibrated on the same preset and topology at
-    `calibration_rate` (default: the fastest rate); rows at the calibration rate are left
-    out."""
-    predictions = []
-    for (topology, preset), by_rate in sorted(_groups(rows).items()):
-        cal_rate = max(by_rate) if calibration_rate is None else calibration_rate
-        if cal_rate not in by_rate:
-            continue
-        cal = by_rate[cal_rate]
-        rest = rest_from(cal["comm_ms"], cal["link_ms"], preset, *constants)
-        for rate, r in sorted(by_rate.items()):
-            if rate == cal_rate:
-                continue
-            ms = predict_ms(rest, r["link_ms"], preset, *constants)
-            predictions.append({"topology": topology, "preset": preset, "rate_mbit": rate,
-                                "calibration_rate_mbit": cal_rate, "measured_ms": r["comm_ms"],
-                                "predicted_ms": ms, "error": ms / r["comm_ms"] - 1})
-    return predictions
+def senders(row: dict) -> int:
+    """The nodes sending into one node's link at once: every other node."""
+    return int(row["topology"].split("x")[0]) - 1
 
 
-def fit(rows: list[dict], calibration_rate: float | None = None) -> tuple[float, float, float]:
-    """(eta_gloo, eta, beta) minimising the largest relative error of `errors(rows, ...,
-    calibration_rate)`; the uncompressed and the compressed constants are fitted separately."""
-    base = [r for r in rows if r["preset"] == UNCOMPRESSED]
-    compressed = [r for r in rows if r["preset"] != UNCOMPRESSED]
-
-    def worst(subset, constants):
-        errs = [abs(e["error"]) for e in errors(subset, constants, calibration_rate)]
-        return max(errs) if errs else 0.0
-
-    eta_gloo = min(ETA_GRID, key=lambda e: (worst(base, (e, 1.0, 0.0)), -e))
-    eta, beta = min(((e, b) for e in ETA_GRID for b in BETA_GRID),
-                    key=lambda c: (worst(compressed, (1.0, *c)), -c[0], c[1]))
-    return eta_gloo, eta, beta
+def predict_ms(row: dict, cpu: float, constants: dict, cores: int) -> float:
+    """The model's time of `row`'s collectives from a rank's CPU per call `cpu` and the row's
+    link time."""
+    return collective_ms(cpu, row["link_ms"], row["preset"] != UNCOMPRESSED,
+                         transport(constants), ranks_per_core(row, cores), senders(row))
 
 
-def cross_validate(rows: list[dict]) -> list[dict]:
-    """For every ordered pair of rates and every topology: `C` from the calibration rate, the
-    constants from the other topologies' rows; the rows at the other rate predicted."""
+def _errors(rows: list[dict], cpu: list[float], kappa: float, gammas: np.ndarray,
+            cores: int) -> np.ndarray:
+    """Sum over `rows` of the model's squared relative error at `kappa`, for every incast term
+    in `gammas`, overlap in BETA_GRID and link fraction in ETA_GRID: an array (gamma, beta,
+    eta)."""
+    if not rows:
+        return np.zeros((len(gammas), len(BETA_GRID), len(ETA_GRID)))
+    share = np.array([max(0.0, ranks_per_core(r, cores) - 1.0) for r in rows])
+    busy = np.array(cpu) * (1.0 + share / kappa)  # (rows,)
+    extra = np.array([max(0, senders(r) - 1) for r in rows])
+    link = np.array([r["link_ms"] for r in rows]) * (1.0 + gammas[:, None] * extra)
+    measured = np.array([r["comm_ms"] for r in rows])
+    wire = link[:, None, :] / ETA_GRID[None, :, None]  # (gamma, eta, rows)
+    longer, shorter = np.maximum(busy, wire), np.minimum(busy, wire)
+    t = longer[:, None] + BETA_GRID[None, :, None, None] * shorter[:, None]
+    return ((t / measured - 1.0) ** 2).sum(axis=-1)
+
+
+def fit(rows: list[dict], cpu: list[float], cores: int) -> dict:
+    """The constants minimising the sum of squared relative errors of the model over `rows`,
+    each row's CPU per rank from `cpu`, searched on the grids (`gamma` only where the rows
+    have more than one number of senders per link, else 0); the compressed presets' link
+    constants and gloo's are fitted each on their own rows, `kappa` and `gamma` on all."""
+    compressed = [i for i, r in enumerate(rows) if r["preset"] != UNCOMPRESSED]
+    base = [i for i, r in enumerate(rows) if r["preset"] == UNCOMPRESSED]
+    gammas = GAMMA_GRID if len({senders(r) for r in rows}) > 1 else GAMMA_GRID[:1]
+    best = None
+    for kappa in KAPPA_GRID:
+        ec = _errors([rows[i] for i in compressed], [cpu[i] for i in compressed],
+                     float(kappa), gammas, cores)
+        eb = _errors([rows[i] for i in base], [cpu[i] for i in base], float(kappa), gammas,
+                     cores)
+        # Per gamma, the best (beta, eta) of each group.
+        mc = ec.reshape(len(gammas), -1).min(axis=1)
+        mb = eb.reshape(len(gammas), -1).min(axis=1)
+        g = int(np.argmin(mc + mb))
+        if best is None or mc[g] + mb[g] < best[0] - 1e-12:
+            bc, e = np.unravel_index(np.argmin(ec[g]), ec[g].shape)
+            bb, eg = np.unravel_index(np.argmin(eb[g]), eb[g].shape)
+            best = (mc[g] + mb[g], {"kappa": float(kappa), "gamma": float(gammas[g]),
+                                    "eta": float(ETA_GRID[e]), "beta": float(BETA_GRID[bc]),
+                                    "eta_gloo": float(ETA_GRID[eg]),
+                                    "beta_gloo": float(BETA_GRID[bb])})
+    return best[1]
+
+
+def _key(row: dict) -> tuple:
+    return row["topology"], row["rate_mbit"], row["preset"]
+
+
+def _prediction(row: dict, cpu_row: dict, constants: dict, cores: int, scheme: str,
+                calibrated: str) -> dict:
+    ms = predict_ms(row, cpu_row["cpu_ms"], constants, cores)
+    return {"scheme": scheme, "topology": row["topology"], "preset": row["preset"],
+            "rate_mbit": row["rate_mbit"], "calibrated": calibrated,
+            "measured_ms": row["comm_ms"], "min_ms": row["sweep_min_ms"],
+            "max_ms": row["sweep_max_ms"], "spread": spread(row), "link_ms": row["link_ms"],
+            "cpu_ms": cpu_row["cpu_ms"], "predicted_ms": ms, "error": ms / row["comm_ms"] - 1,
+            "within_range": row["sweep_min_ms"] <= ms <= row["sweep_max_ms"],
+            "constants": constants}
+
+
+def spread(row: dict) -> float:
+    """A row's own noise: (max - min) / median of its runs' medians."""
+    return (row["sweep_max_ms"] - row["sweep_min_ms"]) / row["comm_ms"]
+
+
+def held_out(rows: list[dict], cores: int) -> list[dict]:
+    """Every row predicted without its own timing:
+    - across rates: each row at rate B from its preset's CPU accounting at the other rate A
+      (same topology) and the constants fitted on every other row (the other presets at B
+      give the link's constants, the other topology the incast term);
+    - across topologies: each topology's rows from its own CPU accounting and the constants
+      fitted on the other topologies' rows alone."""
+    by = {_key(r): r for r in rows}
     topologies = sorted({r["topology"] for r in rows})
     rates = sorted({r["rate_mbit"] for r in rows})
     out = []
-    for held in topologies:
-        others = [r for r in rows if r["topology"] != held]
-        mine = [r for r in rows if r["topology"] == held]
-        if not others:
+    for r in rows:
+        train = [x for x in rows if x is not r]
+        constants = fit(train, [x["cpu_ms"] for x in train], cores)
+        for cal in rates:
+            if cal != r["rate_mbit"] and (r["topology"], cal, r["preset"]) in by:
+                out.append(_prediction(r, by[(r["topology"], cal, r["preset"])], constants,
+                                       cores, "rate", f"{cal / 1000:g} Gbit/s"))
+    for topology in topologies:
+        train = [r for r in rows if r["topology"] != topology]
+        if not train:
             continue
-        for cal_rate in rates:
-            constants = fit(others, cal_rate)
-            for e in errors(mine, constants, cal_rate):
-                e["constants"] = dict(zip(("eta_gloo", "eta", "beta"), constants))
-                out.append(e)
+        constants = fit(train, [r["cpu_ms"] for r in train], cores)
+        others = "+".join(sorted({r["topology"] for r in train}))
+        for r in rows:
+            if r["topology"] == topology:
+                out.append(_prediction(r, r, constants, cores, "topology", others))
     return out
 
 
-def load_rows(path: Path) -> list[dict]:
-    """The measured rows of cluster.json (one per topology, rate and preset)."""
+def load_rows(path: Path) -> tuple[list[dict], dict]:
+    """The measured rows (one per topology, rate and preset) and the measurement's meta."""
     data = json.loads(path.read_text())
-    return [r for r in data["rows"] if r.get("comm_ms") and r.get("link_ms") is not None]
+    return [r for r in data["rows"] if r.get("comm_ms") and r.get("cpu_ms")], data["meta"]
 
 
-def write(rows: list[dict], source: Path, out_dir: Path) -> dict:
-    """Writes plan_calibration.json (the constants sdp4bit.plan uses, plus every error) and
-    plan_calibration.md; returns the JSON document."""
-    constants = fit(rows)
-    held_out = cross_validate(rows)
+def _row_line(e: dict) -> str:
+    noisy = " (noisier than 15%)" if e["spread"] > 0.15 else ""
+    return (f"| {e['topology']} | {e['preset']} | {e['calibrated']} | "
+            f"{e['rate_mbit'] / 1000:g} Gbit/s | {e['cpu_ms']:.1f} | {e['link_ms']:.1f} | "
+            f"{e['measured_ms']:.1f} [{e['min_ms']:.1f}-{e['max_ms']:.1f}] | "
+            f"{100 * e['spread']:.0f}%{noisy} | {e['predicted_ms']:.1f} | "
+            f"{100 * e['error']:+.0f}% | {'yes' if e['within_range'] else 'no'} | "
+            + ", ".join(f"{e['constants'][k]:g}" for k in CONSTANTS) + " |")
+
+
+def _summary(name: str, predictions: list[dict]) -> str:
+    """One line: a scheme's largest error and its rows beyond 15%, those that the row's own
+    noise explains (its sweeps spread over more than 15%, or the prediction lies inside their
+    range) apart from the others."""
+    worst = max((abs(e["error"]) for e in predictions), default=0.0)
+    outside = [e for e in predictions if abs(e["error"]) > 0.15]
+    noisy = [e for e in outside if e["spread"] > 0.15 or e["within_range"]]
+    rest = [e for e in outside if e not in noisy]
+    line = (f"- {name}: largest error {100 * worst:.0f}%; {len(outside)} of "
+            f"{len(predictions)} rows beyond 15%")
+    if noisy:
+        line += (f", {len(noisy)} of them in rows whose own runs spread over more than 15% or "
+                 "whose runs' range holds the prediction")
+    if rest:
+        line += "; beyond 15% and beyond the row's noise: " + ", ".join(
+            f"{e['topology']} {e['preset']} at {e['rate_mbit'] / 1000:g} Gbit/s "
+            f"({100 * e['error']:+.0f}%)" for e in rest)
+    return line + "."
+
+
+def write(rows: list[dict], meta: dict, source: Path, out_dir: Path) -> dict:
+    """Writes plan_calibration.json (the constants sdp4bit.plan uses, plus every held-out
+    prediction) and plan_calibration.md; returns the JSON document."""
+    cores = meta["cpus"]
+    constants = fit(rows, [r["cpu_ms"] for r in rows], cores)
+    predictions = held_out(rows, cores)
     doc = {"source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),
-           "constants": dict(zip(("eta_gloo", "eta", "beta"), constants)),
-           "cross_validation": held_out,
-           "fit_on_all_rows": errors(rows, constants)}
+           "measured": {k: meta.get(k) for k in ("date", "cpus", "command")},
+           "constants": constants, "held_out": predictions,
+           "largest_error": max((abs(e["error"]) for e in predictions), default=0.0)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan_calibration.json").write_text(json.dumps(doc, indent=1) + "\n")
-    worst = max((abs(e["error"]) for e in held_out), default=0.0)
     lines = [
         "# The cost model against the emulated cluster",
         "",
-        f"Command: `python bench/calibrate_plan.py`, reading `{doc['source']}`. Model and "
-        "calibration: docs/performance.md \"The cost model\". Constants for sdp4bit.plan (fitted "
-        "on every row, rate-independent part at the fastest link): "
-        + ", ".join(f"{k} = {v:g}" for k, v in doc["constants"].items()) + ".",
+        f"Command: `python bench/calibrate_plan.py`, reading `{doc['source']}` (measured "
+        f"{meta.get('date')} on {cores} cores: `{meta.get('command')}`). Model: "
+        "docs/performance.md \"The cost model\". Constants for sdp4bit.plan, fitted on every "
+        "row: " + ", ".join(f"{k} = {constants[k]:g}" for k in CONSTANTS) + ".",
         "",
-        "Held out: the rate-independent part of each preset and topology is calibrated at one "
-        "link rate, the constants on the other topology's rows; the rows at the other rate are "
-        f"predicted. Largest error: {100 * worst:.0f}%.",
+        f"Held out, largest error {100 * doc['largest_error']:.0f}%:",
         "",
-        "| topology | preset | calibrated at | predicted at | measured ms | predicted ms | error "
-        "| eta_gloo, eta, beta used |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        *(_summary(name, [e for e in predictions if e["scheme"] == scheme])
+          for scheme, name in (("rate", "across rates"), ("topology", "across topologies"))),
+        "",
+        "Across rates: each row predicted from its preset's CPU accounting at the other rate "
+        "(calibrated at; same topology) and the constants fitted on every other row, so "
+        "nothing timed for that preset at that topology and rate is used. Across topologies: "
+        "each topology's rows predicted from its own CPU accounting and the constants fitted "
+        "on the other topology alone (calibrated at), where the incast term cannot be fitted "
+        "(one number of senders per link). CPU ms = one rank's CPU per call (mean over ranks, "
+        "median over the sweeps); measured = the median over the sweeps of each sweep's "
+        "median, [min-max] = the sweeps' medians; spread = (max - min) / median, the row's "
+        "noise between runs.",
+        "",
+        "| topology | preset | calibrated at | predicted at | CPU ms/rank | link ms | "
+        "measured ms [min-max] | spread | predicted ms | error | inside [min-max] | "
+        + ", ".join(CONSTANTS) + " |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for e in held_out:
-        c = e["constants"]
-        lines.append(
-            f"| {e['topology']} | {e['preset']} | {e['calibration_rate_mbit'] / 1000:g} Gbit/s "
-            f"| {e['rate_mbit'] / 1000:g} Gbit/s | {e['measured_ms']:.1f} | "
-            f"{e['predicted_ms']:.1f} | {100 * e['error']:+.0f}% | "
-            f"{c['eta_gloo']:g}, {c['eta']:g}, {c['beta']:g} |")
+    lines += [_row_line(e) for e in predictions if e["scheme"] == "rate"]
+    lines += [_row_line(e) for e in predictions if e["scheme"] == "topology"]
     (out_dir / "plan_calibration.md").write_text("\n".join(lines) + "\n")
     return doc
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cluster", type=Path, default=ROOT / "bench/results/cluster.json")
+    p.add_argument("--measurements", type=Path,
+                   default=ROOT / "bench/results/cluster_cpu.json")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = p.parse_args(argv)
-    doc = write(load_rows(args.cluster), args.cluster.resolve(), args.out)
-    print(json.dumps(doc["constants"]))
+    rows, meta = load_rows(args.measurements)
+    doc = write(rows, meta, args.measurements.resolve(), args.out)
+    print(json.dumps(doc["constants"]), f"largest held-out error {doc['largest_error']:.0%}")
 
 
 if __name__ == "__main__":

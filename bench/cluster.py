@@ -67,11 +67,15 @@ def run_ranks(cluster: Cluster, per_node: int, argv: list[str], port: int, timeo
 def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
     nodes, per_node = (int(x) for x in topology.split("x"))
     rows = []
+    cpu_logs = workdir / f"cpu-{topology}-{rate:g}"
+    cpu_logs.mkdir()
     with Cluster(nodes, Link(rate, args.delay_ms)) as cluster:
         out = workdir / f"coll-{topology}-{rate}.json"
         run_ranks(cluster, per_node, [str(ROOT / "bench/cluster_collectives.py"), "--numel",
                                       str(args.numel), "--reps", str(args.reps), "--presets",
-                                      args.presets, "--out", str(out)], 29400, args.timeout)
+                                      args.presets, "--cpu-log", str(cpu_logs), "--out",
+                                      str(out)], 29400, args.timeout)
+        cpu = mean_cpu_ms(cpu_logs)
         collectives = json.loads(out.read_text())
         for preset_row in collectives["rows"]:
             preset = preset_row["preset"]
@@ -94,6 +98,7 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
                 "link_ms": link_ms(preset, collectives["numel"], nodes, per_node, rate),
                 "step_ms": steady[len(steady) // 2],
                 "step_bytes": trained["sent"] // args.steps if trained["sent"] else None,
+                "cpu_ms": cpu[preset],
             })
             if preset == "baseline":
                 rows[-1].update(rs_a2a_ms=preset_row["rs_a2a"]["median"] * 1e3,
@@ -112,6 +117,15 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
     return rows
 
 
+def mean_cpu_ms(cpu_logs: Path) -> dict[str, float]:
+    """Per preset (baseline included), one rank's CPU per reduce-scatter + all-gather, the mean
+    over the ranks' CPU accounting in `cpu_logs` (cluster_collectives' --cpu-log)."""
+    ranks = [json.loads(p.read_text()) for p in cpu_logs.glob("rank*.json")]
+    presets = [k for k in ranks[0] if k != "latency"]
+    return {p: sum(sum(g["cpu_ms"] for g in r[p]["groups"].values()) for r in ranks)
+            / len(ranks) for p in presets}
+
+
 def link_ms(preset: str, numel: int, nodes: int, per_node: int, rate_mbit: float) -> float:
     """Milliseconds the busiest node link needs, at `rate_mbit` per direction, for the bytes
     one bucket's reduce-scatter and all-gather send between nodes: every rank of a node sends
@@ -123,19 +137,24 @@ def link_ms(preset: str, numel: int, nodes: int, per_node: int, rate_mbit: float
     return per_node * (b.grad[1] + b.weight[1]) * 8 / (rate_mbit * 1e6) * 1e3
 
 
-def add_predictions(rows: list[dict]) -> None:
-    """The cost model (sdp4bit.plan, calibrated by bench/calibrate_plan.py) checked against the
-    measurements: each preset's rate-independent part comes from its time at the fastest link,
-    the model's constants from every row; the time at every other rate is then predicted from
-    the bytes over the busiest node link and compared with what was measured."""
-    from calibrate_plan import errors, fit
+def add_predictions(rows: list[dict], cores: int) -> None:
+    """The cost model (sdp4bit.plan with the constants bench/calibrate_plan.py fitted on
+    bench/results/cluster_cpu.json) checked against the measurements: each row's time predicted
+    from one rank's CPU per call (the row's own CPU accounting; for rows measured without it,
+    bench/results/cluster_cpu.json's of the same topology, rate and preset) and the link time
+    of its bytes."""
+    from calibrate_plan import default_constants, predict_ms
 
-    constants = fit(rows)
-    predicted = {(e["topology"], e["preset"], e["rate_mbit"]): e for e in errors(rows, constants)}
+    constants = default_constants()
+    accounted = json.loads((ROOT / "bench/results/cluster_cpu.json").read_text())["rows"]
+    cpu = {(r["topology"], r["rate_mbit"], r["preset"]): r["cpu_ms"] for r in accounted}
     for r in rows:
-        e = predicted.get((r["topology"], r["preset"], r["rate_mbit"]))
-        r["predicted_ms"] = r["comm_ms"] if e is None else e["predicted_ms"]
-        r["prediction_error"] = None if e is None else e["error"]
+        work = r.get("cpu_ms") or cpu.get((r["topology"], r["rate_mbit"], r["preset"]))
+        if work is None:
+            r["predicted_ms"], r["prediction_error"] = None, None
+            continue
+        r["predicted_ms"] = predict_ms(r, work, constants, cores)
+        r["prediction_error"] = r["predicted_ms"] / r["comm_ms"] - 1
 
 
 def write_results(rows: list[dict], args, out_dir: Path, meta: dict | None = None) -> None:
@@ -160,9 +179,11 @@ def write_results(rows: list[dict], args, out_dir: Path, meta: dict | None = Non
         "= how close the measurement comes to the link's limit. Uncompressed: gloo's "
         "reduce-scatter and all-gather (baseline); best = the faster of that and a "
         "reduce-scatter made of an all-to-all and a local sum (each byte sent once). "
-        "Model: sdp4bit.plan's link time at the achieved fraction of the link plus the codec "
-        "time not hidden behind it (bench/calibrate_plan.py), its rate-independent part "
-        "calibrated per preset at the fastest link (marked), predicted at the others.", "",
+        "Model: sdp4bit.plan's cost model with the constants bench/calibrate_plan.py fits on "
+        "bench/results/cluster_cpu.json: one rank's CPU per call (the row's CPU accounting, "
+        "else cluster_cpu.json's), stretched by the ranks sharing the machine's cores, "
+        "overlapped with the link time of the bytes (docs/performance.md \"The cost model\").",
+        "",
         "| topology | link | preset | RS ms | AG ms | comm ms [min-max] | link ms | "
         "link/measured | bytes sent/rank | speedup vs gloo | speedup vs best uncompressed | "
         "ideal (byte ratio) | model ms | model error | step ms | step speedup |",
@@ -174,9 +195,9 @@ def write_results(rows: list[dict], args, out_dir: Path, meta: dict | None = Non
             f"{r['rs_ms']:.1f} | {r['ag_ms']:.1f} | {r['comm_ms']:.1f} "
             f"[{r['comm_min_ms']:.1f}-{r['comm_max_ms']:.1f}] | {r['link_ms']:.1f} | "
             f"{r['link_fraction']:.2f} | {r['bucket_bytes']:,} | {r['comm_speedup']:.2f}x | "
-            f"{r['best_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['predicted_ms']:.1f} | "
-            + ("calibration" if r["prediction_error"] is None
-               else f"{100 * r['prediction_error']:+.0f}%")
+            f"{r['best_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
+            + ("- | -" if r["predicted_ms"] is None
+               else f"{r['predicted_ms']:.1f} | {100 * r['prediction_error']:+.0f}%")
             + f" | {r['step_ms']:.0f} | {r['step_speedup']:.2f}x |")
         if r["preset"] == "baseline":
             lines.append(
@@ -224,7 +245,7 @@ def rescore(path: Path, parser: argparse.ArgumentParser, out_dir: Path) -> None:
     script = next(i for i, a in enumerate(argv) if a.endswith("cluster.py"))
     args = parser.parse_args(argv[script + 1:])
     rows = data["rows"]
-    add_predictions(rows)
+    add_predictions(rows, meta["cpus"])
     meta["rescored"] = (f"model columns recomputed {datetime.date.today().isoformat()} with "
                         "`bench/cluster.py --rescore`")
     write_results(rows, args, out_dir, meta)
@@ -265,7 +286,7 @@ def main() -> None:
             for rate in (float(r) for r in args.rates_mbit.split(",")):
                 print(f"== {topology} at {rate:g} Mbit/s", flush=True)
                 rows += measure(topology, rate, args, Path(tmp))
-    add_predictions(rows)
+    add_predictions(rows, os.cpu_count() or 1)
     write_results(rows, args, Path(args.out))
     print((Path(args.out) / "cluster.md").read_text())
 

@@ -9,16 +9,22 @@ uncompressed collectives.
     python -m sdp4bit.plan --paper      # the paper's clusters beside its speedups
 
 Model, per DP rank and step (one gradient reduce-scatter and one parameter all-gather of the
-rank's params / (TP x PP)): intra-node bytes at ``--intra-gbps`` (per rank) and inter-node bytes
-of all the node's DP ranks sharing ``--inter-gbps`` (per node), both at the fraction of the link
-the transport achieves (``--link-fraction`` compressed, ``--uncompressed-link-fraction``
-uncompressed), a latency per message (an all-to-all among k peers sends k - 1 per bucket), and
-the codec passes at ``--codec-gbps`` (bytes of fp32 gradient / bf16 parameter input per second
-per rank; 0: not modelled), which the compressed presets' pipelined chunks hide behind the link
-except for the fraction ``--unhidden-codec``. The three fractions default to the constants
-bench/calibrate_plan.py fits on the emulated cluster (docs/performance.md "The cost model").
-With ``--compute-ms`` the step is compute plus communication, none of it overlapped (an upper
-bound on what compression can gain).
+rank's params / (TP x PP); docs/performance.md "The cost model"): the link time is the bytes the
+core plans for the rank inside nodes at ``--intra-gbps`` (per rank) plus the inter-node bytes of
+all the node's DP ranks sharing ``--inter-gbps`` (per node), at the fraction of the link the
+transport achieves (``--link-fraction`` compressed, ``--uncompressed-link-fraction``
+uncompressed). The CPU time is each rank's codec work (``--codec-gbps``: bytes of fp32 gradient
+/ bf16 parameter input per second per rank; 0: not modelled), stretched where ranks outnumber
+cores (``--ranks-per-core`` above 1) by the other ranks' work they queue behind at the fraction
+``--core-share`` of the cores' time the ranks get; every node beyond the first sending into a
+node's link at once adds the fraction ``--incast`` to its link time (TCP through a shaped
+queue; 0 on lossless fabrics). Pipelined chunks overlap CPU and link: a
+collective takes the longer of the two plus the fraction ``--unhidden-codec`` of the shorter
+(``--uncompressed-unhidden`` for the uncompressed collectives), and every message adds a
+latency (an all-to-all among k peers sends k - 1 per bucket). The fractions default to the
+constants bench/calibrate_plan.py fits on the emulated cluster. With ``--compute-ms`` the step
+is compute plus communication, none of it overlapped (an upper bound on what compression can
+gain).
 """
 
 from __future__ import annotations
@@ -36,12 +42,50 @@ _SAMPLE_SHARD = 1 << 16  # elements per rank of the bucket planned to count byte
 
 @dataclass(frozen=True)
 class Transport:
-    """How the collectives use the links; the defaults are bench/calibrate_plan.py's fit on the
-    emulated cluster (bench/results/plan_calibration.json)."""
+    """How the collectives use links and cores; the defaults are bench/calibrate_plan.py's fit
+    on the emulated cluster (bench/results/plan_calibration.json)."""
 
-    link_fraction: float = 0.73  # of a link's rate the compressed presets' exchanges achieve
-    uncompressed_link_fraction: float = 0.63  # the same for the uncompressed collectives
-    unhidden_codec: float = 0.04  # of the shorter of codec and link time not overlapped
+    link_fraction: float = 1.12  # eta: of a link's rate the compressed presets' exchanges get
+    uncompressed_link_fraction: float = 0.64  # eta_gloo: the same for the uncompressed ones
+    unhidden_codec: float = 0.38  # beta: of the shorter of CPU and link time not overlapped
+    uncompressed_unhidden: float = 0.0  # beta_gloo: the same for the uncompressed collectives
+    core_share: float = 0.76  # kappa: of shared cores' time the ranks' work gets
+    incast: float = 0.06  # gamma: link time added per extra node sending into a link at once
+
+
+def cpu_ms(work_ms: float, ranks_per_core: float, core_share: float) -> float:
+    """The wall time of one rank's `work_ms` of CPU work when `ranks_per_core` ranks (each with
+    the same work) share every core: its own work plus, where ranks outnumber cores, the others'
+    work it queues behind, `(ranks_per_core - 1) x work_ms`, of which the ranks get the fraction
+    `core_share` of the cores' time. At one rank per core or fewer the sharing term is 0."""
+    return work_ms * (1.0 + max(0.0, ranks_per_core - 1.0) / core_share)
+
+
+def overlapped_ms(cpu: float, link: float, unhidden: float) -> float:
+    """Time of CPU work and link transfer that overlap except for the fraction `unhidden` of
+    the shorter of the two (0: perfectly overlapped, 1: one after the other)."""
+    return max(cpu, link) + unhidden * min(cpu, link)
+
+
+def link_time_ms(link_ms: float, fraction: float, senders: int, incast: float) -> float:
+    """The time of `link_ms` of bytes (at the link's full rate) on a link the transport runs at
+    `fraction` of its rate, plus the fraction `incast` of it per node beyond the first that
+    sends into the link at once (`senders`: the other nodes of an all-to-all)."""
+    return link_ms * (1.0 + incast * max(0, senders - 1)) / fraction
+
+
+def collective_ms(work_ms: float, link_ms: float, compressed: bool, transport: Transport,
+                  ranks_per_core: float = 1.0, senders: int = 1) -> float:
+    """The model of a reduce-scatter plus all-gather: `work_ms` of CPU per rank (codec passes,
+    copies, the transport's own CPU) and `link_ms`, the bytes over the busiest link at the
+    link's full rate, which `senders` nodes send into at once."""
+    cpu = cpu_ms(work_ms, ranks_per_core, transport.core_share)
+    if compressed:
+        wire = link_time_ms(link_ms, transport.link_fraction, senders, transport.incast)
+        return overlapped_ms(cpu, wire, transport.unhidden_codec)
+    wire = link_time_ms(link_ms, transport.uncompressed_link_fraction, senders,
+                        transport.incast)
+    return overlapped_ms(cpu, wire, transport.uncompressed_unhidden)
 
 
 @dataclass(frozen=True)
@@ -56,6 +100,7 @@ class Cluster:
     inter_gbps: float = 100.0  # per node
     intra_latency_us: float = 2.0
     inter_latency_us: float = 5.0
+    ranks_per_core: float = 1.0  # above 1 only where ranks share cores (the emulated cluster)
 
     def dp_layout(self) -> tuple[int, int]:
         """(DP ranks, DP ranks per node): TP inside a node, PP across nodes."""
@@ -89,22 +134,21 @@ def step_bytes(preset: str, elements: float, dp: int, per_node: int) -> tuple[By
 
 def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbps: float,
             compressed: bool, transport: Transport = Transport()) -> float:
-    """Milliseconds of one step's gradient reduce-scatter and parameter all-gather: the link
-    time at the achieved fraction of the links, plus the codec time not hidden behind it
-    (compressed presets only), plus the latency of every message."""
+    """Milliseconds of one step's gradient reduce-scatter and parameter all-gather: the codec
+    passes' CPU (compressed presets only) overlapped with the link time at the achieved
+    fraction of the links (`collective_ms`), plus the latency of every message."""
     dp, per_node = cluster.dp_layout()
     nodes = dp // per_node
-    fraction = transport.link_fraction if compressed else transport.uncompressed_link_fraction
     intra = (b.grad[0] + b.weight[0]) / (cluster.intra_gbps * 1e9 / 8)
     inter = per_node * (b.grad[1] + b.weight[1]) / (cluster.inter_gbps * 1e9 / 8)
-    link = (intra + inter) / fraction
     messages = 2 * buckets  # one reduce-scatter and one all-gather per bucket
     latency = messages * ((per_node - 1) * cluster.intra_latency_us
                           + (nodes - 1) * cluster.inter_latency_us) * 1e-6
     codec = 0.0
     if compressed and codec_gbps > 0:
         codec = elements * (4 + 2) / (codec_gbps * 1e9)
-    busy = max(codec, link) + transport.unhidden_codec * min(codec, link)
+    busy = collective_ms(codec, intra + inter, compressed, transport, cluster.ranks_per_core,
+                         nodes - 1)
     return (busy + latency) * 1e3
 
 
@@ -163,6 +207,8 @@ def main(argv=None) -> None:
     p.add_argument("--inter-gbps", type=float, default=100.0, help="per node, Gbit/s")
     p.add_argument("--intra-latency-us", type=float, default=2.0)
     p.add_argument("--inter-latency-us", type=float, default=5.0)
+    p.add_argument("--ranks-per-core", type=float, default=1.0,
+                   help="ranks sharing each core that runs the codec (above 1: CPU sharing)")
     p.add_argument("--bucket-elements", type=float, default=40e6)
     p.add_argument("--codec-gbps", type=float, default=0.0,
                    help="measured codec throughput, GB/s of input per rank (0: not modelled)")
@@ -175,13 +221,21 @@ def main(argv=None) -> None:
                    help="fraction of the link rate the uncompressed collectives achieve")
     p.add_argument("--unhidden-codec", type=float, default=default.unhidden_codec,
                    help="fraction of the shorter of codec and link time not overlapped")
+    p.add_argument("--uncompressed-unhidden", type=float, default=default.uncompressed_unhidden,
+                   help="the same for the uncompressed collectives")
+    p.add_argument("--core-share", type=float, default=default.core_share,
+                   help="fraction of shared cores' time the ranks' work gets")
+    p.add_argument("--incast", type=float, default=default.incast,
+                   help="link time added per extra node sending into a link at once "
+                   "(0 on lossless fabrics)")
     p.add_argument("--presets", default=",".join(preset_names()))
     p.add_argument("--paper", action="store_true",
                    help="predict the paper's clusters (1.3B-18B) beside its measured speedups")
     args = p.parse_args(argv)
     presets = args.presets.split(",")
     transport = Transport(args.link_fraction, args.uncompressed_link_fraction,
-                          args.unhidden_codec)
+                          args.unhidden_codec, args.uncompressed_unhidden, args.core_share,
+                          args.incast)
     if args.paper:
         for name, cluster, measured in PAPER:
             print(f"== {name} (assumed {cluster.inter_gbps:g} Gbit/s per node between nodes, "
@@ -196,7 +250,8 @@ def main(argv=None) -> None:
     if missing:
         p.error(f"{', '.join(missing)} required (or --paper)")
     cluster = Cluster(args.nodes, args.gpus_per_node, args.tp, args.pp, args.intra_gbps,
-                      args.inter_gbps, args.intra_latency_us, args.inter_latency_us)
+                      args.inter_gbps, args.intra_latency_us, args.inter_latency_us,
+                      args.ranks_per_core)
     _print(predict(args.params, cluster, presets, args.bucket_elements, args.codec_gbps,
                    args.compute_ms, transport))
 
