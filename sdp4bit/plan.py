@@ -184,6 +184,12 @@ PAPER = (
      "1.53x-4.08x"),
 )
 
+#: The paper's clusters' transport: NCCL-class collectives over lossless fabrics, every preset
+#: at the same fraction of the link (the rate itself) and no incast; the overlap as calibrated.
+#: The emulated cluster's fractions (the defaults) are TCP's and gloo's.
+PAPER_TRANSPORT = Transport(link_fraction=1.0, uncompressed_link_fraction=1.0, incast=0.0,
+                            core_share=1.0)
+
 
 def _print(rows: list[dict]) -> None:
     step = "step_speedup" in rows[0]
@@ -230,7 +236,8 @@ def main(argv=None) -> None:
                    "(0 on lossless fabrics)")
     p.add_argument("--presets", default=",".join(preset_names()))
     p.add_argument("--paper", action="store_true",
-                   help="predict the paper's clusters (1.3B-18B) beside its measured speedups")
+                   help="predict the paper's clusters (1.3B-18B) beside its measured speedups, "
+                   "on lossless fabrics with every preset at the link's rate (PAPER_TRANSPORT)")
     args = p.parse_args(argv)
     presets = args.presets.split(",")
     transport = Transport(args.link_fraction, args.uncompressed_link_fraction,
@@ -243,7 +250,7 @@ def main(argv=None) -> None:
             for params in (1.3e9, 6.7e9, 18e9):
                 print(f"-- {params / 1e9:g}B parameters, communication only")
                 _print(predict(params, cluster, presets, args.bucket_elements, args.codec_gbps,
-                               transport=transport))
+                               transport=PAPER_TRANSPORT))
         return
     missing = [f"--{n.replace('_', '-')}" for n in ("params", "nodes", "gpus_per_node")
                if getattr(args, n) is None]

@@ -102,6 +102,8 @@ EXERCISED = {
         "tests/python/test_plan.py", '"--rescore"'),
     "sudo bash scripts/bench.sh cluster_phases": lambda: (
         _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster_phases"')),
+    "sudo bash scripts/bench.sh cluster_cpu": lambda: (
+        _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster_cpu"')),
     # the cost model, run here
     "python -m sdp4bit.plan": lambda: _run(*PLAN, "--help"),
     "python -m sdp4bit.plan --paper": lambda: _run(*PLAN, "--paper"),
