@@ -6,20 +6,21 @@ well it predicts what it was not calibrated on.
         [--out bench/results]
 
 The model of one bucket's reduce-scatter plus all-gather (docs/performance.md "The cost
-model", `sdp4bit.plan.collective_ms`) has two measured inputs per row and six constants:
+model", `sdp4bit.plan.collective_ms`) has two measured inputs per row and five constants:
 - `cpu_ms`, the CPU one rank spends per call (its threads' scheduler accounting, by
   bench/cluster_cpu.py), which takes `cpu_ms x (1 + (R / c - 1) / kappa)` of wall time when R
   ranks share c cores (R > c): the rank's own work plus the others' it queues behind, at the
   fraction `kappa` of the cores' time the ranks get;
-- `link_ms`, the bytes the core plans over a node's busiest link at the link's rate, which the
-  transport runs at the fraction `eta` (compressed presets' exchanges) or `eta_gloo` (gloo's
-  uncompressed collectives) of that rate, less `gamma` per node beyond the first sending into
-  the link at once (TCP incast into the shaped link);
+- the link time, the bytes a node's busiest link carries per call at the link's rate (on the
+  emulated cluster as its interface counted them, headers included: `wire_bytes`; else the
+  bytes the core plans, `link_ms`), which the transport runs at the fraction `eta`
+  (compressed presets' exchanges) or `eta_gloo` (gloo's uncompressed collectives) of that
+  rate;
 - CPU and link overlap: the longer of the two plus the fraction `beta` (`beta_gloo`) of the
   shorter.
 
-Held out: each row is predicted from its preset's CPU accounting at the other link rate (same
-topology) with the constants fitted on every other row (least squares of the relative error
+Held out: each row is predicted from its preset's CPU accounting and link bytes at the other
+link rate (same topology) with the constants fitted on every other row (least squares of the relative error
 over a grid), so nothing timed for that preset at that topology and rate is used; and each
 topology's rows from the constants fitted on the other topology alone. The constants written
 for sdp4bit.plan are fitted on every row.
@@ -37,10 +38,9 @@ from sdp4bit.plan import Transport, collective_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 UNCOMPRESSED = "baseline"
-CONSTANTS = ("kappa", "gamma", "eta", "beta", "eta_gloo", "beta_gloo")
+CONSTANTS = ("kappa", "eta", "beta", "eta_gloo", "beta_gloo")
 #: The grids the constants are searched on.
 KAPPA_GRID = np.round(np.arange(0.40, 1.2001, 0.02), 2)
-GAMMA_GRID = np.round(np.arange(0.0, 0.4001, 0.02), 2)
 ETA_GRID = np.round(np.arange(0.30, 1.2001, 0.01), 2)
 BETA_GRID = np.round(np.arange(0.0, 1.0001, 0.02), 2)
 
@@ -51,13 +51,13 @@ def transport(constants: dict) -> Transport:
                      uncompressed_link_fraction=constants["eta_gloo"],
                      unhidden_codec=constants["beta"],
                      uncompressed_unhidden=constants["beta_gloo"],
-                     core_share=constants["kappa"], incast=constants["gamma"])
+                     core_share=constants["kappa"])
 
 
 def default_constants() -> dict:
     """The constants sdp4bit.plan uses by default (its Transport's defaults)."""
     t = Transport()
-    return {"kappa": t.core_share, "gamma": t.incast, "eta": t.link_fraction,
+    return {"kappa": t.core_share, "eta": t.link_fraction,
             "beta": t.unhidden_codec, "eta_gloo": t.uncompressed_link_fraction,
             "beta_gloo": t.uncompressed_unhidden}
 
@@ -68,61 +68,59 @@ def ranks_per_core(row: dict, cores: int) -> float:
     return nodes * per_node / cores
 
 
-def senders(row: dict) -> int:
-    """The nodes sending into one node's link at once: every other node."""
-    return int(row["topology"].split("x")[0]) - 1
+def wire_ms(row: dict, rate_mbit: float | None = None) -> float:
+    """The link time at `rate_mbit` (default: the row's) of the bytes the row's busiest node
+    link carried per call, as its interface counted them (`wire_bytes`, bench/cluster_cpu.py);
+    rows without that count (bench/cluster.py's) use the bytes the core plans (`link_ms`)."""
+    rate = row["rate_mbit"] if rate_mbit is None else rate_mbit
+    if row.get("wire_bytes"):
+        return row["wire_bytes"] * 8e-3 / rate
+    return row["link_ms"] * row["rate_mbit"] / rate
 
 
-def predict_ms(row: dict, cpu: float, constants: dict, cores: int) -> float:
-    """The model's time of `row`'s collectives from a rank's CPU per call `cpu` and the row's
-    link time."""
-    return collective_ms(cpu, row["link_ms"], row["preset"] != UNCOMPRESSED,
-                         transport(constants), ranks_per_core(row, cores), senders(row))
+def predict_ms(row: dict, cpu: float, constants: dict, cores: int,
+               link_ms: float | None = None) -> float:
+    """The model's time of `row`'s collectives from a rank's CPU per call `cpu` and the link
+    time `link_ms` (default: the row's, `wire_ms`)."""
+    link = wire_ms(row) if link_ms is None else link_ms
+    return collective_ms(cpu, link, row["preset"] != UNCOMPRESSED, transport(constants),
+                         ranks_per_core(row, cores))
 
 
-def _errors(rows: list[dict], cpu: list[float], kappa: float, gammas: np.ndarray,
-            cores: int) -> np.ndarray:
-    """Sum over `rows` of the model's squared relative error at `kappa`, for every incast term
-    in `gammas`, overlap in BETA_GRID and link fraction in ETA_GRID: an array (gamma, beta,
-    eta)."""
+def _errors(rows: list[dict], cpu: list[float], kappa: float, cores: int) -> np.ndarray:
+    """Sum over `rows` of the model's squared relative error at `kappa`, for every overlap in
+    BETA_GRID and link fraction in ETA_GRID: an array (beta, eta)."""
     if not rows:
-        return np.zeros((len(gammas), len(BETA_GRID), len(ETA_GRID)))
+        return np.zeros((len(BETA_GRID), len(ETA_GRID)))
     share = np.array([max(0.0, ranks_per_core(r, cores) - 1.0) for r in rows])
     busy = np.array(cpu) * (1.0 + share / kappa)  # (rows,)
-    extra = np.array([max(0, senders(r) - 1) for r in rows])
-    link = np.array([r["link_ms"] for r in rows]) * (1.0 + gammas[:, None] * extra)
+    link = np.array([wire_ms(r) for r in rows])
     measured = np.array([r["comm_ms"] for r in rows])
-    wire = link[:, None, :] / ETA_GRID[None, :, None]  # (gamma, eta, rows)
+    wire = link[None, :] / ETA_GRID[:, None]  # (eta, rows)
     longer, shorter = np.maximum(busy, wire), np.minimum(busy, wire)
-    t = longer[:, None] + BETA_GRID[None, :, None, None] * shorter[:, None]
+    t = longer[None] + BETA_GRID[:, None, None] * shorter[None]  # (beta, eta, rows)
     return ((t / measured - 1.0) ** 2).sum(axis=-1)
 
 
 def fit(rows: list[dict], cpu: list[float], cores: int) -> dict:
     """The constants minimising the sum of squared relative errors of the model over `rows`,
-    each row's CPU per rank from `cpu`, searched on the grids (`gamma` only where the rows
-    have more than one number of senders per link, else 0); the compressed presets' link
-    constants and gloo's are fitted each on their own rows, `kappa` and `gamma` on all."""
+    each row's CPU per rank from `cpu`, searched on the grids: `kappa` on all rows, the link
+    fraction and overlap of the compressed presets and of gloo's collectives each on their
+    own rows."""
     compressed = [i for i, r in enumerate(rows) if r["preset"] != UNCOMPRESSED]
     base = [i for i, r in enumerate(rows) if r["preset"] == UNCOMPRESSED]
-    gammas = GAMMA_GRID if len({senders(r) for r in rows}) > 1 else GAMMA_GRID[:1]
     best = None
     for kappa in KAPPA_GRID:
         ec = _errors([rows[i] for i in compressed], [cpu[i] for i in compressed],
-                     float(kappa), gammas, cores)
-        eb = _errors([rows[i] for i in base], [cpu[i] for i in base], float(kappa), gammas,
-                     cores)
-        # Per gamma, the best (beta, eta) of each group.
-        mc = ec.reshape(len(gammas), -1).min(axis=1)
-        mb = eb.reshape(len(gammas), -1).min(axis=1)
-        g = int(np.argmin(mc + mb))
-        if best is None or mc[g] + mb[g] < best[0] - 1e-12:
-            bc, e = np.unravel_index(np.argmin(ec[g]), ec[g].shape)
-            bb, eg = np.unravel_index(np.argmin(eb[g]), eb[g].shape)
-            best = (mc[g] + mb[g], {"kappa": float(kappa), "gamma": float(gammas[g]),
-                                    "eta": float(ETA_GRID[e]), "beta": float(BETA_GRID[bc]),
-                                    "eta_gloo": float(ETA_GRID[eg]),
-                                    "beta_gloo": float(BETA_GRID[bb])})
+                     float(kappa), cores)
+        eb = _errors([rows[i] for i in base], [cpu[i] for i in base], float(kappa), cores)
+        sse = ec.min() + eb.min()
+        if best is None or sse < best[0] - 1e-12:
+            bc, e = np.unravel_index(np.argmin(ec), ec.shape)
+            bb, eg = np.unravel_index(np.argmin(eb), eb.shape)
+            best = (sse, {"kappa": float(kappa), "eta": float(ETA_GRID[e]),
+                          "beta": float(BETA_GRID[bc]), "eta_gloo": float(ETA_GRID[eg]),
+                          "beta_gloo": float(BETA_GRID[bb])})
     return best[1]
 
 
@@ -132,11 +130,13 @@ def _key(row: dict) -> tuple:
 
 def _prediction(row: dict, cpu_row: dict, constants: dict, cores: int, scheme: str,
                 calibrated: str) -> dict:
-    ms = predict_ms(row, cpu_row["cpu_ms"], constants, cores)
+    link = wire_ms(cpu_row, row["rate_mbit"])
+    ms = predict_ms(row, cpu_row["cpu_ms"], constants, cores, link)
     return {"scheme": scheme, "topology": row["topology"], "preset": row["preset"],
             "rate_mbit": row["rate_mbit"], "calibrated": calibrated,
             "measured_ms": row["comm_ms"], "min_ms": row["sweep_min_ms"],
             "max_ms": row["sweep_max_ms"], "spread": spread(row), "link_ms": row["link_ms"],
+            "wire_ms": link,
             "cpu_ms": cpu_row["cpu_ms"], "predicted_ms": ms, "error": ms / row["comm_ms"] - 1,
             "within_range": row["sweep_min_ms"] <= ms <= row["sweep_max_ms"],
             "constants": constants}
@@ -148,23 +148,27 @@ def spread(row: dict) -> float:
 
 
 def held_out(rows: list[dict], cores: int) -> list[dict]:
-    """Every row predicted without its own timing:
-    - across rates: each row at rate B from its preset's CPU accounting at the other rate A
-      (same topology) and the constants fitted on every other row (the other presets at B
-      give the link's constants, the other topology the incast term);
-    - across topologies: each topology's rows from its own CPU accounting and the constants
-      fitted on the other topologies' rows alone."""
+    """Every row predicted without any timing at its topology and rate:
+    - across rates: each topology's rows at rate B from each preset's CPU accounting and link
+      bytes at the other rate A (same topology), with the constants fitted on every row but
+      that topology's at B (its rows at A, the other topologies' at every rate);
+    - across topologies: each topology's rows from its own CPU accounting and link bytes and
+      the constants fitted on the other topologies' rows alone."""
     by = {_key(r): r for r in rows}
     topologies = sorted({r["topology"] for r in rows})
     rates = sorted({r["rate_mbit"] for r in rows})
     out = []
-    for r in rows:
-        train = [x for x in rows if x is not r]
-        constants = fit(train, [x["cpu_ms"] for x in train], cores)
-        for cal in rates:
-            if cal != r["rate_mbit"] and (r["topology"], cal, r["preset"]) in by:
-                out.append(_prediction(r, by[(r["topology"], cal, r["preset"])], constants,
-                                       cores, "rate", f"{cal / 1000:g} Gbit/s"))
+    for topology in topologies:
+        for target in rates:
+            train = [r for r in rows if (r["topology"], r["rate_mbit"]) != (topology, target)]
+            constants = fit(train, [r["cpu_ms"] for r in train], cores)
+            for r in rows:
+                if (r["topology"], r["rate_mbit"]) != (topology, target):
+                    continue
+                for cal in rates:
+                    if cal != target and (topology, cal, r["preset"]) in by:
+                        out.append(_prediction(r, by[(topology, cal, r["preset"])], constants,
+                                               cores, "rate", f"{cal / 1000:g} Gbit/s"))
     for topology in topologies:
         train = [r for r in rows if r["topology"] != topology]
         if not train:
@@ -187,6 +191,7 @@ def _row_line(e: dict) -> str:
     noisy = " (noisier than 15%)" if e["spread"] > 0.15 else ""
     return (f"| {e['topology']} | {e['preset']} | {e['calibrated']} | "
             f"{e['rate_mbit'] / 1000:g} Gbit/s | {e['cpu_ms']:.1f} | {e['link_ms']:.1f} | "
+            f"{e['wire_ms']:.1f} | "
             f"{e['measured_ms']:.1f} [{e['min_ms']:.1f}-{e['max_ms']:.1f}] | "
             f"{100 * e['spread']:.0f}%{noisy} | {e['predicted_ms']:.1f} | "
             f"{100 * e['error']:+.0f}% | {'yes' if e['within_range'] else 'no'} | "
@@ -238,20 +243,23 @@ def write(rows: list[dict], meta: dict, source: Path, out_dir: Path) -> dict:
         *(_summary(name, [e for e in predictions if e["scheme"] == scheme])
           for scheme, name in (("rate", "across rates"), ("topology", "across topologies"))),
         "",
-        "Across rates: each row predicted from its preset's CPU accounting at the other rate "
+        "Across rates: each row predicted from its preset's CPU accounting and link bytes at "
+        "the other rate "
         "(calibrated at; same topology) and the constants fitted on every other row, so "
         "nothing timed for that preset at that topology and rate is used. Across topologies: "
-        "each topology's rows predicted from its own CPU accounting and the constants fitted "
-        "on the other topology alone (calibrated at), where the incast term cannot be fitted "
-        "(one number of senders per link). CPU ms = one rank's CPU per call (mean over ranks, "
-        "median over the sweeps); measured = the median over the sweeps of each sweep's "
+        "each topology's rows predicted from its own CPU accounting and link bytes and the "
+        "constants fitted on the other topology alone (calibrated at). CPU ms = one rank's CPU per call (mean over ranks, "
+        "median over the sweeps); link ms = the busiest node link's bytes per call at the "
+        "predicted rate, as the core plans them and as the link's interface counted them "
+        "(headers included; the model's input); measured = the median over the sweeps of each sweep's "
         "median, [min-max] = the sweeps' medians; spread = (max - min) / median, the row's "
         "noise between runs.",
         "",
-        "| topology | preset | calibrated at | predicted at | CPU ms/rank | link ms | "
+        "| topology | preset | calibrated at | predicted at | CPU ms/rank | link ms (plan) | "
+        "link ms (wire) | "
         "measured ms [min-max] | spread | predicted ms | error | inside [min-max] | "
         + ", ".join(CONSTANTS) + " |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     lines += [_row_line(e) for e in predictions if e["scheme"] == "rate"]
     lines += [_row_line(e) for e in predictions if e["scheme"] == "topology"]

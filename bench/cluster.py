@@ -75,7 +75,7 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
                                       str(args.numel), "--reps", str(args.reps), "--presets",
                                       args.presets, "--cpu-log", str(cpu_logs), "--out",
                                       str(out)], 29400, args.timeout)
-        cpu = mean_cpu_ms(cpu_logs)
+        cpu, wire = mean_cpu_ms(cpu_logs), busiest_link_bytes(cpu_logs)
         collectives = json.loads(out.read_text())
         for preset_row in collectives["rows"]:
             preset = preset_row["preset"]
@@ -98,7 +98,7 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
                 "link_ms": link_ms(preset, collectives["numel"], nodes, per_node, rate),
                 "step_ms": steady[len(steady) // 2],
                 "step_bytes": trained["sent"] // args.steps if trained["sent"] else None,
-                "cpu_ms": cpu[preset],
+                "cpu_ms": cpu[preset], "wire_bytes": wire[preset],
             })
             if preset == "baseline":
                 rows[-1].update(rs_a2a_ms=preset_row["rs_a2a"]["median"] * 1e3,
@@ -126,6 +126,15 @@ def mean_cpu_ms(cpu_logs: Path) -> dict[str, float]:
             / len(ranks) for p in presets}
 
 
+def busiest_link_bytes(cpu_logs: Path) -> dict[str, float | None]:
+    """Per preset, the bytes per call on the busiest node link in either direction, as the
+    links' interfaces counted them (cluster_collectives' --cpu-log; None where not counted)."""
+    ranks = [json.loads(p.read_text()) for p in cpu_logs.glob("rank*.json")]
+    presets = [k for k in ranks[0] if k != "latency"]
+    return {p: None if any(r[p].get("link_bytes") is None for r in ranks)
+            else max(max(r[p]["link_bytes"].values()) for r in ranks) for p in presets}
+
+
 def link_ms(preset: str, numel: int, nodes: int, per_node: int, rate_mbit: float) -> float:
     """Milliseconds the busiest node link needs, at `rate_mbit` per direction, for the bytes
     one bucket's reduce-scatter and all-gather send between nodes: every rank of a node sends
@@ -140,20 +149,21 @@ def link_ms(preset: str, numel: int, nodes: int, per_node: int, rate_mbit: float
 def add_predictions(rows: list[dict], cores: int) -> None:
     """The cost model (sdp4bit.plan with the constants bench/calibrate_plan.py fitted on
     bench/results/cluster_cpu.json) checked against the measurements: each row's time predicted
-    from one rank's CPU per call (the row's own CPU accounting; for rows measured without it,
-    bench/results/cluster_cpu.json's of the same topology, rate and preset) and the link time
-    of its bytes."""
-    from calibrate_plan import default_constants, predict_ms
+    from one rank's CPU per call and the bytes its busiest node link carried per call (the
+    row's own accounting; for rows measured without it, bench/results/cluster_cpu.json's of
+    the same topology, rate and preset)."""
+    from calibrate_plan import default_constants, predict_ms, wire_ms
 
     constants = default_constants()
-    accounted = json.loads((ROOT / "bench/results/cluster_cpu.json").read_text())["rows"]
-    cpu = {(r["topology"], r["rate_mbit"], r["preset"]): r["cpu_ms"] for r in accounted}
+    accounted = {(r["topology"], r["rate_mbit"], r["preset"]): r for r in json.loads(
+        (ROOT / "bench/results/cluster_cpu.json").read_text())["rows"]}
     for r in rows:
-        work = r.get("cpu_ms") or cpu.get((r["topology"], r["rate_mbit"], r["preset"]))
-        if work is None:
+        source = r if r.get("cpu_ms") else accounted.get(
+            (r["topology"], r["rate_mbit"], r["preset"]))
+        if source is None:
             r["predicted_ms"], r["prediction_error"] = None, None
             continue
-        r["predicted_ms"] = predict_ms(r, work, constants, cores)
+        r["predicted_ms"] = predict_ms(r, source["cpu_ms"], constants, cores, wire_ms(source))
         r["prediction_error"] = r["predicted_ms"] / r["comm_ms"] - 1
 
 
@@ -180,9 +190,10 @@ def write_results(rows: list[dict], args, out_dir: Path, meta: dict | None = Non
         "reduce-scatter and all-gather (baseline); best = the faster of that and a "
         "reduce-scatter made of an all-to-all and a local sum (each byte sent once). "
         "Model: sdp4bit.plan's cost model with the constants bench/calibrate_plan.py fits on "
-        "bench/results/cluster_cpu.json: one rank's CPU per call (the row's CPU accounting, "
-        "else cluster_cpu.json's), stretched by the ranks sharing the machine's cores, "
-        "overlapped with the link time of the bytes (docs/performance.md \"The cost model\").",
+        "bench/results/cluster_cpu.json: one rank's CPU per call, stretched by the ranks "
+        "sharing the machine's cores, overlapped with the link time of the bytes the busiest "
+        "node link carried (the row's own accounting, else cluster_cpu.json's; "
+        "docs/performance.md \"The cost model\").",
         "",
         "| topology | link | preset | RS ms | AG ms | comm ms [min-max] | link ms | "
         "link/measured | bytes sent/rank | speedup vs gloo | speedup vs best uncompressed | "

@@ -72,6 +72,20 @@ def minor_faults() -> int:
         return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
+def link_bytes() -> tuple[int, int] | None:
+    """(sent, received) bytes so far on this node's link to the other nodes (the interface
+    gloo uses, GLOO_SOCKET_IFNAME; the node's ranks reach each other over loopback), or None
+    outside the emulated cluster."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not iface:
+        return None
+    try:
+        return tuple(int(open(f"/sys/class/net/{iface}/statistics/{kind}_bytes").read())
+                     for kind in ("tx", "rx"))
+    except OSError:
+        return None
+
+
 def thread_group(tid: int, name: str) -> str:
     """The accounting group of a thread: the Python thread that calls start()/wait(), the
     core's pass pool, or the rest (the extension's executor thread, gloo's and torch's)."""
@@ -85,21 +99,26 @@ def thread_group(tid: int, name: str) -> str:
 def cpu_accounting(run, reps: int, prepare=lambda: None) -> dict:
     """Runs `run()` `reps` times after one warm-up, each after an untimed `prepare()` and a
     barrier, and returns this rank's wall time per call and its threads' CPU and run-queue
-    wait per call by group, with the machine's CPU time by kind per call (all ms)."""
+    wait per call by group, with the machine's CPU time by kind per call (all ms), and the
+    bytes per call its node's link sent and received (every rank of the node counts the
+    node's traffic; None outside the emulated cluster)."""
     prepare()
     run()
     wall = 0.0
     groups: dict = {}
     machine = [0] * 8
     faults = 0
+    link = [0, 0]
     for _ in range(reps):
         prepare()
         dist.barrier()
-        f0, before, m0 = minor_faults(), thread_times(), machine_times()
+        f0, before, m0, l0 = minor_faults(), thread_times(), machine_times(), link_bytes()
         start = time.perf_counter()
         run()
         wall += time.perf_counter() - start
-        after, m1 = thread_times(), machine_times()
+        after, m1, l1 = thread_times(), machine_times(), link_bytes()
+        if l0 is not None and l1 is not None:
+            link = [a + b - c for a, b, c in zip(link, l1, l0)]
         faults += minor_faults() - f0
         machine = [a + b - c for a, b, c in zip(machine, m1, m0)]
         for tid, (name, on_cpu, waiting) in after.items():
@@ -114,7 +133,9 @@ def cpu_accounting(run, reps: int, prepare=lambda: None) -> dict:
     kinds = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
     return {"wall_ms": wall * 1e3 / reps, "minor_faults": faults / reps,
             "groups": {k: {**v, "threads": len(v["threads"])} for k, v in groups.items()},
-            "machine_ms": {k: v * tick_ms / reps for k, v in zip(kinds, machine)}}
+            "machine_ms": {k: v * tick_ms / reps for k, v in zip(kinds, machine)},
+            "link_bytes": None if link_bytes() is None else {
+                "sent": link[0] / reps, "received": link[1] / reps}}
 
 
 def call_latency(groups: ProcessGroups, reps: int) -> dict:

@@ -33,7 +33,9 @@ PRESETS = "sdp4bit,qsdp,global-qsgd,zeropp"
 
 def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
     """One row per preset (baseline first): the slowest rank's RS + AG time (median, min and
-    max of --reps runs, as bench/cluster.py times it) and the link time of its bytes; every
+    max of --reps runs, as bench/cluster.py times it) and the link time of its bytes (the
+    core's plan); the bytes per call on the busiest node link in either direction, as its
+    interface counted them (headers included, what the link's shaping meters); every
     rank's CPU ms per RS + AG in --reps further runs, their median and sum, and the machine's
     user + system + irq ms per call (median over the ranks' views)."""
     nodes, per_node = (int(x) for x in topology.split("x"))
@@ -62,6 +64,7 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
             "ranks_cpu_ms": sum(per_rank),
             "bucket_numel": collectives["numel"],
             "link_ms": link_ms(preset, collectives["numel"], nodes, per_node, rate),
+            "wire_bytes": max(max(r[preset]["link_bytes"].values()) for r in ranks),
             "comm_ms": timed[preset]["median"] * 1e3, "comm_min_ms": timed[preset]["min"] * 1e3,
             "comm_max_ms": timed[preset]["max"] * 1e3,
             "wall_ms": statistics.median(r[preset]["wall_ms"] for r in ranks),
@@ -75,14 +78,15 @@ def combine(runs: list[list[dict]]) -> list[dict]:
     """One row per topology, rate and preset from the sweeps in `runs`: the median over the
     sweeps of the timing's median (`comm_ms`) with the min and max of the sweeps' medians
     (`sweep_min_ms`, `sweep_max_ms`: the spread between runs) and over every timed call, and
-    the median over the sweeps of the mean CPU ms per rank (`cpu_ms`); every sweep's own row
-    under `runs`."""
+    the median over the sweeps of the mean CPU ms per rank (`cpu_ms`) and of the busiest link's
+    bytes per call (`wire_bytes`); every sweep's own row under `runs`."""
     out = []
     for rows in zip(*runs):
         first = rows[0]
         out.append({
             **{k: first[k] for k in ("topology", "rate_mbit", "preset", "bucket_numel",
                                      "link_ms")},
+            "wire_bytes": statistics.median(r["wire_bytes"] for r in rows),
             "comm_ms": statistics.median(r["comm_ms"] for r in rows),
             "comm_min_ms": min(r["comm_min_ms"] for r in rows),
             "comm_max_ms": max(r["comm_max_ms"] for r in rows),
@@ -126,7 +130,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['topology']} {r['rate_mbit'] / 1000:g} Gbit/s {r['preset']:<12} comm "
               f"{r['comm_ms']:.1f} [{r['sweep_min_ms']:.1f}-{r['sweep_max_ms']:.1f}] ms, link "
-              f"{r['link_ms']:.1f} ms, CPU per rank {r['cpu_ms']:.1f} ms (sweeps: "
+              f"{r['link_ms']:.1f} ms, on the wire {r['wire_bytes'] * 8e-3 / r['rate_mbit']:.1f} "
+              f"ms, CPU per rank {r['cpu_ms']:.1f} ms (sweeps: "
               + ", ".join(f"{x['ranks_cpu_ms'] / len(x['rank_cpu_ms']):.1f}" for x in r["runs"])
               + ")")
 

@@ -16,9 +16,7 @@ transport achieves (``--link-fraction`` compressed, ``--uncompressed-link-fracti
 uncompressed). The CPU time is each rank's codec work (``--codec-gbps``: bytes of fp32 gradient
 / bf16 parameter input per second per rank; 0: not modelled), stretched where ranks outnumber
 cores (``--ranks-per-core`` above 1) by the other ranks' work they queue behind at the fraction
-``--core-share`` of the cores' time the ranks get; every node beyond the first sending into a
-node's link at once adds the fraction ``--incast`` to its link time (TCP through a shaped
-queue; 0 on lossless fabrics). Pipelined chunks overlap CPU and link: a
+``--core-share`` of the cores' time the ranks get. Pipelined chunks overlap CPU and link: a
 collective takes the longer of the two plus the fraction ``--unhidden-codec`` of the shorter
 (``--uncompressed-unhidden`` for the uncompressed collectives), and every message adds a
 latency (an all-to-all among k peers sends k - 1 per bucket). The fractions default to the
@@ -45,12 +43,11 @@ class Transport:
     """How the collectives use links and cores; the defaults are bench/calibrate_plan.py's fit
     on the emulated cluster (bench/results/plan_calibration.json)."""
 
-    link_fraction: float = 1.12  # eta: of a link's rate the compressed presets' exchanges get
-    uncompressed_link_fraction: float = 0.64  # eta_gloo: the same for the uncompressed ones
-    unhidden_codec: float = 0.38  # beta: of the shorter of CPU and link time not overlapped
+    link_fraction: float = 0.86  # eta: of a link's rate the compressed presets' exchanges get
+    uncompressed_link_fraction: float = 0.87  # eta_gloo: the same for the uncompressed ones
+    unhidden_codec: float = 0.12  # beta: of the shorter of CPU and link time not overlapped
     uncompressed_unhidden: float = 0.0  # beta_gloo: the same for the uncompressed collectives
-    core_share: float = 0.76  # kappa: of shared cores' time the ranks' work gets
-    incast: float = 0.06  # gamma: link time added per extra node sending into a link at once
+    core_share: float = 0.74  # kappa: of shared cores' time the ranks' work gets
 
 
 def cpu_ms(work_ms: float, ranks_per_core: float, core_share: float) -> float:
@@ -67,25 +64,16 @@ def overlapped_ms(cpu: float, link: float, unhidden: float) -> float:
     return max(cpu, link) + unhidden * min(cpu, link)
 
 
-def link_time_ms(link_ms: float, fraction: float, senders: int, incast: float) -> float:
-    """The time of `link_ms` of bytes (at the link's full rate) on a link the transport runs at
-    `fraction` of its rate, plus the fraction `incast` of it per node beyond the first that
-    sends into the link at once (`senders`: the other nodes of an all-to-all)."""
-    return link_ms * (1.0 + incast * max(0, senders - 1)) / fraction
-
-
 def collective_ms(work_ms: float, link_ms: float, compressed: bool, transport: Transport,
-                  ranks_per_core: float = 1.0, senders: int = 1) -> float:
+                  ranks_per_core: float = 1.0) -> float:
     """The model of a reduce-scatter plus all-gather: `work_ms` of CPU per rank (codec passes,
     copies, the transport's own CPU) and `link_ms`, the bytes over the busiest link at the
-    link's full rate, which `senders` nodes send into at once."""
+    link's full rate, which the transport runs at its fraction of the rate."""
     cpu = cpu_ms(work_ms, ranks_per_core, transport.core_share)
     if compressed:
-        wire = link_time_ms(link_ms, transport.link_fraction, senders, transport.incast)
-        return overlapped_ms(cpu, wire, transport.unhidden_codec)
-    wire = link_time_ms(link_ms, transport.uncompressed_link_fraction, senders,
-                        transport.incast)
-    return overlapped_ms(cpu, wire, transport.uncompressed_unhidden)
+        return overlapped_ms(cpu, link_ms / transport.link_fraction, transport.unhidden_codec)
+    return overlapped_ms(cpu, link_ms / transport.uncompressed_link_fraction,
+                         transport.uncompressed_unhidden)
 
 
 @dataclass(frozen=True)
@@ -147,8 +135,7 @@ def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbp
     codec = 0.0
     if compressed and codec_gbps > 0:
         codec = elements * (4 + 2) / (codec_gbps * 1e9)
-    busy = collective_ms(codec, intra + inter, compressed, transport, cluster.ranks_per_core,
-                         nodes - 1)
+    busy = collective_ms(codec, intra + inter, compressed, transport, cluster.ranks_per_core)
     return (busy + latency) * 1e3
 
 
@@ -184,11 +171,10 @@ PAPER = (
      "1.53x-4.08x"),
 )
 
-#: The paper's clusters' transport: NCCL-class collectives over lossless fabrics, every preset
-#: at the same fraction of the link (the rate itself) and no incast; the overlap as calibrated.
-#: The emulated cluster's fractions (the defaults) are TCP's and gloo's.
-PAPER_TRANSPORT = Transport(link_fraction=1.0, uncompressed_link_fraction=1.0, incast=0.0,
-                            core_share=1.0)
+#: The paper's clusters' transport: NCCL-class collectives, every preset at the same fraction
+#: of the link (the rate itself); the overlap as calibrated. The emulated cluster's fractions
+#: (the defaults) are TCP's through a shaped queue and gloo's.
+PAPER_TRANSPORT = Transport(link_fraction=1.0, uncompressed_link_fraction=1.0, core_share=1.0)
 
 
 def _print(rows: list[dict]) -> None:
@@ -231,18 +217,14 @@ def main(argv=None) -> None:
                    help="the same for the uncompressed collectives")
     p.add_argument("--core-share", type=float, default=default.core_share,
                    help="fraction of shared cores' time the ranks' work gets")
-    p.add_argument("--incast", type=float, default=default.incast,
-                   help="link time added per extra node sending into a link at once "
-                   "(0 on lossless fabrics)")
     p.add_argument("--presets", default=",".join(preset_names()))
     p.add_argument("--paper", action="store_true",
                    help="predict the paper's clusters (1.3B-18B) beside its measured speedups, "
-                   "on lossless fabrics with every preset at the link's rate (PAPER_TRANSPORT)")
+                   "with every preset at the link's rate (PAPER_TRANSPORT)")
     args = p.parse_args(argv)
     presets = args.presets.split(",")
     transport = Transport(args.link_fraction, args.uncompressed_link_fraction,
-                          args.unhidden_codec, args.uncompressed_unhidden, args.core_share,
-                          args.incast)
+                          args.unhidden_codec, args.uncompressed_unhidden, args.core_share)
     if args.paper:
         for name, cluster, measured in PAPER:
             print(f"== {name} (assumed {cluster.inter_gbps:g} Gbit/s per node between nodes, "
