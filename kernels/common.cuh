@@ -267,6 +267,68 @@ __device__ __forceinline__ uint16_t sdp_f32_to_bf16(float v)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Gradient elements (backend::GradElement, docs/numerics.md §7.5): a bucket or shard holds fp32
+// or bf16 (sdp_bf16); the passes read each element as its fp32 value (sdp_bf16_to_f32) and
+// round what they write to the element type (sdp_f32_to_bf16).
+
+// Whether the run of four elements at p may be read or written at once (4-element aligned).
+template <class G>
+__device__ __forceinline__ bool sdp_grad_run_aligned(const G* p)
+{
+    return sdp_aligned(p, 4 * sizeof(G));
+}
+
+// Four elements at p (sdp_grad_run_aligned), read-only, as fp32.
+__device__ __forceinline__ void sdp_grad_load4(const float* p, float* x)
+{
+    sdp_load_f32x4(p, x);
+}
+
+__device__ __forceinline__ void sdp_grad_load4(const sdp_bf16* p, float* x)
+{
+    const uint2 w = __ldg((const uint2*)p);
+    x[0] = sdp_bf16_to_f32(sdp_half(w.x, 0));
+    x[1] = sdp_bf16_to_f32(sdp_half(w.x, 1));
+    x[2] = sdp_bf16_to_f32(sdp_half(w.y, 0));
+    x[3] = sdp_bf16_to_f32(sdp_half(w.y, 1));
+}
+
+// One element as fp32.
+__device__ __forceinline__ float sdp_grad_to_f32(float v)
+{
+    return v;
+}
+
+__device__ __forceinline__ float sdp_grad_to_f32(sdp_bf16 v)
+{
+    return sdp_bf16_to_f32(v.bits);
+}
+
+// Four fp32 values rounded to the element type, to p (sdp_grad_run_aligned).
+__device__ __forceinline__ void sdp_grad_store4(float* p, const float* x)
+{
+    sdp_store_f32x4(p, x);
+}
+
+__device__ __forceinline__ void sdp_grad_store4(sdp_bf16* p, const float* x)
+{
+    const uint32_t lo = (uint32_t)sdp_f32_to_bf16(x[0]) | (uint32_t)sdp_f32_to_bf16(x[1]) << 16;
+    const uint32_t hi = (uint32_t)sdp_f32_to_bf16(x[2]) | (uint32_t)sdp_f32_to_bf16(x[3]) << 16;
+    __stcs((uint2*)p, make_uint2(lo, hi));
+}
+
+// One fp32 value rounded to the element type, to p.
+__device__ __forceinline__ void sdp_grad_store1(float* p, float v)
+{
+    *p = v;
+}
+
+__device__ __forceinline__ void sdp_grad_store1(sdp_bf16* p, float v)
+{
+    p->bits = sdp_f32_to_bf16(v);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Philox4x32-10 (rng::philox4x32_10) and the uniform of element i (rng::UniformStream).
 
 #define SDP_PHILOX_M0 0xD2511F53u

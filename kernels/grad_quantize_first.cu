@@ -3,7 +3,8 @@
 //
 // Mirrors backend::cpu::gradient::quantize_first (and quantize_first_run): Hadamard (when
 // hadamard_block != 0) + quantize + swizzle of the whole bucket, all P chunks, into
-// P * peers1 slabs of the first level.
+// P * peers1 slabs of the first level. grad_quantize_first_bf16 reads a bf16 bucket, each
+// element as its fp32 value (docs/numerics.md §7.5).
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one group of one output slab, handled by one warp (8 per block), grid-stride over
@@ -17,9 +18,10 @@
 //   bucket[z * S + o] when o < S (real) else 0 (padding), and Philox index z * S_pad + o.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
-grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict__ dests,
-                    uint8_t* __restrict__ out, sdp_grad_first args)
+// The kernel for a bucket of G (float or sdp_bf16, read as fp32).
+template <class G>
+__device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ bucket, const uint32_t* __restrict__ dests,
+                                                       uint8_t* __restrict__ out, const sdp_grad_first& args)
 {
     const sdp_slab& layout = args.slab;
     const sdp_shards& sh = args.shards;
@@ -42,7 +44,7 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
         // In-shard offset of the group's first element; its elements in shard z and how many
         // of them are real (in-shard offset < S).
         const uint64_t first = p * sh.chunk_len + j * g;
-        const float* group = bucket + z * sh.shard_len + first;
+        const G* group = bucket + z * sh.shard_len + first;
         const uint64_t left = first < sh.shard_len ? sh.shard_len - first : 0;
         const uint32_t real = left < g ? (uint32_t)left : g;
 
@@ -52,12 +54,12 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
             for (uint32_t r = 0; r < SDP_LANE_VALUES / 4; ++r) {
                 float* x = v + 4 * r;
                 const uint32_t e = sdp_tile_element<4>(t, 4 * r, lane);
-                if (e + 4 <= real && sdp_aligned(group + e, 16)) {
-                    sdp_load_f32x4(group + e, x);
+                if (e + 4 <= real && sdp_grad_run_aligned(group + e)) {
+                    sdp_grad_load4(group + e, x);
                 } else {  // Cold path: an unaligned or partial run, element by element.
 #pragma unroll
                     for (uint32_t i = 0; i < 4; ++i) {
-                        x[i] = e + i < real ? group[e + i] : 0.0f;
+                        x[i] = e + i < real ? sdp_grad_to_f32(group[e + i]) : 0.0f;
                     }
                 }
             }
@@ -68,4 +70,18 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
         sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, s), layout, k, load, args.rng,
                                    z * sh.padded_shard_len + first, lane);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
+grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict__ dests,
+                    uint8_t* __restrict__ out, sdp_grad_first args)
+{
+    grad_quantize_first_of(bucket, dests, out, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
+grad_quantize_first_bf16(const sdp_bf16* __restrict__ bucket, const uint32_t* __restrict__ dests,
+                         uint8_t* __restrict__ out, sdp_grad_first args)
+{
+    grad_quantize_first_of(bucket, dests, out, args);
 }

@@ -13,7 +13,8 @@ use std::collections::BTreeSet;
 
 use sdp4bit::Error;
 use sdp4bit::backend::cuda::abi::{
-    SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode,
+    SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
+    SdpWeightEncode,
 };
 use sdp4bit::backend::cuda::compile::{Arch, compile};
 use sdp4bit::backend::cuda::probe;
@@ -141,7 +142,17 @@ fn signature(kernel: Kernel) -> (usize, usize) {
         | Kernel::GlobalQuantizeI8
         | Kernel::GlobalQuantizeI16
         | Kernel::GlobalDequantizeI8
-        | Kernel::GlobalDequantizeI16 => (2, size_of::<SdpGlobal>()),
+        | Kernel::GlobalDequantizeI16
+        | Kernel::GlobalAbsmaxBf16
+        | Kernel::GlobalQuantizeI8Bf16
+        | Kernel::GlobalQuantizeI16Bf16
+        | Kernel::GlobalDequantizeI8Bf16
+        | Kernel::GlobalDequantizeI16Bf16 => (2, size_of::<SdpGlobal>()),
+        Kernel::GradQuantizeFirstBf16 => (3, size_of::<SdpGradFirst>()),
+        Kernel::GradReduceFinalBf16 => (2, size_of::<SdpGradFinal>()),
+        Kernel::GradWidenBf16 | Kernel::GradNarrowBf16 | Kernel::GradRoundBf16 => {
+            (2, size_of::<SdpConvert>())
+        }
     }
 }
 
@@ -183,7 +194,8 @@ fn entry_parameters_match_the_abi_mirrors() {
 /// The most registers per thread each kernel may use: what its `__launch_bounds__(256, B)`
 /// leaves (65536 / (256 B), rounded down to a multiple of 8), so that B blocks of 256 threads
 /// fit a multiprocessor; and the widths in bits of its widest global load and store, which
-/// move the data it streams (fp32 and bf16 runs in 16-byte accesses; codes in 32-bit words).
+/// move the data it streams (fp32 runs and eight bf16 in 16-byte accesses, four bf16 gradients
+/// in 8-byte ones; codes in 32-bit words).
 struct Expected {
     kernel: Kernel,
     max_registers: u32,
@@ -251,6 +263,66 @@ const EXPECTED: [Expected; Kernel::COUNT] = [
         max_registers: 40,
         widest_load: 64,
         widest_store: 128,
+    },
+    Expected {
+        kernel: Kernel::GradQuantizeFirstBf16,
+        max_registers: 64,
+        widest_load: 64,
+        widest_store: 32,
+    },
+    Expected {
+        kernel: Kernel::GradReduceFinalBf16,
+        max_registers: 64,
+        widest_load: 32,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GlobalAbsmaxBf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 0,
+    },
+    Expected {
+        kernel: Kernel::GlobalQuantizeI8Bf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 32,
+    },
+    Expected {
+        kernel: Kernel::GlobalQuantizeI16Bf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GlobalDequantizeI8Bf16,
+        max_registers: 32,
+        widest_load: 32,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GlobalDequantizeI16Bf16,
+        max_registers: 40,
+        widest_load: 64,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GradWidenBf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 128,
+    },
+    Expected {
+        kernel: Kernel::GradNarrowBf16,
+        max_registers: 32,
+        widest_load: 128,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GradRoundBf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 64,
     },
 ];
 
