@@ -26,8 +26,12 @@ __device__ __forceinline__ void grad_convert(const S* __restrict__ src, D* __res
             sdp_grad_store4(dst + i, x);
             continue;
         }
-        for (uint64_t e = i; e < i + 4 && e < args.numel; ++e) {  // Cold path: the last run.
-            sdp_grad_store1(dst + e, sdp_grad_to_f32(src[e]));
+        // Cold path: a partial last run, or buffers not aligned for vector accesses.
+#pragma unroll
+        for (uint32_t e = 0; e < 4; ++e) {
+            if (i + e < args.numel) {
+                sdp_grad_store1(dst + i + e, sdp_grad_to_f32(src[i + e]));
+            }
         }
     }
 }
