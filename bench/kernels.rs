@@ -192,7 +192,8 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 8.0 * 2.0 + 4.0,
         loaded_per_unit: 8.0 * 128.0 * 2.0,
-    },    Model {
+    },
+    Model {
         kernel: "grad_quantize_first_bf16",
         config: "TLq-HS first level from a bf16 bucket: 8-bit, g = 128, Hadamard 32, stochastic",
         params: "a.slab.quant.bits = 8; a.slab.quant.group_size = 128; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.peers1 = 8;  a.hadamard_block = 32;",
