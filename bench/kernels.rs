@@ -398,7 +398,11 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
     ),
     (
         "code packing and stores",
-        &["sdp_store_codes", "sdp_zero_slab_padding"],
+        &[
+            "sdp_store_codes",
+            "sdp_zero_slab_padding",
+            "sdp_zero_slabs_padding",
+        ],
     ),
     (
         "quantizer control (tiles, runs, their branches)",
@@ -412,8 +416,11 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
             "sdp_decode_run_codes",
             "sdp_run_codes_corrupt",
             "sdp_zero_field_borrows",
-            "sdp_zero_field_found",
-            "sdp_field_as_float",
+            "sdp_byte_0x80_marks",
+            "sdp_code_marks_found",
+            "sdp_nibble_as_float",
+            "sdp_byte_as_float",
+            "sdp_peer_meta",
             "sdp_dequantize",
             "sdp_sum_peers_tile",
             "sdp_slab_group",

@@ -68,4 +68,5 @@ grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict
         sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, s), layout, k, load, args.rng,
                                    z * sh.padded_shard_len + first, lane);
     }
+    sdp_zero_slabs_padding(out, layout, (uint64_t)sh.chunks * args.peers1, lane);
 }
