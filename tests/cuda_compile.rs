@@ -194,7 +194,7 @@ struct Expected {
 const EXPECTED: [Expected; Kernel::COUNT] = [
     Expected {
         kernel: Kernel::GradQuantizeFirst,
-        max_registers: 64,
+        max_registers: 80,
         widest_load: 128,
         widest_store: 32,
     },
