@@ -876,23 +876,23 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
 const BOUND_NOTES: [(&str, &str); 1] = [(
     "grad_quantize_first",
     "Per group of 128 (one run of 4 values per lane; a unit is 3 groups, which share the \
-     unit's walk, destination, slab and offsets), the bytes fix about 196 instructions: one \
-     Philox block (52: 40 multiplies and xors of the 10 rounds, the rest the round keys and \
+     unit's walk, destination, slab and offsets), the bytes fix about 200 instructions: one \
+     Philox block (58: 40 multiplies and xors of the 10 rounds, the rest the round keys and \
      the block index; hoisting the 20 round keys out of the loop, tried, costs more, ptxas \
-     recomputing them anyway), the uniform add, \
-     rounding and clamp of 4 values (26), 4 correctly rounded IEEE divisions (58: each \
-     MUFU.RCP, FCHK, 5 FFMA and the branch and call of the compiler's out-of-line slow path; \
-     docs/numerics.md §1.4; the reciprocal path of `weight_encode`, tried here, costs as much \
-     over 4 values with its own correctly rounded reciprocal, range checks and fallback), the \
-     group's scale (24: an IEEE division by the largest code and its checks) and the Hadamard \
-     block of 32 (36: 2 register stages, then 3 stages of 4 shuffles and 4 fused sign-adds). \
-     With the statistics (9: one REDUX), the packing and store (8) and the 16-byte load (4), \
-     about 217 of the 251 instructions per group that 80% allows. The rest, about 66 per \
-     group, is control: the quantizer's tile and run branches (16), the walk, destination, \
-     slab and group addresses (16) and the kernel's own load code (34: the real-element count \
-     and alignment test, and the element-wise fallback for unaligned or partial runs, 15 of \
-     them in its cold block), about 32 more than the 34 that would fit. Four groups per unit \
-     would amortise more but spill at the 80 registers of three blocks per multiprocessor.",
+     recomputing them anyway), the uniform add, rounding and clamp of 4 values (25), 4 \
+     correctly rounded IEEE divisions (57: each MUFU.RCP, FCHK, 5 FFMA and the branch and \
+     call of the compiler's out-of-line slow path; docs/numerics.md §1.4; the reciprocal path \
+     of `weight_encode`, tried here, costs as much over 4 values with its own correctly \
+     rounded reciprocal, range checks and fallback), the group's scale (24: an IEEE division \
+     by the largest code and its checks) and the Hadamard block of 32 (36: 2 register stages, \
+     then 3 stages of 4 shuffles and 4 fused sign-adds). With the statistics (9: one REDUX), \
+     the packing and store (8) and the 16-byte load (4), about 221 of the 251 instructions \
+     per group that 80% allows. The rest, about 59 per group, is control: the quantizer's \
+     tile and run branches (11), the walk, destination, slab and group addresses (17) and \
+     the kernel's own load code (32: the real-element count and alignment test, and the \
+     element-wise fallback for unaligned or partial runs, 15 of them in its cold block), \
+     about 29 more than the 30 that would fit. Four groups per unit would amortise more but \
+     spill at the 80 registers of three blocks per multiprocessor.",
 )];
 
 /// For a kernel below 80%: the loop body that 80% would allow and its largest categories.

@@ -823,8 +823,8 @@ __device__ __forceinline__ void sdp_store_codes(uint8_t* codes, const sdp_quant&
 // `offset` (null for symmetric slabs), lanes holding runs of E elements. `load(t, v)` fills
 // this lane's values of tile t (zeros for runs past the group) and is called by all 32 lanes
 // together; it may be called twice per tile. `rng` gives the uniform of element e at
-// `first_index + e` (stochastic rounding only; drawn only for coded groups, as on the CPU the
-// uniforms of an uncoded group are unused).
+// `first_index + e` (stochastic rounding only; drawn for every run but used only for coded
+// groups, as on the CPU the uniforms of an uncoded group are unused).
 template <uint32_t E, class Load>
 __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& load, const sdp_rng& rng,
                                                    uint64_t first_index, uint8_t* codes, float* scale,
@@ -865,21 +865,19 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
                     sdp_divide_run<E>(meta.divisor, x, quotient);
                 } else {
                     // Runs of 4 divide with __fdiv_rn: per group, the reciprocal and the
-                    // fallback cost more than the division they save over 4 values, and the
-                    // reciprocal's register does not fit the gradient kernels' 64.
+                    // fallback cost as much as the divisions they save over 4 values.
                     sdp_divide_each<E>(meta.scale, x, quotient);
                 }
             }
-            // The Philox words after the quotients: fewer values live at once.
+            // The Philox words after the quotients: fewer values live at once. Drawn for every
+            // run (pure arithmetic), used only for the coded ones: no branch around them.
             uint32_t w[E];
 #pragma unroll
-            for (uint32_t k = 0; k < E; ++k) {
-                w[k] = 0;
-            }
-            if (valid && meta.coded && q.stochastic) {
-#pragma unroll
-                for (uint32_t k = 0; k < E; k += 4) {
+            for (uint32_t k = 0; k < E; k += 4) {
+                if (q.stochastic) {
                     sdp_words4(rng, first_index + sdp_tile_element<E>(t, r * E + k, lane), w + k);
+                } else {
+                    w[k] = w[k + 1] = w[k + 2] = w[k + 3] = 0;
                 }
             }
 #pragma unroll

@@ -39,8 +39,9 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
     for (; walk.at[0] < args.peers2; sdp_unit_walk_next(walk, radix)) {
         const uint32_t x2 = walk.at[0];
         const uint32_t j = walk.at[1];
-        const uint64_t k_in = (uint64_t)x2 * gc + j;
-        const uint64_t z = __ldg(dests + (uint64_t)args.my_x1 * args.peers2 + x2);
+        // The input group (below the units' count) and the destination: 32-bit indices.
+        const uint32_t k_in = x2 * gc + j;
+        const uint64_t z = __ldg(dests + (args.my_x1 * args.peers2 + x2));
 
         // Tile t: the slab-order sum of the peers' dequantized values; a NaN first value in
         // the lane that finds a corrupt code (its first run lies in the group, as the run of
