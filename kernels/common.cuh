@@ -444,11 +444,20 @@ __device__ __forceinline__ void sdp_divide_run(const sdp_divisor& d, const float
 // ---------------------------------------------------------------------------------------------
 // Warp reductions (every lane gets the result; all 32 lanes must call them together).
 
-// The unsigned maximum: one warp-wide reduction instruction (sm_80's redux.sync) instead of
-// five shuffles and maxima.
+// The unsigned maximum: one warp-wide reduction instruction (redux.sync, sm_80 and newer; the
+// host emulation has it too) instead of five shuffles and maxima, which older devices (sm_75)
+// keep.
 __device__ __forceinline__ uint32_t sdp_warp_max_u32(uint32_t v)
 {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     return __reduce_max_sync(SDP_FULL_MASK, v);
+#else
+    for (uint32_t m = SDP_WARP_SIZE / 2; m > 0; m /= 2) {
+        const uint32_t other = __shfl_xor_sync(SDP_FULL_MASK, v, m);
+        v = other > v ? other : v;
+    }
+    return v;
+#endif
 }
 
 // Min and max of finite values (the only ones the quantizer's min-max path uses).
