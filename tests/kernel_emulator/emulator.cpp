@@ -384,6 +384,8 @@ const char* op_name(emu_warp_op op)
         return "__shfl_xor_sync";
     case emu_warp_op::vote_any:
         return "__any_sync";
+    case emu_warp_op::reduce_max:
+        return "__reduce_max_sync";
     }
     return "?";
 }
