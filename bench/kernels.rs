@@ -65,25 +65,29 @@ struct Model {
     elements_per_unit: f64,
     /// Bytes read and written per element (inputs + outputs, metadata included).
     bytes_per_element: f64,
-    /// Bytes one warp loads per unit (what it has in flight).
+    /// Bytes one warp loads per unit.
     loaded_per_unit: f64,
+    /// Bytes one warp has in flight: what it loads per unit, or per group for a unit of
+    /// several groups handled one after another.
+    in_flight_per_warp: f64,
 }
 
 /// The configurations: the presets' defaults, a node of 8 GPUs (8 first-level peers) and 4
 /// nodes (4 last-level peers); weight groups of 256 (one tile; the default 2048 reads each
 /// tile twice, once for the statistics, from cache).
-const MODELS: [Model; 10] = [
+const MODELS: [Model; 20] = [
     Model {
         kernel: "grad_quantize_first",
-        config: "TLq-HS first level: 8-bit, g = 128, Hadamard 32, stochastic",
+        config: "TLq-HS first level: 8-bit, g = 128, Hadamard 32, stochastic, 3 groups per unit",
         params: "a.slab.quant.bits = 8; a.slab.quant.group_size = 128; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.peers1 = 8;  a.hadamard_block = 32;",
         pointers: "const float* __restrict__ p0, const uint32_t* __restrict__ p1, uint8_t* __restrict__ p2",
         arguments: "p0, p1, p2",
         struct_name: "sdp_grad_first",
-        min_blocks: 4,
-        elements_per_unit: 128.0,
+        min_blocks: 3,
+        elements_per_unit: 3.0 * 128.0,
         bytes_per_element: 4.0 + 1.0 + 4.0 / 128.0,
-        loaded_per_unit: 128.0 * 4.0,
+        loaded_per_unit: 3.0 * 128.0 * 4.0,
+        in_flight_per_warp: 128.0 * 4.0,
     },
     Model {
         kernel: "grad_requantize_second",
@@ -96,6 +100,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 128.0,
         bytes_per_element: 8.0 * (1.0 + 4.0 / 128.0) + 0.5 + 4.0 / 128.0,
         loaded_per_unit: 128.0 * 8.0,
+        in_flight_per_warp: 128.0 * 8.0,
     },
     Model {
         kernel: "grad_reduce_final",
@@ -108,6 +113,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 128.0,
         bytes_per_element: 4.0 * (0.5 + 4.0 / 128.0) + 4.0,
         loaded_per_unit: 128.0 * 4.0 * 0.5,
+        in_flight_per_warp: 128.0 * 4.0 * 0.5,
     },
     Model {
         kernel: "weight_encode",
@@ -120,6 +126,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 256.0,
         bytes_per_element: 2.0 + 2.0 + 0.5 + 4.0 / 256.0,
         loaded_per_unit: 256.0 * 4.0,
+        in_flight_per_warp: 256.0 * 4.0,
     },
     Model {
         kernel: "weight_apply",
@@ -132,6 +139,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 256.0,
         bytes_per_element: 0.5 + 4.0 / 256.0 + 2.0 + 2.0,
         loaded_per_unit: 256.0 * 2.5,
+        in_flight_per_warp: 256.0 * 2.5,
     },
     Model {
         kernel: "global_absmax",
@@ -144,6 +152,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 128.0,
         bytes_per_element: 4.0,
         loaded_per_unit: 128.0 * 4.0,
+        in_flight_per_warp: 128.0 * 4.0,
     },
     Model {
         kernel: "global_quantize_i8",
@@ -156,6 +165,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 128.0,
         bytes_per_element: 4.0 + 1.0,
         loaded_per_unit: 128.0 * 4.0,
+        in_flight_per_warp: 128.0 * 4.0,
     },
     Model {
         kernel: "global_quantize_i16",
@@ -168,6 +178,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 128.0,
         bytes_per_element: 4.0 + 2.0,
         loaded_per_unit: 128.0 * 4.0,
+        in_flight_per_warp: 128.0 * 4.0,
     },
     Model {
         kernel: "global_dequantize_i8",
@@ -180,6 +191,7 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 128.0,
         bytes_per_element: 8.0 * 1.0 + 4.0,
         loaded_per_unit: 8.0 * 128.0,
+        in_flight_per_warp: 8.0 * 128.0,
     },
     Model {
         kernel: "global_dequantize_i16",
@@ -192,6 +204,137 @@ const MODELS: [Model; 10] = [
         elements_per_unit: 128.0,
         bytes_per_element: 8.0 * 2.0 + 4.0,
         loaded_per_unit: 8.0 * 128.0 * 2.0,
+        in_flight_per_warp: 8.0 * 128.0 * 2.0,
+    },
+    Model {
+        kernel: "grad_quantize_first_bf16",
+        config: "TLq-HS first level from a bf16 bucket: 8-bit, g = 128, Hadamard 32, stochastic, 3 groups per unit",
+        params: "a.slab.quant.bits = 8; a.slab.quant.group_size = 128; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.peers1 = 8;  a.hadamard_block = 32;",
+        pointers: "const sdp_bf16* __restrict__ p0, const uint32_t* __restrict__ p1, uint8_t* __restrict__ p2",
+        arguments: "p0, p1, p2",
+        struct_name: "sdp_grad_first",
+        min_blocks: 3,
+        elements_per_unit: 3.0 * 128.0,
+        bytes_per_element: 2.0 + 1.0 + 4.0 / 128.0,
+        loaded_per_unit: 3.0 * 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
+    },
+    Model {
+        kernel: "grad_reduce_final_bf16",
+        config: "TLq-HS last level into a bf16 shard: 4 peers of 4-bit, g = 128, inverse Hadamard 32",
+        params: "a.slab.quant.bits = 4; a.slab.quant.group_size = 128; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.peers = 4; a.hadamard_block = 32;",
+        pointers: "const uint8_t* __restrict__ p0, sdp_bf16* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_grad_final",
+        min_blocks: 4,
+        elements_per_unit: 128.0,
+        bytes_per_element: 4.0 * (0.5 + 4.0 / 128.0) + 2.0,
+        loaded_per_unit: 128.0 * 4.0 * 0.5,
+        in_flight_per_warp: 128.0 * 4.0 * 0.5,
+    },
+    Model {
+        kernel: "global_absmax_bf16",
+        config: "bf16 bucket",
+        params: "",
+        pointers: "const sdp_bf16* __restrict__ p0, uint32_t* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 2.0,
+        loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
+    },
+    Model {
+        kernel: "global_quantize_i8_bf16",
+        config: "bf16 to int8, stochastic",
+        params: "a.stochastic = 1;",
+        pointers: "const sdp_bf16* __restrict__ p0, int8_t* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 2.0 + 1.0,
+        loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
+    },
+    Model {
+        kernel: "global_quantize_i16_bf16",
+        config: "bf16 to int16, stochastic",
+        params: "a.stochastic = 1;",
+        pointers: "const sdp_bf16* __restrict__ p0, int16_t* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 2.0 + 2.0,
+        loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
+    },
+    Model {
+        kernel: "global_dequantize_i8_bf16",
+        config: "8 peers of int8, summed with overflow checks, to bf16",
+        params: "a.blocks = 8;",
+        pointers: "const int8_t* __restrict__ p0, sdp_bf16* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 8.0 * 1.0 + 2.0,
+        loaded_per_unit: 8.0 * 128.0,
+        in_flight_per_warp: 8.0 * 128.0,
+    },
+    Model {
+        kernel: "global_dequantize_i16_bf16",
+        config: "8 peers of int16, summed with overflow checks, to bf16",
+        params: "a.blocks = 8;",
+        pointers: "const int16_t* __restrict__ p0, sdp_bf16* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_global",
+        min_blocks: 6,
+        elements_per_unit: 128.0,
+        bytes_per_element: 8.0 * 2.0 + 2.0,
+        loaded_per_unit: 8.0 * 128.0 * 2.0,
+        in_flight_per_warp: 8.0 * 128.0 * 2.0,
+    },
+    Model {
+        kernel: "grad_widen_bf16",
+        config: "bf16 gradients to fp32 (uncompressed route)",
+        params: "",
+        pointers: "const sdp_bf16* __restrict__ p0, float* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_convert",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 2.0 + 4.0,
+        loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
+    },
+    Model {
+        kernel: "grad_narrow_bf16",
+        config: "fp32 gradients rounded to bf16 (uncompressed route)",
+        params: "",
+        pointers: "const float* __restrict__ p0, sdp_bf16* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_convert",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 4.0 + 2.0,
+        loaded_per_unit: 128.0 * 4.0,
+        in_flight_per_warp: 128.0 * 4.0,
+    },
+    Model {
+        kernel: "grad_round_bf16",
+        config: "bf16 through fp32 to bf16 (single-rank copy)",
+        params: "",
+        pointers: "const sdp_bf16* __restrict__ p0, sdp_bf16* __restrict__ p1",
+        arguments: "p0, p1",
+        struct_name: "sdp_convert",
+        min_blocks: 8,
+        elements_per_unit: 128.0,
+        bytes_per_element: 2.0 + 2.0,
+        loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
     },
 ];
 
@@ -398,7 +541,11 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
     ),
     (
         "code packing and stores",
-        &["sdp_store_codes", "sdp_zero_slab_padding"],
+        &[
+            "sdp_store_codes",
+            "sdp_zero_slab_padding",
+            "sdp_zero_slabs_padding",
+        ],
     ),
     (
         "quantizer control (tiles, runs, their branches)",
@@ -412,8 +559,11 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
             "sdp_decode_run_codes",
             "sdp_run_codes_corrupt",
             "sdp_zero_field_borrows",
-            "sdp_zero_field_found",
-            "sdp_field_as_float",
+            "sdp_byte_0x80_marks",
+            "sdp_code_marks_found",
+            "sdp_nibble_as_float",
+            "sdp_byte_as_float",
+            "sdp_peer_meta",
             "sdp_dequantize",
             "sdp_sum_peers_tile",
             "sdp_slab_group",
@@ -635,7 +785,7 @@ impl Row<'_> {
 
     /// Bytes in flight per multiprocessor at the kernel's occupancy.
     fn in_flight(&self) -> f64 {
-        self.resources.usage.occupancy() * MAX_WARPS * self.model.loaded_per_unit
+        self.resources.usage.occupancy() * MAX_WARPS * self.model.in_flight_per_warp
     }
 
     /// Bytes per second the latency bound allows (the read traffic scaled to all traffic).
@@ -787,9 +937,10 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
          - HBM3: {hbm:.2} TB/s, for the bytes the kernel reads and writes per element;\n\
          - issue: {mp} multiprocessors x {issue} warp instructions per clock x {clock:.2} GHz, \
            every loop-body instruction issued once per unit;\n\
-         - latency: bytes in flight = resident warps x the bytes one unit loads, against \
-           {hbm:.2} TB/s x {lat:.0} ns loaded latency / {mp} multiprocessors = {need:.1} KB per \
-           multiprocessor.\n\n\
+         - latency: bytes in flight = resident warps x the bytes one unit loads (one \
+           group's for a unit of several groups, which a warp handles one after another), \
+           against {hbm:.2} TB/s x {lat:.0} ns loaded latency / {mp} multiprocessors = \
+           {need:.1} KB per multiprocessor.\n\n\
          It ignores dual issue, instruction cache misses, partial waves, L2 effects and the \
          launch itself, and it assumes the clock holds under load.\n",
         hbm = HBM_BYTES_PER_S / 1e12,
@@ -852,29 +1003,27 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
 }
 
 /// What keeps a kernel below 80% without a change of its numerics (printed only while it is).
-const BOUND_NOTES: [(&str, &str); 2] = [
-    (
-        "grad_quantize_first",
-        "Per group of 128 (one run of 4 values per lane) the bytes fix most of the count: one \
-         Philox block (10 rounds for the 4 words), the uniform add and rounding of 4 values, 4 \
-         correctly rounded IEEE divisions (docs/numerics.md §1.4; the reciprocal path of \
-         `weight_encode`, tried here, costs as much as it saves over 4 values with its range \
-         checks and out-of-line fallback, and spills the runtime-configured build at 64 \
-         registers), the Hadamard block of 32 and the group's scale: about 210 of the 251 \
-         instructions 80% allows, leaving about 40 for the loads, the statistics, the packing, \
-         the tile control and the unit's index and addresses.",
-    ),
-    (
-        "grad_requantize_second",
-        "Per group of 128 with 8 first-level peers, decoding is 4 instructions per value and \
-         peer that the bytes fix (the field into 2^23's mantissa, the exact subtraction, the \
-         product with the peer's scale rounded, then the add in slab order rounded: \
-         docs/numerics.md §1.4 and §7.1, so no fused multiply-add), 128 in all; with the Philox block, the rounding, 4 IEEE divisions (as for \
-         `grad_quantize_first`) and the output scale, about 300 of the 438 instructions 80% \
-         allows, leaving about 140 for 8 peers' loads, addresses and folded corrupt checks, the \
-         statistics, the packing, the tile control and the unit's index.",
-    ),
-];
+const BOUND_NOTES: [(&str, &str); 1] = [(
+    "grad_quantize_first",
+    "Per group of 128 (one run of 4 values per lane; a unit is 3 groups, which share the \
+     unit's walk, destination, slab and offsets), the bytes fix about 200 instructions: one \
+     Philox block (58: 40 multiplies and xors of the 10 rounds, the rest the round keys and \
+     the block index; hoisting the 20 round keys out of the loop, tried, costs more, ptxas \
+     recomputing them anyway), the uniform add, rounding and clamp of 4 values (25), 4 \
+     correctly rounded IEEE divisions (57: each MUFU.RCP, FCHK, 5 FFMA and the branch and \
+     call of the compiler's out-of-line slow path; docs/numerics.md §1.4; the reciprocal path \
+     of `weight_encode`, tried here, costs as much over 4 values with its own correctly \
+     rounded reciprocal, range checks and fallback), the group's scale (24: an IEEE division \
+     by the largest code and its checks) and the Hadamard block of 32 (36: 2 register stages, \
+     then 3 stages of 4 shuffles and 4 fused sign-adds). With the statistics (9: one REDUX), \
+     the packing and store (8) and the 16-byte load (4), about 221 of the 251 instructions \
+     per group that 80% allows. The rest, about 59 per group, is control: the quantizer's \
+     tile and run branches (11), the walk, destination, slab and group addresses (17) and \
+     the kernel's own load code (32: the real-element count and alignment test, and the \
+     element-wise fallback for unaligned or partial runs, 15 of them in its cold block), \
+     about 29 more than the 30 that would fit. Four groups per unit would amortise more but \
+     spill at the 80 registers of three blocks per multiprocessor.",
+)];
 
 /// For a kernel below 80%: the loop body that 80% would allow and its largest categories.
 fn what_bounds(row: &Row<'_>) -> String {

@@ -46,6 +46,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "executor.h"
@@ -92,6 +93,19 @@ void check_tensor(const char* what, const at::Tensor& t, at::ScalarType dtype, i
                   c10::Device device) {
   std::string problem = tensor_problem(what, t, dtype, numel, device);
   TORCH_CHECK(problem.empty(), "sdp4bit: ", problem);
+}
+
+// The element type of a gradient bucket and its shard: Float or BFloat16, the same for both
+// (docs/numerics.md §7.5). An undefined tensor is left to check_tensor to name.
+at::ScalarType gradient_dtype(const at::Tensor& bucket, const at::Tensor& shard) {
+  if (!bucket.defined() || !shard.defined()) return at::kFloat;
+  at::ScalarType dtype = bucket.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "sdp4bit: gradient bucket must be Float or BFloat16, got ", c10::toString(dtype));
+  TORCH_CHECK(shard.scalar_type() == dtype, "sdp4bit: gradient shard is ",
+              c10::toString(shard.scalar_type()), " but the gradient bucket is ",
+              c10::toString(dtype), ": both must be Float or both BFloat16");
+  return dtype;
 }
 
 // The device named `name` ("cpu", "cuda", "cuda:1"; a bare "cuda" is the current device),
@@ -483,7 +497,7 @@ class Work : public torch::CustomClassHolder {
   c10::intrusive_ptr<torch::CustomClassHolder> owner_;
 };
 
-// The gradient reduce-scatter of one fp32 bucket, on the CPU or on one CUDA device.
+// The gradient reduce-scatter of one fp32 or bf16 bucket, on the CPU or on one CUDA device.
 class GradReduceScatter : public torch::CustomClassHolder {
  public:
   // `side_stream_handle`: for a CUDA bucket, the cudaStream_t of the groups' side stream of
@@ -554,10 +568,22 @@ class GradReduceScatter : public torch::CustomClassHolder {
   // the bucket's device (ignored on the CPU).
   c10::intrusive_ptr<Work> start(at::Tensor bucket, at::Tensor shard, int64_t step,
                                  int64_t side_stream_handle) {
-    check_tensor("gradient bucket", bucket, at::kFloat, numel_, device_);
-    check_tensor("gradient shard", shard, at::kFloat, shard_len_, device_);
+    at::ScalarType dtype = gradient_dtype(bucket, shard);
+    check_tensor("gradient bucket", bucket, dtype, numel_, device_);
+    check_tensor("gradient shard", shard, dtype, shard_len_, device_);
     uint64_t at_step = checked_step(step);
-    Span<float> in(bucket), out(shard);
+    if (dtype == at::kBFloat16) {
+      return start_with<uint16_t>(bucket, shard, at_step, side_stream_handle);
+    }
+    return start_with<float>(bucket, shard, at_step, side_stream_handle);
+  }
+
+ private:
+  // start() of checked tensors of T (float, or uint16_t for bf16 bit patterns).
+  template <class T>
+  c10::intrusive_ptr<Work> start_with(at::Tensor bucket, at::Tensor shard, uint64_t at_step,
+                                      int64_t side_stream_handle) {
+    Span<T> in(bucket), out(shard);
     auto owner = c10::intrusive_ptr<GradReduceScatter>::reclaim_copy(this);
     if (device_.is_cuda()) {
       uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
@@ -566,7 +592,7 @@ class GradReduceScatter : public torch::CustomClassHolder {
       // enqueued (as the host path raises it from its step).
       raise_integer_sum_overflow();
       DeviceCompletion done = groups_->enqueue_on_side_stream(
-          device_, {bucket, shard}, [&] { run_cuda(in, out, raw, at_step); });
+          device_, {bucket, shard}, [&] { run_cuda(in, out, bucket.scalar_type(), raw, at_step); });
       return c10::make_intrusive<Work>(std::move(done), std::move(owner), [this] {
         std::lock_guard<std::mutex> lock(mutex_);
         raise_integer_sum_overflow();
@@ -578,25 +604,44 @@ class GradReduceScatter : public torch::CustomClassHolder {
                                      std::move(owner));
   }
 
- private:
   // The core reads the bucket while it writes the shard: when the shard is a view into the
   // bucket (Megatron's layout), it writes a scratch shard that is copied over (kept by a CPU
   // bucket; taken per call by a CUDA bucket).
-  static bool aliased(Span<float> bucket, Span<float> shard) {
-    const float* b = bucket.data;
+  template <class T>
+  static bool aliased(Span<T> bucket, Span<T> shard) {
+    const T* b = bucket.data;
     return b < shard.data + shard.len && shard.data < b + bucket.len;
   }
 
-  void run(Span<float> bucket, Span<float> shard, uint64_t step) {
+  template <class T>
+  void run(Span<T> bucket, Span<T> shard, uint64_t step) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!aliased(bucket, shard)) {
-      (*bucket_)->run(groups_->comms(), bucket.in(), shard.out(), step);
+      run_host(bucket.in(), shard.out(), step);
       return;
     }
-    scratch_.resize(shard.len);
-    (*bucket_)->run(groups_->comms(), bucket.in(), rust::Slice<float>(scratch_.data(), shard.len),
-                    step);
-    std::memcpy(shard.data, scratch_.data(), shard.len * sizeof(float));
+    std::vector<T>& scratch = scratch_of<T>();
+    scratch.resize(shard.len);
+    run_host(bucket.in(), rust::Slice<T>(scratch.data(), shard.len), step);
+    std::memcpy(shard.data, scratch.data(), shard.len * sizeof(T));
+  }
+
+  // The core's host reduce-scatter of fp32, or of bf16 bit patterns.
+  void run_host(rust::Slice<const float> bucket, rust::Slice<float> shard, uint64_t step) {
+    (*bucket_)->run(groups_->comms(), bucket, shard, step);
+  }
+
+  void run_host(rust::Slice<const uint16_t> bucket, rust::Slice<uint16_t> shard, uint64_t step) {
+    (*bucket_)->run_bf16(groups_->comms(), bucket, shard, step);
+  }
+
+  template <class T>
+  std::vector<T>& scratch_of() {
+    if constexpr (std::is_same_v<T, float>) {
+      return scratch_;
+    } else {
+      return scratch_bf16_;
+    }
   }
 
   // Raises the host path's error for an overflow of Global-QSGD's integer sum that the status
@@ -609,19 +654,21 @@ class GradReduceScatter : public torch::CustomClassHolder {
 
   // Enqueues the collective on the current stream (the side stream, whose handle is `raw`);
   // the caller holds mutex_.
-  void run_cuda(Span<float> bucket, Span<float> shard, uint64_t raw, uint64_t step) {
+  template <class T>
+  void run_cuda(Span<T> bucket, Span<T> shard, at::ScalarType dtype, uint64_t raw, uint64_t step) {
+    bool bf16 = dtype == at::kBFloat16;
     if (!aliased(bucket, shard)) {
       (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data),
-                           device_address(shard.data), raw, step);
+                           device_address(shard.data), bf16, raw, step);
       return;
     }
     // Taken with the side stream current and given back when this call has enqueued the copy:
     // the caching allocator hands the block only to later allocations on the side stream, so
     // the next call reuses it after this one (as the core's call buffers).
     at::Tensor scratch =
-        at::empty({shard_len_}, at::TensorOptions().dtype(at::kFloat).device(device_));
+        at::empty({shard_len_}, at::TensorOptions().dtype(dtype).device(device_));
     (*bucket_)->run_cuda(groups_->comms(), device_address(bucket.data),
-                         device_address(scratch.data_ptr<float>()), raw, step);
+                         device_address(scratch.data_ptr()), bf16, raw, step);
     at::from_blob(shard.data, {shard_len_}, scratch.options()).copy_(scratch);
   }
 
@@ -632,6 +679,7 @@ class GradReduceScatter : public torch::CustomClassHolder {
   int64_t shard_len_ = 0;
   std::optional<rust::Box<ffi::GradBucket>> bucket_;
   std::vector<float> scratch_;  // CPU buckets: the scratch shard, never seen by Python
+  std::vector<uint16_t> scratch_bf16_;  // the same for bf16 buckets
   std::mutex mutex_;
 };
 

@@ -61,7 +61,8 @@ def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process:
     """A bf16 GPTModel (learned absolute positions, output layer tied to the embedding when
     one stage holds both) in ``Float16Module`` and megatron-core's DDP with the distributed
     optimizer's buffers; `ddp_options` go to ``DistributedDataParallelConfig`` (e.g.
-    ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``). The same `seed`
+    ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``; fp32 gradient buffers
+    unless ``grad_reduce_in_fp32=False``). The same `seed`
     gives every data-parallel replica the same initial weights."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -75,7 +76,7 @@ def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process:
                    post_process=post_process,
                    share_embeddings_and_output_weights=pre_process and post_process)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True, **ddp_options)
+        use_distributed_optimizer=True, **{"grad_reduce_in_fp32": True, **ddp_options})
     return DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
 
 

@@ -267,6 +267,68 @@ __device__ __forceinline__ uint16_t sdp_f32_to_bf16(float v)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Gradient elements (backend::GradElement, docs/numerics.md §7.5): a bucket or shard holds fp32
+// or bf16 (sdp_bf16); the passes read each element as its fp32 value (sdp_bf16_to_f32) and
+// round what they write to the element type (sdp_f32_to_bf16).
+
+// Whether the run of four elements at p may be read or written at once (4-element aligned).
+template <class G>
+__device__ __forceinline__ bool sdp_grad_run_aligned(const G* p)
+{
+    return sdp_aligned(p, 4 * sizeof(G));
+}
+
+// Four elements at p (sdp_grad_run_aligned), read-only, as fp32.
+__device__ __forceinline__ void sdp_grad_load4(const float* p, float* x)
+{
+    sdp_load_f32x4(p, x);
+}
+
+__device__ __forceinline__ void sdp_grad_load4(const sdp_bf16* p, float* x)
+{
+    const uint2 w = __ldg((const uint2*)p);
+    x[0] = sdp_bf16_to_f32(sdp_half(w.x, 0));
+    x[1] = sdp_bf16_to_f32(sdp_half(w.x, 1));
+    x[2] = sdp_bf16_to_f32(sdp_half(w.y, 0));
+    x[3] = sdp_bf16_to_f32(sdp_half(w.y, 1));
+}
+
+// One element as fp32.
+__device__ __forceinline__ float sdp_grad_to_f32(float v)
+{
+    return v;
+}
+
+__device__ __forceinline__ float sdp_grad_to_f32(sdp_bf16 v)
+{
+    return sdp_bf16_to_f32(v.bits);
+}
+
+// Four fp32 values rounded to the element type, to p (sdp_grad_run_aligned).
+__device__ __forceinline__ void sdp_grad_store4(float* p, const float* x)
+{
+    sdp_store_f32x4(p, x);
+}
+
+__device__ __forceinline__ void sdp_grad_store4(sdp_bf16* p, const float* x)
+{
+    const uint32_t lo = (uint32_t)sdp_f32_to_bf16(x[0]) | (uint32_t)sdp_f32_to_bf16(x[1]) << 16;
+    const uint32_t hi = (uint32_t)sdp_f32_to_bf16(x[2]) | (uint32_t)sdp_f32_to_bf16(x[3]) << 16;
+    __stcs((uint2*)p, make_uint2(lo, hi));
+}
+
+// One fp32 value rounded to the element type, to p.
+__device__ __forceinline__ void sdp_grad_store1(float* p, float v)
+{
+    *p = v;
+}
+
+__device__ __forceinline__ void sdp_grad_store1(sdp_bf16* p, float v)
+{
+    p->bits = sdp_f32_to_bf16(v);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Philox4x32-10 (rng::philox4x32_10) and the uniform of element i (rng::UniformStream).
 
 #define SDP_PHILOX_M0 0xD2511F53u
@@ -444,13 +506,20 @@ __device__ __forceinline__ void sdp_divide_run(const sdp_divisor& d, const float
 // ---------------------------------------------------------------------------------------------
 // Warp reductions (every lane gets the result; all 32 lanes must call them together).
 
+// The unsigned maximum: one warp-wide reduction instruction (redux.sync, sm_80 and newer; the
+// host emulation has it too) instead of five shuffles and maxima, which older devices (sm_75)
+// keep.
 __device__ __forceinline__ uint32_t sdp_warp_max_u32(uint32_t v)
 {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(SDP_FULL_MASK, v);
+#else
     for (uint32_t m = SDP_WARP_SIZE / 2; m > 0; m /= 2) {
         const uint32_t other = __shfl_xor_sync(SDP_FULL_MASK, v, m);
         v = other > v ? other : v;
     }
     return v;
+#endif
 }
 
 // Min and max of finite values (the only ones the quantizer's min-max path uses).
@@ -625,14 +694,25 @@ __device__ __forceinline__ uint64_t sdp_meta_end(const sdp_slab& layout)
     return sdp_scale_offset(layout, 0) + 4 * words * layout.groups;
 }
 
-// Zeroes the padding at the end of a slab being written (fewer than 16 bytes); the warp that
-// writes group 0 of the slab calls it.
+// Zeroes the padding at the end of a slab being written (fewer than 16 bytes).
 __device__ __forceinline__ void sdp_zero_slab_padding(uint8_t* slab, const sdp_slab& layout,
                                                       uint32_t lane)
 {
     uint8_t* padding = slab + sdp_meta_end(layout);
     if (lane < (uint32_t)(slab + layout.byte_len - padding)) {
         padding[lane] = 0;
+    }
+}
+
+// Zeroes the padding of the `slabs` slabs of `buffer` being written, a slab per warp of the
+// grid: a kernel calls it after its loop over groups (the bytes are disjoint from the groups'),
+// so that the loop does not test for each slab's first group. All 32 lanes must call it
+// together.
+__device__ __forceinline__ void sdp_zero_slabs_padding(uint8_t* buffer, const sdp_slab& layout, uint64_t slabs,
+                                                       uint32_t lane)
+{
+    for (uint64_t s = sdp_warp_id(); s < slabs; s += sdp_warp_count()) {
+        sdp_zero_slab_padding(sdp_slab_at(buffer, layout, s), layout, lane);
     }
 }
 
@@ -814,8 +894,8 @@ __device__ __forceinline__ void sdp_store_codes(uint8_t* codes, const sdp_quant&
 // `offset` (null for symmetric slabs), lanes holding runs of E elements. `load(t, v)` fills
 // this lane's values of tile t (zeros for runs past the group) and is called by all 32 lanes
 // together; it may be called twice per tile. `rng` gives the uniform of element e at
-// `first_index + e` (stochastic rounding only; drawn only for coded groups, as on the CPU the
-// uniforms of an uncoded group are unused).
+// `first_index + e` (stochastic rounding only; drawn for every run but used only for coded
+// groups, as on the CPU the uniforms of an uncoded group are unused).
 template <uint32_t E, class Load>
 __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& load, const sdp_rng& rng,
                                                    uint64_t first_index, uint8_t* codes, float* scale,
@@ -856,21 +936,19 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
                     sdp_divide_run<E>(meta.divisor, x, quotient);
                 } else {
                     // Runs of 4 divide with __fdiv_rn: per group, the reciprocal and the
-                    // fallback cost more than the division they save over 4 values, and the
-                    // reciprocal's register does not fit the gradient kernels' 64.
+                    // fallback cost as much as the divisions they save over 4 values.
                     sdp_divide_each<E>(meta.scale, x, quotient);
                 }
             }
-            // The Philox words after the quotients: fewer values live at once.
+            // The Philox words after the quotients: fewer values live at once. Drawn for every
+            // run (pure arithmetic), used only for the coded ones: no branch around them.
             uint32_t w[E];
 #pragma unroll
-            for (uint32_t k = 0; k < E; ++k) {
-                w[k] = 0;
-            }
-            if (valid && meta.coded && q.stochastic) {
-#pragma unroll
-                for (uint32_t k = 0; k < E; k += 4) {
+            for (uint32_t k = 0; k < E; k += 4) {
+                if (q.stochastic) {
                     sdp_words4(rng, first_index + sdp_tile_element<E>(t, r * E + k, lane), w + k);
+                } else {
+                    w[k] = w[k + 1] = w[k + 2] = w[k + 3] = 0;
                 }
             }
 #pragma unroll
@@ -889,8 +967,8 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
     }
 }
 
-// Quantizes group k of a slab being written (codes, scale, offset at their slab positions) and,
-// for k == 0, zeroes the slab's padding.
+// Quantizes group k of a slab being written (codes, scale, offset at their slab positions; the
+// slab's padding is zeroed by sdp_zero_slabs_padding).
 template <uint32_t E, class Load>
 __device__ __forceinline__ void sdp_quantize_slab_group(uint8_t* slab, const sdp_slab& layout,
                                                         uint64_t k, Load& load, const sdp_rng& rng,
@@ -900,9 +978,6 @@ __device__ __forceinline__ void sdp_quantize_slab_group(uint8_t* slab, const sdp
     float* offset = layout.quant.symmetric ? nullptr : (float*)(slab + sdp_offset_offset(layout, k));
     sdp_quantize_group<E>(layout.quant, load, rng, first_index, slab + sdp_codes_offset(layout, k), scale,
                           offset, lane);
-    if (k == 0) {
-        sdp_zero_slab_padding(slab, layout, lane);
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -932,45 +1007,74 @@ __device__ __forceinline__ bool sdp_meta_corrupt(const sdp_coded_group& grp)
     return grp.scale < 0.0f || sdp_is_inf(grp.scale) || sdp_is_inf(grp.offset);
 }
 
-// Zero fields of b-bit fields (b = 4 or 8): the borrow of (x - 0x..0101) reaches a field's top
-// bit, with that bit clear in x, exactly when some field is zero (a borrow only propagates
-// upwards past a zero field, so a field above the first zero one may be marked too, but never
-// when none is zero). sdp_zero_field_borrows gives those bits of a word before the top bits
-// are selected, so the marks of many words can be OR-ed and tested once by
-// sdp_zero_field_found on their lowest `fields` fields.
-__device__ __forceinline__ uint32_t sdp_zero_field_borrows(uint32_t word, uint32_t bits)
+// Zero fields of 4-bit fields: the borrow of (x - 0x11111111) reaches a field's top bit, with
+// that bit clear in x, exactly when some field is zero (a borrow only propagates upwards past
+// a zero field, so a field above the first zero one may be marked too, but never when none is
+// zero). sdp_zero_field_borrows gives those bits of a word before the top bits are selected,
+// so the marks of many words can be OR-ed and tested once by sdp_code_marks_found on their
+// lowest `fields` fields.
+__device__ __forceinline__ uint32_t sdp_zero_field_borrows(uint32_t word)
 {
-    const uint32_t ones = bits == 4 ? 0x11111111u : 0x01010101u;
-    return (word - ones) & ~word;
+    return (word - 0x11111111u) & ~word;
 }
 
-__device__ __forceinline__ bool sdp_zero_field_found(uint32_t marks, uint32_t bits, uint32_t fields)
+// The bytes 0x80 (the code -128) of a word, at their top bits, among other bits of
+// sdp_code_marks_found's ignoring: a byte's low 7 bits plus 0x7f carry into its top bit (and
+// never past it) exactly when they are not all zero, so the top bit of the word's byte without
+// that carry is set exactly for 0x80. Two instructions and the OR into the marks, which folds
+// into the last one (no false positive, unlike the borrow test).
+__device__ __forceinline__ uint32_t sdp_byte_0x80_marks(uint32_t word)
+{
+    return word & ~((word & 0x7f7f7f7fu) + 0x7f7f7f7fu);
+}
+
+// Whether the OR-ed marks of b-bit fields (sdp_zero_field_borrows for b = 4, on the word with
+// every field's top bit flipped, sdp_byte_0x80_marks for b = 8) show the code -2^(b-1) in
+// their lowest `fields` fields.
+__device__ __forceinline__ bool sdp_code_marks_found(uint32_t marks, uint32_t bits, uint32_t fields)
 {
     const uint32_t tops = bits == 4 ? 0x88888888u : 0x80808080u;
     const uint32_t used = fields * bits >= 32 ? 0xffffffffu : (1u << (fields * bits)) - 1;
     return (marks & tops & used) != 0;
 }
 
-// The b-bit field k of `word` as an exact fp32 integer, the field read as unsigned and then
-// `bias` subtracted: the field is placed in the mantissa of 2^23 (0x4b000000 | field is
-// 2^23 + field exactly) and 2^23 + bias subtracted, one exact addition instead of an integer
-// to float conversion.
-__device__ __forceinline__ float sdp_field_as_float(uint32_t word, uint32_t bits, uint32_t k, float bias)
+// The nibble k of `word` as an exact fp32 integer, the nibble read as unsigned and then `bias`
+// subtracted: the nibble is placed in the mantissa of 2^23 (0x4b000000 | nibble is 2^23 +
+// nibble exactly) and 2^23 + bias subtracted, one exact addition instead of an integer to
+// float conversion.
+__device__ __forceinline__ float sdp_nibble_as_float(uint32_t word, uint32_t k, float bias)
 {
-    // A byte goes into the low byte of 0x4b000000 with one byte permutation (selector nibbles
-    // k, 4, 5, 7: byte k of the word, then bytes 0, 1 and 3 of 0x4b000000).
-    const uint32_t biased = bits == 8 ? __byte_perm(word, 0x4b000000u, 0x7540u | k)
-                                      : 0x4b000000u | ((word >> (4 * k)) & 0xfu);
-    return __fsub_rn(__uint_as_float(biased), 8388608.0f + bias);
+    return __fsub_rn(__uint_as_float(0x4b000000u | ((word >> (4 * k)) & 0xfu)), 8388608.0f + bias);
+}
+
+// Byte k of `word` as an exact fp32 integer, signed (symmetric codes) or unsigned: one
+// conversion with a byte selector (sm_90's I2F.S8 / I2F.U8 Rd, Rs.Bk), which ptxas makes of a
+// byte extract followed by the conversion to fp32. C's shift and mask give the unsigned
+// extract; for the signed one NVRTC writes a shift pair that ptxas keeps, so the device build
+// states PTX's signed bit-field extract (bfe.s32: bits [8k, 8k + 8) sign-extended) and the
+// host emulation the same shift pair.
+__device__ __forceinline__ float sdp_byte_as_float(uint32_t word, uint32_t k, bool is_signed)
+{
+    if (!is_signed) {
+        return (float)((word >> (8 * k)) & 0xffu);
+    }
+    int32_t field;
+#ifdef __CUDA_ARCH__
+    asm("bfe.s32 %0, %1, %2, 8;" : "=r"(field) : "r"(word), "r"(8 * k));
+#else
+    field = (int32_t)(word << (24 - 8 * k)) >> 24;
+#endif
+    return (float)field;
 }
 
 // The E codes of this lane's run r of tile t of a group as exact fp32 values: signed nibbles or
 // bytes (symmetric) or unsigned ones, read as whole words (a 4-bit run of E = 4 is half of the
 // word it shares with the neighbouring lane, which holds codes of the same group). ORs into
-// `marks` the zero-field borrows of its words, by which sdp_run_codes_corrupt finds a
-// symmetric code -2^(b-1), which the quantizer never writes.
-// A signed field c is decoded as the unsigned field of c + 2^(b-1) (the word with every
-// field's top bit flipped) minus 2^(b-1); the code -2^(b-1) is the zero field there.
+// `marks` the marks of its words (sdp_code_marks_found) by which sdp_run_codes_corrupt finds a
+// symmetric code -2^(b-1), which the quantizer never writes. A byte is converted in one
+// instruction (sdp_byte_as_float); a signed nibble c is decoded as the unsigned nibble of
+// c + 8 (the word with every nibble's top bit flipped) minus 8, where the code -8 is the zero
+// nibble.
 // sdp_run_codes_at gives the byte offset in the group's codes of the run's aligned word and,
 // for 4-bit codes, the shift of the run in it.
 template <uint32_t E>
@@ -1004,24 +1108,28 @@ __device__ __forceinline__ void sdp_decode_run_codes(const sdp_quant& q, const u
     } else {
         lo = __ldg((const unsigned int*)word);
     }
+    if (q.bits == 8) {
+        if (q.symmetric) {
+            marks |= sdp_byte_0x80_marks(lo);
+            if (E == 8) {
+                marks |= sdp_byte_0x80_marks(hi);
+            }
+        }
+#pragma unroll
+        for (uint32_t k = 0; k < E; ++k) {
+            c[k] = sdp_byte_as_float(k < 4 ? lo : hi, k % 4, q.symmetric);
+        }
+        return;
+    }
     float bias = 0.0f;
     if (q.symmetric) {
-        const uint32_t flip = q.bits == 4 ? 0x88888888u : 0x80808080u;
-        lo ^= flip;
-        hi ^= flip;
-        bias = (float)(1u << (q.bits - 1));
-        marks |= sdp_zero_field_borrows(lo, q.bits);
-        if (q.bits == 8 && E == 8) {
-            marks |= sdp_zero_field_borrows(hi, 8);
-        }
+        lo ^= 0x88888888u;
+        bias = 8.0f;
+        marks |= sdp_zero_field_borrows(lo);
     }
 #pragma unroll
     for (uint32_t k = 0; k < E; ++k) {
-        if (q.bits == 4) {
-            c[k] = sdp_field_as_float(lo, 4, k, bias);
-        } else {
-            c[k] = sdp_field_as_float(k < 4 ? lo : hi, 8, k % 4, bias);
-        }
+        c[k] = sdp_nibble_as_float(lo, k, bias);
     }
 }
 
@@ -1039,7 +1147,7 @@ __device__ __forceinline__ void sdp_load_run_codes(const sdp_quant& q, const uin
 template <uint32_t E>
 __device__ __forceinline__ bool sdp_run_codes_corrupt(const sdp_quant& q, uint32_t marks)
 {
-    return q.symmetric && sdp_zero_field_found(marks, q.bits, q.bits == 4 ? E : (E < 4 ? E : 4));
+    return q.symmetric && sdp_code_marks_found(marks, q.bits, q.bits == 4 ? E : (E < 4 ? E : 4));
 }
 
 // The dequantized value of code c (an exact fp32 integer): c * s (symmetric) or lo + c * s
@@ -1050,15 +1158,33 @@ __device__ __forceinline__ float sdp_dequantize(const sdp_quant& q, const sdp_co
     return q.symmetric ? value : __fadd_rn(grp.offset, value);
 }
 
+// The metadata of one peer's group k that a lane holds for the warp (sdp_sum_peers_tile): its
+// scale and offset (0 for symmetric groups), both NaN when the metadata is corrupt
+// (sdp_meta_corrupt), so that every value dequantized from them is NaN.
+__device__ __forceinline__ sdp_coded_group sdp_peer_meta(const sdp_quant& q, const uint8_t* scale,
+                                                         uint64_t to_offset, bool present)
+{
+    sdp_coded_group grp;
+    grp.codes = nullptr;
+    grp.scale = present ? __ldg((const float*)scale) : 0.0f;
+    grp.offset = present && !q.symmetric ? __ldg((const float*)(scale + to_offset)) : 0.0f;
+    if (sdp_meta_corrupt(grp)) {
+        grp.scale = sdp_nan();
+        grp.offset = sdp_nan();
+    }
+    return grp;
+}
+
 // This lane's values of tile t of the sum over the `peers` consecutive slabs of `recv`, in
 // slab order, of dequantize(group k): out = deq(slab 0); out = out + deq(slab 1); ...
-// (gradient::sum_groups); zeros for runs past the group. Sets `corrupt` when a group it reads
-// is corrupt (see sdp_meta_corrupt, sdp_load_run_codes): the caller turns the whole group to
-// NaN once the warp has voted. The checks are folded over the peers and tested once: a scale
-// below 0 makes the smallest scale seen negative, an infinite scale or offset makes the
-// largest magnitude seen infinite (fminf and fmaxf pass over NaN, which is not corrupt), and
-// the zero-field marks of every code word are OR-ed. Group k of slab s lies one slab further
-// than group k of slab s - 1, so its addresses advance by one slab per peer.
+// (gradient::sum_groups); zeros for runs past the group. A corrupt group makes the sum NaN:
+// corrupt metadata in every lane (lane L loads, checks and holds the scale and offset of peer
+// 32 c + L for the peers 32 c .. 32 c + 31, NaN where corrupt, and each peer's are broadcast
+// with a shuffle: no load, address or check per peer and lane), a corrupt code in the lane
+// that decodes it, which sets `corrupt` (the zero-field marks of every code word are OR-ed and
+// tested once): the caller turns the whole group to NaN. Group k of slab s lies one slab
+// further than group k of slab s - 1, so its addresses advance by one slab per peer. All 32
+// lanes must call it together.
 template <uint32_t E>
 __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sdp_slab& layout, uint32_t peers,
                                                    uint64_t k, uint32_t t, uint32_t lane,
@@ -1076,21 +1202,20 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
     for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
         run_codes[r] = recv + sdp_codes_offset(layout, k) + sdp_run_codes_at<E>(q, t, r, lane, shift[r]);
     }
-    const uint8_t* scale = recv + sdp_scale_offset(layout, k);
+    // The scale of group k in slab 32 c + lane, for the current block c of 32 peers.
+    const uint8_t* lane_scale = recv + sdp_scale_offset(layout, k) + lane * layout.byte_len;
     const uint64_t to_offset = sdp_offset_offset(layout, k) - sdp_scale_offset(layout, k);
-    float lowest = 0.0f;
-    float largest = 0.0f;
+    sdp_coded_group held = {nullptr, 0.0f, 0.0f};  // set at s = 0
     uint32_t marks = 0;
     for (uint32_t s = 0; s < peers; ++s) {
+        if (s % SDP_WARP_SIZE == 0) {
+            held = sdp_peer_meta(q, lane_scale, to_offset, s + lane < peers);
+            lane_scale += SDP_WARP_SIZE * layout.byte_len;
+        }
         sdp_coded_group grp;
         grp.codes = nullptr;  // the runs' words are in run_codes
-        grp.scale = __ldg((const float*)scale);
-        grp.offset = q.symmetric ? 0.0f : __ldg((const float*)(scale + to_offset));
-        lowest = fminf(lowest, grp.scale);
-        largest = fmaxf(largest, fabsf(grp.scale));
-        if (!q.symmetric) {
-            largest = fmaxf(largest, fabsf(grp.offset));
-        }
+        grp.scale = __shfl_sync(SDP_FULL_MASK, held.scale, s % SDP_WARP_SIZE);
+        grp.offset = q.symmetric ? 0.0f : __shfl_sync(SDP_FULL_MASK, held.offset, s % SDP_WARP_SIZE);
 #pragma unroll
         for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
             if (sdp_run_in_group<E>(q.group_size, t, r, lane)) {
@@ -1107,7 +1232,6 @@ __device__ __forceinline__ void sdp_sum_peers_tile(const uint8_t* recv, const sd
         for (uint32_t r = 0; r < SDP_LANE_VALUES / E; ++r) {
             run_codes[r] += layout.byte_len;
         }
-        scale += layout.byte_len;
     }
-    corrupt |= lowest < 0.0f || sdp_is_inf(largest) || sdp_run_codes_corrupt<E>(q, marks);
+    corrupt |= sdp_run_codes_corrupt<E>(q, marks);
 }

@@ -2,7 +2,8 @@
 // 16-bit integers with one global scale, and the dequantization of the summed integers.
 //
 // Mirrors backend::cpu::global_qsgd: local_absmax, quantize::<i8 | i16>,
-// dequantize::<i8 | i16>.
+// dequantize::<i8 | i16>. Each kernel has a _bf16 variant that reads a bf16 bucket or writes a
+// bf16 shard (docs/numerics.md §7.5; common.cuh's gradient elements).
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one run of 4 consecutive elements per thread (one Philox block for quantize),
@@ -19,16 +20,17 @@ __device__ __forceinline__ uint64_t global_runs(const sdp_global& args)
 }
 
 // The fp32 values of run b of `x` (zeros past numel): one 16-byte load when `vector`.
-__device__ __forceinline__ void global_load_run(const float* __restrict__ x, const sdp_global& args, uint64_t b,
+template <class G>
+__device__ __forceinline__ void global_load_run(const G* __restrict__ x, const sdp_global& args, uint64_t b,
                                                 bool vector, float* v)
 {
     if (vector && 4 * b + 4 <= args.numel) {
-        sdp_load_f32x4(x + 4 * b, v);
+        sdp_grad_load4(x + 4 * b, v);
         return;
     }
 #pragma unroll
     for (uint32_t e = 0; e < 4; ++e) {
-        v[e] = 4 * b + e < args.numel ? x[4 * b + e] : 0.0f;
+        v[e] = 4 * b + e < args.numel ? sdp_grad_to_f32(x[4 * b + e]) : 0.0f;
     }
 }
 
@@ -38,10 +40,11 @@ __device__ __forceinline__ void global_load_run(const float* __restrict__ x, con
 // global_absmax(bucket, abs_bits): *abs_bits = max over the bucket of min(bits & 0x7fffffff,
 // +Inf's bits), the caller zeroes it first: the f32 max |x|, or +Inf when a NaN or Inf is
 // present (local_absmax), which a MAX all-reduce of the word as an f32 maximises.
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_absmax(const float* __restrict__ bucket, uint32_t* __restrict__ abs_bits, sdp_global args)
+template <class G>
+__device__ __forceinline__ void global_absmax_of(const G* __restrict__ bucket, uint32_t* __restrict__ abs_bits,
+                                                 const sdp_global& args)
 {
-    const bool vector = sdp_aligned(bucket, 16);
+    const bool vector = sdp_grad_run_aligned(bucket);
     uint32_t m = 0;
     for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
         float v[4];
@@ -57,6 +60,18 @@ global_absmax(const float* __restrict__ bucket, uint32_t* __restrict__ abs_bits,
     if (sdp_lane() == 0 && m != 0) {
         atomicMax(abs_bits, m);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
+global_absmax(const float* __restrict__ bucket, uint32_t* __restrict__ abs_bits, sdp_global args)
+{
+    global_absmax_of(bucket, abs_bits, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
+global_absmax_bf16(const sdp_bf16* __restrict__ bucket, uint32_t* __restrict__ abs_bits, sdp_global args)
+{
+    global_absmax_of(bucket, abs_bits, args);
 }
 
 // What a launch scales by (docs/numerics.md §7.2 steps 2 and 4): `scale`, or a / k for the
@@ -136,11 +151,11 @@ __device__ __forceinline__ void global_store_codes(int16_t* out, const sdp_globa
 
 // out[i] = the code of bucket[i] for every element of the bucket, one run of 4 (one Philox
 // block: its four uniforms) per thread and step.
-template <class Code>
-__device__ __forceinline__ void global_quantize(const float* __restrict__ bucket, Code* __restrict__ out,
+template <class Code, class G>
+__device__ __forceinline__ void global_quantize(const G* __restrict__ bucket, Code* __restrict__ out,
                                                 const sdp_global& args)
 {
-    const bool vector = sdp_aligned(bucket, 16) && sdp_aligned(out, 4 * sizeof(Code));
+    const bool vector = sdp_grad_run_aligned(bucket) && sdp_aligned(out, 4 * sizeof(Code));
     const GlobalScale scale = global_scale(args);
     for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
         int32_t c[4] = {0, 0, 0, 0};
@@ -169,6 +184,18 @@ global_quantize_i8(const float* __restrict__ bucket, int8_t* __restrict__ out, s
 
 extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
 global_quantize_i16(const float* __restrict__ bucket, int16_t* __restrict__ out, sdp_global args)
+{
+    global_quantize(bucket, out, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
+global_quantize_i8_bf16(const sdp_bf16* __restrict__ bucket, int8_t* __restrict__ out, sdp_global args)
+{
+    global_quantize(bucket, out, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
+global_quantize_i16_bf16(const sdp_bf16* __restrict__ bucket, int16_t* __restrict__ out, sdp_global args)
 {
     global_quantize(bucket, out, args);
 }
@@ -217,8 +244,8 @@ __device__ __forceinline__ void global_record_overflow(const sdp_global& args, u
 
 // Cold path: run b of the output element by element, each element the sum in rank order of
 // its `blocks` blocks with every partial sum checked: an overflow makes it NaN and is recorded.
-template <class Code>
-__device__ __forceinline__ void global_dequantize_checked(const Code* __restrict__ sum, float* __restrict__ out,
+template <class Code, class G>
+__device__ __forceinline__ void global_dequantize_checked(const Code* __restrict__ sum, G* __restrict__ out,
                                                           const sdp_global& args, uint32_t blocks,
                                                           const GlobalScale& scale, float fill, uint64_t b)
 {
@@ -242,7 +269,7 @@ __device__ __forceinline__ void global_dequantize_checked(const Code* __restrict
             }
             x = r < blocks ? sdp_nan() : __fmul_rn((float)acc, scale.s);
         }
-        out[i] = x;
+        sdp_grad_store1(out + i, x);
     }
 }
 
@@ -256,13 +283,13 @@ __device__ __forceinline__ void global_dequantize_checked(const Code* __restrict
 // of its partial sums lies outside the Code); a thread that meets an overflow there goes
 // over its runs again after it, element by element, to find each first overflow for the
 // status word.
-template <class Code>
-__device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, float* __restrict__ out,
+template <class Code, class G>
+__device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, G* __restrict__ out,
                                                   const sdp_global& args)
 {
     const uint32_t blocks = args.blocks > 1 ? args.blocks : 1;
     // Every block is aligned like the first when numel is a multiple of a run.
-    const bool vector = sdp_aligned(out, 16) && sdp_aligned(sum, 4 * sizeof(Code)) &&
+    const bool vector = sdp_grad_run_aligned(out) && sdp_aligned(sum, 4 * sizeof(Code)) &&
         (blocks == 1 || args.numel % 4 == 0);
     const GlobalScale scale = global_scale(args);
     const float fill = scale.outcome == GLOBAL_NANS ? sdp_nan() : 0.0f;
@@ -308,7 +335,7 @@ __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, 
                 x[e] = outside ? sdp_nan() : __fmul_rn((float)((int32_t)acc[e] + lowest), scale.s);
             }
         }
-        sdp_store_f32x4(out + 4 * b, x);
+        sdp_grad_store4(out + 4 * b, x);
     }
     // Cold path: element by element, after an overflow there this thread's runs of the main
     // loop again (last first), then the runs it did not take (unaligned buffers, the last
@@ -334,6 +361,18 @@ global_dequantize_i8(const int8_t* __restrict__ sum, float* __restrict__ out, sd
 
 extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 6)
 global_dequantize_i16(const int16_t* __restrict__ sum, float* __restrict__ out, sdp_global args)
+{
+    global_dequantize(sum, out, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
+global_dequantize_i8_bf16(const int8_t* __restrict__ sum, sdp_bf16* __restrict__ out, sdp_global args)
+{
+    global_dequantize(sum, out, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 6)
+global_dequantize_i16_bf16(const int16_t* __restrict__ sum, sdp_bf16* __restrict__ out, sdp_global args)
 {
     global_dequantize(sum, out, args);
 }

@@ -3,13 +3,15 @@
 //
 // Mirrors backend::cpu::gradient::quantize_first (and quantize_first_run): Hadamard (when
 // hadamard_block != 0) + quantize + swizzle of the whole bucket, all P chunks, into
-// P * peers1 slabs of the first level.
+// P * peers1 slabs of the first level. grad_quantize_first_bf16 reads a bf16 bucket, each
+// element as its fp32 value (docs/numerics.md §7.5).
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
-// Work unit: one group of one output slab, handled by one warp (8 per block), grid-stride over
-// the P * peers1 * slab.groups groups. Unit u is group k = u % slab.groups of slab
-// s = u / slab.groups, with s = p * peers1 + x1 (chunk p, first-level peer x1). Each lane holds
-// runs of 4 consecutive elements (common.cuh): one 16-byte load, one Philox block.
+// Work unit: up to GROUPS_PER_UNIT consecutive groups j of one chunk p and destination (x1, x2),
+// handled one after another by one warp (8 per block), grid-stride over the units; the groups
+// are group k = x2 * groups_per_chunk + j of slab s = p * peers1 + x1 (chunk p, first-level
+// peer x1). Each lane holds runs of 4 consecutive elements (common.cuh): one 16-byte load, one
+// Philox block.
 //
 // Indexing (the ABI comment of sdp_grad_first; plan::GradLayout, plan::BucketPlan):
 //   x2 = k / groups_per_chunk, j = k % groups_per_chunk, z = dests[x1 * peers2 + x2];
@@ -17,55 +19,89 @@
 //   bucket[z * S + o] when o < S (real) else 0 (padding), and Philox index z * S_pad + o.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
-grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict__ dests,
-                    uint8_t* __restrict__ out, sdp_grad_first args)
+// Groups per work unit: the unit's index, destination, slab, shard offsets and real elements
+// are worked out once for that many groups. Three fit the 80 registers of three blocks per
+// multiprocessor (four spill).
+#define GROUPS_PER_UNIT 3u
+
+// The kernel for a bucket of G (float or sdp_bf16, read as fp32).
+template <class G>
+__device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ bucket, const uint32_t* __restrict__ dests,
+                                                       uint8_t* __restrict__ out, const sdp_grad_first& args)
 {
     const sdp_slab& layout = args.slab;
     const sdp_shards& sh = args.shards;
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
-    // Unit u = ((p * peers1 + x1) * peers2 + x2) * groups_per_chunk + j, with slab
-    // s = p * peers1 + x1 and its group k = x2 * groups_per_chunk + j (a slab holds peers2 *
-    // groups_per_chunk groups); units fit in 32 bits (the launch checks). Walked as the
-    // digits (p, x1, x2, j): no division in the loop.
-    const uint32_t radix[4] = {0, args.peers1, args.peers2, args.groups_per_chunk};
-    sdp_unit_walk<4> walk = sdp_unit_walk_of(sh.chunks * args.peers1 * args.peers2 * args.groups_per_chunk, radix);
+    const uint32_t gc = args.groups_per_chunk;
+    // Unit u = ((p * peers1 + x1) * peers2 + x2) * per_dest + h, with per_dest =
+    // ceil(gc / GROUPS_PER_UNIT): the groups j = GROUPS_PER_UNIT h + n (n < GROUPS_PER_UNIT,
+    // j < gc) of chunk p for destination (x1, x2); units fit in 32 bits (the launch checks, and
+    // there are no more of them than groups). Walked as the digits (p, x1, x2, h): no division
+    // in the loop.
+    const uint32_t per_dest = (gc + GROUPS_PER_UNIT - 1) / GROUPS_PER_UNIT;
+    const uint32_t radix[4] = {0, args.peers1, args.peers2, per_dest};
+    sdp_unit_walk<4> walk = sdp_unit_walk_of(sh.chunks * args.peers1 * args.peers2 * per_dest, radix);
     for (; walk.at[0] < sh.chunks; sdp_unit_walk_next(walk, radix)) {
         const uint32_t p = walk.at[0];
         const uint32_t x1 = walk.at[1];
         const uint32_t x2 = walk.at[2];
-        const uint64_t j = walk.at[3];
-        const uint32_t s = p * args.peers1 + x1;
-        const uint32_t k = x2 * args.groups_per_chunk + (uint32_t)j;
         const uint64_t z = __ldg(dests + x1 * args.peers2 + x2);
-        // In-shard offset of the group's first element; its elements in shard z and how many
-        // of them are real (in-shard offset < S).
-        const uint64_t first = p * sh.chunk_len + j * g;
-        const float* group = bucket + z * sh.shard_len + first;
-        const uint64_t left = first < sh.shard_len ? sh.shard_len - first : 0;
-        const uint32_t real = left < g ? (uint32_t)left : g;
+        uint8_t* slab = sdp_slab_at(out, layout, p * args.peers1 + x1);
+        // In-shard offset of the unit's first element, its elements in shard z, and how many
+        // of the unit's elements are real (in-shard offset < S; at most GROUPS_PER_UNIT g, so
+        // 32-bit).
+        const uint64_t unit_first = p * sh.chunk_len + (uint64_t)(GROUPS_PER_UNIT * walk.at[3]) * g;
+        const G* unit_elements = bucket + z * sh.shard_len + unit_first;
+        const uint64_t unit_left = unit_first < sh.shard_len ? sh.shard_len - unit_first : 0;
+        const uint32_t unit_real = unit_left < GROUPS_PER_UNIT * g ? (uint32_t)unit_left : GROUPS_PER_UNIT * g;
+        const uint64_t unit_index = z * sh.padded_shard_len + unit_first;
+#pragma unroll
+        for (uint32_t n = 0; n < GROUPS_PER_UNIT; ++n) {
+            const uint32_t j = GROUPS_PER_UNIT * walk.at[3] + n;
+            if (j >= gc) {
+                break;
+            }
+            // Group n of the unit: its elements, and how many of them are real.
+            const G* group = unit_elements + n * g;
+            const uint32_t ahead = unit_real > n * g ? unit_real - n * g : 0;
+            const uint32_t real = ahead < g ? ahead : g;
 
-        // Tile t: the real elements of shard z, zeros past S, then the forward Hadamard.
-        auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
+            // Tile t: the real elements of shard z, zeros past S, then the forward Hadamard.
+            auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
 #pragma unroll
-            for (uint32_t r = 0; r < SDP_LANE_VALUES / 4; ++r) {
-                float* x = v + 4 * r;
-                const uint32_t e = sdp_tile_element<4>(t, 4 * r, lane);
-                if (e + 4 <= real && sdp_aligned(group + e, 16)) {
-                    sdp_load_f32x4(group + e, x);
-                } else {  // Cold path: an unaligned or partial run, element by element.
+                for (uint32_t r = 0; r < SDP_LANE_VALUES / 4; ++r) {
+                    float* x = v + 4 * r;
+                    const uint32_t e = sdp_tile_element<4>(t, 4 * r, lane);
+                    if (e + 4 <= real && sdp_grad_run_aligned(group + e)) {
+                        sdp_grad_load4(group + e, x);
+                    } else {  // Cold path: an unaligned or partial run, element by element.
 #pragma unroll
-                    for (uint32_t i = 0; i < 4; ++i) {
-                        x[i] = e + i < real ? group[e + i] : 0.0f;
+                        for (uint32_t i = 0; i < 4; ++i) {
+                            x[i] = e + i < real ? sdp_grad_to_f32(group[e + i]) : 0.0f;
+                        }
                     }
                 }
-            }
-            if (args.hadamard_block != 0) {
-                sdp_hadamard_forward(v, g, t, args.hadamard_block, lane);
-            }
-        };
-        sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, s), layout, k, load, args.rng,
-                                   z * sh.padded_shard_len + first, lane);
+                if (args.hadamard_block != 0) {
+                    sdp_hadamard_forward(v, g, t, args.hadamard_block, lane);
+                }
+            };
+            sdp_quantize_slab_group<4>(slab, layout, x2 * gc + j, load, args.rng, unit_index + n * g, lane);
+        }
     }
+    sdp_zero_slabs_padding(out, layout, (uint64_t)sh.chunks * args.peers1, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 3)
+grad_quantize_first(const float* __restrict__ bucket, const uint32_t* __restrict__ dests,
+                    uint8_t* __restrict__ out, sdp_grad_first args)
+{
+    grad_quantize_first_of(bucket, dests, out, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 3)
+grad_quantize_first_bf16(const sdp_bf16* __restrict__ bucket, const uint32_t* __restrict__ dests,
+                         uint8_t* __restrict__ out, sdp_grad_first args)
+{
+    grad_quantize_first_of(bucket, dests, out, args);
 }

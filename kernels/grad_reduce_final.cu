@@ -3,6 +3,7 @@
 // Mirrors backend::cpu::gradient::reduce_final (and sum_groups): for chunk p, dequantize the
 // slabs received at the last level, sum them in slab order, invert the Hadamard transform
 // (when hadamard_block != 0) and write the real elements of chunk p of this rank's shard.
+// grad_reduce_final_bf16 writes a bf16 shard, each element rounded (docs/numerics.md §7.5).
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one group j of the chunk (slab.groups groups per slab), handled by one warp
@@ -21,7 +22,8 @@
 
 // Writes this lane's values of tile t of the group starting at in-shard offset `first` to
 // the real elements of the shard (offset < S): a 16-byte store per wholly real, aligned run.
-__device__ __forceinline__ void store_tile(float* shard, uint64_t shard_len, uint32_t g, uint64_t first,
+template <class G>
+__device__ __forceinline__ void store_tile(G* shard, uint64_t shard_len, uint32_t g, uint64_t first,
                                            uint32_t t, uint32_t lane, const float (&v)[SDP_LANE_VALUES])
 {
 #pragma unroll
@@ -30,21 +32,23 @@ __device__ __forceinline__ void store_tile(float* shard, uint64_t shard_len, uin
             continue;
         }
         const uint64_t o = first + sdp_tile_element<4>(t, 4 * r, lane);
-        if (o + 4 <= shard_len && sdp_aligned(shard + o, 16)) {
-            sdp_store_f32x4(shard + o, v + 4 * r);
+        if (o + 4 <= shard_len && sdp_grad_run_aligned(shard + o)) {
+            sdp_grad_store4(shard + o, v + 4 * r);
         } else {  // Cold path: an unaligned or partial run, element by element.
 #pragma unroll
             for (uint32_t e = 0; e < 4; ++e) {
                 if (o + e < shard_len) {
-                    shard[o + e] = v[4 * r + e];
+                    sdp_grad_store1(shard + o + e, v[4 * r + e]);
                 }
             }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
-grad_reduce_final(const uint8_t* __restrict__ recv, float* __restrict__ shard, sdp_grad_final args)
+// The kernel for a shard of G (float or sdp_bf16, each element rounded to it).
+template <class G>
+__device__ __forceinline__ void grad_reduce_final_of(const uint8_t* __restrict__ recv, G* __restrict__ shard,
+                                                     const sdp_grad_final& args)
 {
     const sdp_slab& layout = args.slab;
     const sdp_shards& sh = args.shards;
@@ -77,4 +81,16 @@ grad_reduce_final(const uint8_t* __restrict__ recv, float* __restrict__ shard, s
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
+grad_reduce_final(const uint8_t* __restrict__ recv, float* __restrict__ shard, sdp_grad_final args)
+{
+    grad_reduce_final_of(recv, shard, args);
+}
+
+extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 4)
+grad_reduce_final_bf16(const uint8_t* __restrict__ recv, sdp_bf16* __restrict__ shard, sdp_grad_final args)
+{
+    grad_reduce_final_of(recv, shard, args);
 }

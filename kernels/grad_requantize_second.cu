@@ -39,23 +39,22 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
     for (; walk.at[0] < args.peers2; sdp_unit_walk_next(walk, radix)) {
         const uint32_t x2 = walk.at[0];
         const uint32_t j = walk.at[1];
-        const uint64_t k_in = (uint64_t)x2 * gc + j;
-        const uint64_t z = __ldg(dests + (uint64_t)args.my_x1 * args.peers2 + x2);
+        // The input group (below the units' count) and the destination: 32-bit indices.
+        const uint32_t k_in = x2 * gc + j;
+        const uint64_t z = __ldg(dests + (args.my_x1 * args.peers2 + x2));
 
-        // Tile t: the slab-order sum of the peers' dequantized values; NaN in the lane that
-        // finds a corrupt input, which makes the group non-finite.
+        // Tile t: the slab-order sum of the peers' dequantized values; a NaN first value in
+        // the lane that finds a corrupt code (its first run lies in the group, as the run of
+        // the code does), which makes the group non-finite (sdp_sum_peers_tile makes every
+        // value NaN for corrupt metadata).
         auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
             bool corrupt = false;
             sdp_sum_peers_tile<4>(recv, in, args.peers1, k_in, t, lane, v, corrupt);
-            if (corrupt) {  // Cold path: a corrupt input group.
-#pragma unroll
-                for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
-                    v[i] = sdp_nan();
-                }
-            }
+            v[0] = corrupt ? sdp_nan() : v[0];
         };
         const uint64_t first_index = z * sh.padded_shard_len + args.chunk * sh.chunk_len + (uint64_t)j * g;
         sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, x2), layout, j, load, args.rng, first_index,
                                    lane);
     }
+    sdp_zero_slabs_padding(out, layout, args.peers2, lane);
 }

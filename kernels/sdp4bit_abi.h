@@ -19,6 +19,14 @@ typedef short int16_t;
 #include <stdint.h>
 #endif
 
+// A bf16 gradient element (backend::GradElement): its 16 bits, the high half of the fp32 of
+// the same value. Gradient kernels come in an fp32 variant and a bf16 variant (the name ends
+// in _bf16) that reads and writes sdp_bf16 elements and is otherwise the same
+// (docs/numerics.md §7.5).
+struct sdp_bf16 {
+    uint16_t bits;
+};
+
 // The group quantizer Q(b, g, mode, rounding) (codec::quant::QuantSpec).
 struct sdp_quant {
     uint32_t bits;        // 4 or 8
@@ -69,6 +77,8 @@ struct sdp_grad_first {
     uint32_t hadamard_block;  // 0: off
 };
 
+// grad_quantize_first_bf16(const sdp_bf16* bucket, ...): the same from a bf16 bucket.
+
 // grad_requantize_second(const uint8_t* recv, const uint32_t* dests, uint8_t* out, params):
 // for chunk p, out slab x2 group j = Q(sum over the peers1 received slabs, in order, of
 // dequantize(group x2 * groups_per_chunk + j)); destination z = dests[my_x1 * peers2 + x2].
@@ -90,6 +100,8 @@ struct sdp_grad_second {
 // rank's shard = inverse Hadamard(sum over the peers received slabs, in order, of
 // dequantize(group j)); only the real elements (offset < S) are written.
 // (backend::cpu::gradient::reduce_final)
+// grad_reduce_final_bf16(const uint8_t* recv, sdp_bf16* shard, params): the same, each
+// element rounded to bf16 (round to nearest even; NaN stays NaN, Inf stays Inf).
 struct sdp_grad_final {
     struct sdp_slab slab;
     struct sdp_shards shards;
@@ -97,6 +109,14 @@ struct sdp_grad_final {
     uint32_t chunk;           // p
     uint32_t hadamard_block;  // 0: off
     uint32_t reserved;
+};
+
+// grad_widen_bf16(const sdp_bf16* src, float* dst, params): dst[i] = f32(src[i]);
+// grad_narrow_bf16(const float* src, sdp_bf16* dst, params): dst[i] = bf16_rn(src[i]);
+// grad_round_bf16(const sdp_bf16* src, sdp_bf16* dst, params): dst[i] = bf16_rn(f32(src[i]))
+// (NaNs come out quiet), for i < numel. (backend::Backend::convert)
+struct sdp_convert {
+    uint64_t numel;
 };
 
 // weight_encode(const uint16_t* new_shard, const uint16_t* reference, uint8_t* out, params):
@@ -129,6 +149,10 @@ struct sdp_weight_apply {
 // bucket of min(bits & 0x7fffffff, 0x7f800000) (atomicMax; the caller zeroes it first): the
 // bits of max |x|, or of +Inf when a NaN or Inf is present, so the word read as an f32 is
 // what a MAX all-reduce maximises. (backend::cpu::global_qsgd::local_absmax)
+//
+// global_absmax_bf16, global_quantize_i8_bf16, global_quantize_i16_bf16,
+// global_dequantize_i8_bf16, global_dequantize_i16_bf16: the same with a bf16 bucket (read as
+// f32) or a bf16 output (each element rounded to bf16).
 //
 // global_quantize_i8 / global_quantize_i16(const float* bucket, int8_t*/int16_t* out, params):
 // out[i] = clamp(R(x[i] / s), -k, k), uniforms of element i of the bucket.

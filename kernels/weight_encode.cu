@@ -95,4 +95,5 @@ weight_encode(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict
         };
         sdp_quantize_slab_group<8>(out, layout, j, load, args.rng, args.first_index + j * g, lane);
     }
+    sdp_zero_slabs_padding(out, layout, 1, lane);
 }

@@ -151,7 +151,6 @@ class _BucketGroupState:
     groups: ProcessGroups
     grad: list[GradReduceScatter]
     weight: list[WeightAllGather]
-    staging: list[torch.Tensor | None]  # fp32 copies of bf16 gradient buckets
     grad_step: int = 0  # gradient syncs so far: the optimizer step being computed
     # No gradient sync since set-up (or resume): the replicas hold identical parameters.
     fresh: bool = True
@@ -230,7 +229,7 @@ def _state(bucket_group) -> _BucketGroupState | None:
             WeightAllGather(groups, settings.config, bucket.param_data, rs.bucket_id)
             for bucket, rs in zip(bucket_group.buckets, grads)
         ]
-    state = _BucketGroupState(groups, grads, weights, staging=[None] * len(grads))
+    state = _BucketGroupState(groups, grads, weights)
     first = settings.iteration() if settings.iteration is not None else 0
     state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
     bucket_group._sdp4bit = state
@@ -312,26 +311,18 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
     telemetry = _SETTINGS.telemetry
     set_up = len(_SETTINGS.bucket_groups)  # bucket groups reporting each step
     exact = [] if telemetry.due(step) else None
-    handles, copy_back = [], []
-    for idx, (bucket, rs) in enumerate(zip(self.buckets, state.grad)):
-        if bucket.grad_data.dtype == torch.float32:
-            data = bucket.grad_data
-        else:
-            if state.staging[idx] is None:
-                state.staging[idx] = torch.empty(bucket.grad_data.numel(), dtype=torch.float32,
-                                                 device=bucket.grad_data.device)
-            data = state.staging[idx]
-            data.copy_(bucket.grad_data)
-            copy_back.append((local_shard(bucket.grad_data, rank, size),
-                              local_shard(data, rank, size)))
+    handles = []
+    for bucket, rs in zip(self.buckets, state.grad):
+        # fp32 and bf16 buckets alike go straight in: a bf16 bucket is read as fp32 and its
+        # shard rounded back to bf16 by the collective (docs/numerics.md §7.5).
+        data = bucket.grad_data
         if exact is not None:
-            exact.append(_exact_reduce_scatter(data, state.groups))
+            # The reference sums the fp32 values, as the collective does.
+            exact.append(_exact_reduce_scatter(data.float(), state.groups))
         handles.append(rs.start(data, local_shard(data, rank, size), step))
     state.grad_step += 1
 
     def finish():
-        for out, shard in copy_back:
-            out.copy_(shard)
         if exact is not None:
             got = [local_shard(b.grad_data, rank, size) for b in self.buckets]
             wire = WireCounter()

@@ -91,6 +91,23 @@ def _check_tensor(what: str, tensor: torch.Tensor, dtype: torch.dtype, numel: in
         )
 
 
+def _gradient_dtype(bucket: torch.Tensor, shard: torch.Tensor) -> torch.dtype:
+    """The dtype of a gradient bucket and its shard: float32 or bfloat16, the same for both
+    (a non-tensor is left to `_check_tensor` to name)."""
+    if not isinstance(bucket, torch.Tensor) or not isinstance(shard, torch.Tensor):
+        return torch.float32
+    if bucket.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(
+            f"sdp4bit: gradient bucket must be torch.float32 or torch.bfloat16, got {bucket.dtype}"
+        )
+    if shard.dtype != bucket.dtype:
+        raise TypeError(
+            f"sdp4bit: gradient shard is {shard.dtype} but the gradient bucket is "
+            f"{bucket.dtype}: both must be float32 or both bfloat16"
+        )
+    return bucket.dtype
+
+
 def _side_stream_handle(groups: ProcessGroups, device: torch.device) -> int:
     """The cudaStream_t of the groups' side stream on `device` (0 on the CPU), which the
     extension enqueues a CUDA bucket's work on."""
@@ -120,8 +137,11 @@ def _check_step(step: int) -> int:
 
 
 class GradReduceScatter:
-    """The gradient reduce-scatter of one fp32 bucket of `numel` elements on `device` (the
-    CPU, or a CUDA device whose kernels run on the caller's current stream).
+    """The gradient reduce-scatter of one bucket of `numel` elements on `device` (the CPU,
+    or a CUDA device whose kernels run on the caller's current stream). A bucket and its
+    shard are both float32 or both bfloat16, chosen per call: a bfloat16 bucket is read as
+    float32 and its shard written rounded to nearest even, so it sends and gives what its
+    float32 conversion would, rounded (docs/numerics.md §7.5).
 
     After ``start(bucket, shard, step).wait()`` this rank's `shard` (``numel / W`` elements,
     shard ``rank`` of the bucket; it may be a view into `bucket`) holds the sum of every
@@ -153,8 +173,9 @@ class GradReduceScatter:
 
     def start(self, bucket: torch.Tensor, shard: torch.Tensor, step: int) -> Handle:
         """Starts reduce-scattering `bucket` into `shard` for optimizer step `step`."""
-        _check_tensor("gradient bucket", bucket, torch.float32, self.numel, self.device)
-        _check_tensor("gradient shard", shard, torch.float32, self.shard_len, self.device)
+        dtype = _gradient_dtype(bucket, shard)
+        _check_tensor("gradient bucket", bucket, dtype, self.numel, self.device)
+        _check_tensor("gradient shard", shard, dtype, self.shard_len, self.device)
         with translated_errors():
             work = self._native.start(bucket, shard, _check_step(step), self._side_stream)
         return Handle(work, self.device.type == "cuda")

@@ -1,5 +1,6 @@
 //! Compiles every kernel source for sm_90 through the backend's own NVRTC path: no warnings,
-//! and every kernel the backend launches is an entry point of the PTX. Then assembles the PTX
+//! and every kernel the backend launches is an entry point of the PTX; and for sm_75 and
+//! sm_120, the oldest and newest targets of NVRTC 13.0. Then assembles the sm_90 PTX
 //! with `ptxas` for sm_90 and checks each kernel's resources: no spills or stack, registers
 //! within the bound its `__launch_bounds__` sets, and the widths of its streaming loads and
 //! stores in the SASS (`nvdisasm`).
@@ -13,7 +14,8 @@ use std::collections::BTreeSet;
 
 use sdp4bit::Error;
 use sdp4bit::backend::cuda::abi::{
-    SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode,
+    SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
+    SdpWeightEncode,
 };
 use sdp4bit::backend::cuda::compile::{Arch, compile};
 use sdp4bit::backend::cuda::probe;
@@ -92,6 +94,33 @@ fn every_kernel_compiles_without_warnings() {
     }
 }
 
+/// Every source also compiles for the oldest and the newest architecture NVRTC 13.0 targets
+/// (sm_75 and sm_120, docs/cuda.md), which the backend compiles for on such devices: code for
+/// sm_80 and newer only (the warp reduction `redux.sync`) has its fallback. ptxas may warn
+/// there (launch bounds past sm_75's threads per multiprocessor are ignored).
+#[test]
+fn every_kernel_compiles_for_the_oldest_and_newest_targets() {
+    if !nvrtc_available("every_kernel_compiles_for_the_oldest_and_newest_targets") {
+        return;
+    }
+    const OLDEST: Arch = Arch { major: 7, minor: 5 };
+    const NEWEST: Arch = Arch {
+        major: 12,
+        minor: 0,
+    };
+    for arch in [OLDEST, NEWEST] {
+        for source in &SOURCES {
+            let compiled = compile(source, arch)
+                .unwrap_or_else(|e| panic!("kernels/{} for {arch}: {e}", source.file));
+            assert!(
+                compiled.ptx.contains(&format!(".target {arch}")),
+                "kernels/{}: PTX not for {arch}",
+                source.file
+            );
+        }
+    }
+}
+
 /// A source that does not compile is an error value carrying NVRTC's log.
 #[test]
 fn compile_error_is_a_value_with_the_log() {
@@ -141,7 +170,17 @@ fn signature(kernel: Kernel) -> (usize, usize) {
         | Kernel::GlobalQuantizeI8
         | Kernel::GlobalQuantizeI16
         | Kernel::GlobalDequantizeI8
-        | Kernel::GlobalDequantizeI16 => (2, size_of::<SdpGlobal>()),
+        | Kernel::GlobalDequantizeI16
+        | Kernel::GlobalAbsmaxBf16
+        | Kernel::GlobalQuantizeI8Bf16
+        | Kernel::GlobalQuantizeI16Bf16
+        | Kernel::GlobalDequantizeI8Bf16
+        | Kernel::GlobalDequantizeI16Bf16 => (2, size_of::<SdpGlobal>()),
+        Kernel::GradQuantizeFirstBf16 => (3, size_of::<SdpGradFirst>()),
+        Kernel::GradReduceFinalBf16 => (2, size_of::<SdpGradFinal>()),
+        Kernel::GradWidenBf16 | Kernel::GradNarrowBf16 | Kernel::GradRoundBf16 => {
+            (2, size_of::<SdpConvert>())
+        }
     }
 }
 
@@ -183,7 +222,8 @@ fn entry_parameters_match_the_abi_mirrors() {
 /// The most registers per thread each kernel may use: what its `__launch_bounds__(256, B)`
 /// leaves (65536 / (256 B), rounded down to a multiple of 8), so that B blocks of 256 threads
 /// fit a multiprocessor; and the widths in bits of its widest global load and store, which
-/// move the data it streams (fp32 and bf16 runs in 16-byte accesses; codes in 32-bit words).
+/// move the data it streams (fp32 runs and eight bf16 in 16-byte accesses, four bf16 gradients
+/// in 8-byte ones; codes in 32-bit words).
 struct Expected {
     kernel: Kernel,
     max_registers: u32,
@@ -194,7 +234,7 @@ struct Expected {
 const EXPECTED: [Expected; Kernel::COUNT] = [
     Expected {
         kernel: Kernel::GradQuantizeFirst,
-        max_registers: 64,
+        max_registers: 80,
         widest_load: 128,
         widest_store: 32,
     },
@@ -251,6 +291,66 @@ const EXPECTED: [Expected; Kernel::COUNT] = [
         max_registers: 40,
         widest_load: 64,
         widest_store: 128,
+    },
+    Expected {
+        kernel: Kernel::GradQuantizeFirstBf16,
+        max_registers: 80,
+        widest_load: 64,
+        widest_store: 32,
+    },
+    Expected {
+        kernel: Kernel::GradReduceFinalBf16,
+        max_registers: 64,
+        widest_load: 32,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GlobalAbsmaxBf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 0,
+    },
+    Expected {
+        kernel: Kernel::GlobalQuantizeI8Bf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 32,
+    },
+    Expected {
+        kernel: Kernel::GlobalQuantizeI16Bf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GlobalDequantizeI8Bf16,
+        max_registers: 32,
+        widest_load: 32,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GlobalDequantizeI16Bf16,
+        max_registers: 40,
+        widest_load: 64,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GradWidenBf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 128,
+    },
+    Expected {
+        kernel: Kernel::GradNarrowBf16,
+        max_registers: 32,
+        widest_load: 128,
+        widest_store: 64,
+    },
+    Expected {
+        kernel: Kernel::GradRoundBf16,
+        max_registers: 32,
+        widest_load: 64,
+        widest_store: 64,
     },
 ];
 

@@ -1,9 +1,14 @@
 """ZeRO stages 1 and 2 (``DeepSpeedZeroOptimizer``).
 
-Each parameter group's gradients are accumulated, over the micro-steps of a step, in an fp32
-buffer laid out like the group's flat bf16 parameter buffer, and reduce-scattered with the
-gradient codec at the gradient-accumulation boundary, so each rank receives exactly its ZeRO
-partition (which the optimizer step then reads as DeepSpeed's own flat gradient partition).
+Each parameter group's gradients are accumulated, over the micro-steps of a step, in a
+buffer laid out like the group's flat bf16 parameter buffer, of DeepSpeed's own accumulation
+dtype (the optimizer's ``gradient_accumulation_dtype``: the config's
+``data_types.grad_accum_dtype``, by default the model's dtype, so bf16 for a bf16 model; fp32
+for an fp16 model, which the collective does not take), and reduce-scattered with the
+gradient codec at the gradient-accumulation boundary (a bf16 buffer straight from bf16,
+docs/numerics.md §7.5), so each rank receives exactly its ZeRO partition, in that dtype as
+DeepSpeed's own is (which the optimizer step then reads as DeepSpeed's flat gradient
+partition).
 After the step the flat parameter buffer is all-gathered with the weight codec (qWD included:
 every replica keeps the previous weights in that buffer). All-gathers outside the step
 (checkpoint loading) stay exact and restart the weight codec from the gathered values.
@@ -36,7 +41,7 @@ _ATTACHED: weakref.WeakSet = weakref.WeakSet()
 class _GroupState:
     """One parameter group's buffers and compressed collectives."""
 
-    grads: torch.Tensor | None  # fp32, the layout of the group's flat bf16 buffer
+    grads: torch.Tensor | None  # the layout of the group's flat bf16 buffer, accumulation dtype
     offsets: dict[int, int]  # id(param) -> element offset in the flat buffer
     reduce_scatter: GradReduceScatter | None
     all_gather: WeightAllGather | None = None  # with a weight codec, after set-up
@@ -82,7 +87,8 @@ def attach(optimizer, settings: Settings) -> None:
                    for p in optimizer.bit16_groups[i]}
         grads = rs = None
         if config.compresses_grads:
-            grads = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+            grads = torch.zeros(flat.numel(), dtype=_accumulation_dtype(optimizer),
+                                device=flat.device)
             rs = GradReduceScatter(groups, config, flat.numel(), bucket_id=i, device=flat.device)
         per_group.append(_GroupState(grads, offsets, rs))
     log_route_notice("ZeRO stage 1/2 parameter groups",
@@ -91,6 +97,13 @@ def attach(optimizer, settings: Settings) -> None:
     if config.compresses_weights:
         _set_up_weights(optimizer)
     _ATTACHED.add(optimizer)
+
+
+def _accumulation_dtype(optimizer) -> torch.dtype:
+    """The dtype gradients accumulate in: DeepSpeed's own (``gradient_accumulation_dtype``)
+    where the gradient collective takes it (bf16, fp32), else fp32."""
+    dtype = getattr(optimizer, "gradient_accumulation_dtype", torch.float32)
+    return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
 
 
 def detach(optimizer) -> None:
@@ -127,7 +140,7 @@ def _grads_state(optimizer) -> State | None:
 
 def _accumulate(self, param, i):
     """Instead of bucketing `param`'s gradient for DeepSpeed's reduction: adds it into the
-    group's fp32 buffer at the parameter's place and frees it."""
+    group's accumulation buffer at the parameter's place and frees it."""
     state = _grads_state(self)
     if state is None:
         return _PATCHES.original("reduce_independent_p_g_buckets_and_remove_grads")(self, param, i)

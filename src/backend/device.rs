@@ -8,6 +8,7 @@ use std::ops::Range;
 
 use half::bf16;
 
+use super::GradElement;
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
 use crate::codec::sum::SumElement;
@@ -75,17 +76,24 @@ pub trait Backend: Debug {
 
     /// Copies `src` into `dst` (equal lengths).
     fn copy<T: Element>(&self, src: Self::Src<'_, T>, dst: Self::Dst<'_, T>) -> Result<()>;
+    /// `dst[i] = D::from_f32(src[i].to_f32())` (equal lengths): a gradient copied, widened
+    /// to fp32 or rounded from it (docs/numerics.md §7.5).
+    fn convert<S: GradElement, D: GradElement>(
+        &self,
+        src: Self::Src<'_, S>,
+        dst: Self::Dst<'_, D>,
+    ) -> Result<()>;
     /// Sets every element of `dst` to `value`.
     fn fill(&self, dst: Self::Dst<'_, f32>, value: f32) -> Result<()>;
 
     /// The per-bucket tables of `layout`'s gradient passes.
     fn grad_tables(&self, layout: &GradLayout) -> Result<Self::GradTables>;
     /// `cpu::gradient::quantize_first`.
-    fn quantize_first(
+    fn quantize_first<G: GradElement>(
         &self,
         layout: &GradLayout,
         tables: &Self::GradTables,
-        bucket: Self::Src<'_, f32>,
+        bucket: Self::Src<'_, G>,
         rng: &UniformStream,
         out: Self::Dst<'_, u8>,
     ) -> Result<()>;
@@ -101,12 +109,12 @@ pub trait Backend: Debug {
     /// [`quantize_first`](Self::quantize_first) writes at that chunk's place. Called only when
     /// [`first_pass_by_chunk`](Self::first_pass_by_chunk) is true.
     #[allow(clippy::too_many_arguments)]
-    fn quantize_first_chunk(
+    fn quantize_first_chunk<G: GradElement>(
         &self,
         layout: &GradLayout,
         tables: &Self::GradTables,
         chunk: usize,
-        bucket: Self::Src<'_, f32>,
+        bucket: Self::Src<'_, G>,
         rng: &UniformStream,
         out: Self::Dst<'_, u8>,
     ) -> Result<()> {
@@ -128,12 +136,12 @@ pub trait Backend: Debug {
         out: Self::Dst<'_, u8>,
     ) -> Result<()>;
     /// `cpu::gradient::reduce_final` for pipeline chunk `chunk`.
-    fn reduce_final(
+    fn reduce_final<G: GradElement>(
         &self,
         layout: &GradLayout,
         chunk: usize,
         recv: Self::Src<'_, u8>,
-        shard: Self::Dst<'_, f32>,
+        shard: Self::Dst<'_, G>,
     ) -> Result<()>;
 
     /// `cpu::weight::encode_shard` (`reference` is ignored by direct encodings).
@@ -164,14 +172,18 @@ pub trait Backend: Debug {
     /// `cpu::global_qsgd::local_absmax` written into `word` (one f32: `max |x|`, or +Inf when
     /// the bucket holds a NaN or Inf), which the communicator's `all_reduce_max_in_place`
     /// then maximises over the ranks; nothing comes back to the host.
-    fn global_absmax(&self, bucket: Self::Src<'_, f32>, word: Self::Dst<'_, f32>) -> Result<()>;
+    fn global_absmax<G: GradElement>(
+        &self,
+        bucket: Self::Src<'_, G>,
+        word: Self::Dst<'_, f32>,
+    ) -> Result<()>;
     /// `cpu::global_qsgd::quantize` at the scale `s = a / k` of the global absmax `a`, the one
     /// f32 of `absmax`, by [`global_scale`]: every code 0 when it says [`GlobalScale::Nans`]
     /// or [`GlobalScale::Zeros`].
     #[allow(clippy::too_many_arguments)]
-    fn global_quantize<T: IntCode + Element>(
+    fn global_quantize<G: GradElement, T: IntCode + Element>(
         &self,
-        bucket: Self::Src<'_, f32>,
+        bucket: Self::Src<'_, G>,
         absmax: Self::Src<'_, f32>,
         k: i32,
         rounding: Rounding,
@@ -195,14 +207,14 @@ pub trait Backend: Debug {
     /// [`take_sum_status`](Self::take_sum_status) reads it). Sums are checked only when the
     /// scale is [`GlobalScale::Scaled`] (the other cases write every element regardless).
     #[allow(clippy::too_many_arguments)]
-    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
+    fn global_sum_dequantize<T: IntCode + SumElement + Element, G: GradElement>(
         &self,
         blocks: Self::Src<'_, T>,
         world: usize,
         absmax: Self::Src<'_, f32>,
         k: i32,
         status: Self::Dst<'_, u32>,
-        shard: Self::Dst<'_, f32>,
+        shard: Self::Dst<'_, G>,
     ) -> Result<()>;
     /// The status word of [`global_sum_dequantize`](Self::global_sum_dequantize), set to zero
     /// afterwards; waits for the passes enqueued before.
@@ -210,12 +222,12 @@ pub trait Backend: Debug {
     /// `cpu::global_qsgd::dequantize` at the scale of the global absmax in `absmax` (as
     /// [`global_quantize`](Self::global_quantize)): every element NaN for
     /// [`GlobalScale::Nans`], 0 for [`GlobalScale::Zeros`].
-    fn global_dequantize<T: IntCode + Element>(
+    fn global_dequantize<T: IntCode + Element, G: GradElement>(
         &self,
         sum: Self::Src<'_, T>,
         absmax: Self::Src<'_, f32>,
         k: i32,
-        shard: Self::Dst<'_, f32>,
+        shard: Self::Dst<'_, G>,
     ) -> Result<()>;
 }
 

@@ -5,5 +5,7 @@
 pub mod cpu;
 pub mod cuda;
 mod device;
+mod grad_element;
 
 pub use device::{Backend, Element, GlobalScale, global_scale};
+pub use grad_element::{GradElement, narrow_into, widen_into};

@@ -2,7 +2,9 @@
 
 use crate::backend::cpu::Host;
 use crate::backend::cuda::abi::overflow_from_status;
-use crate::backend::{Backend, Element};
+use half::bf16;
+
+use crate::backend::{Backend, Element, GradElement};
 use crate::codec::int_code::IntCode;
 use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
 use crate::collective::{Comm, CommGroups, InFlight, SumElement, WireBytes, sum_overflow};
@@ -11,8 +13,9 @@ use crate::error::{Error, Result, check_len};
 use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
 use crate::rng::{Stage, UniformStream, stream_id};
 
-/// Reduce-scatters one fp32 gradient bucket with the configured codec: after
-/// [`run`](Self::run) this rank's shard holds the sum over ranks (within the codec's error).
+/// Reduce-scatters one gradient bucket (fp32 or bf16, [`BucketElement`]) with the configured
+/// codec: after [`run`](Self::run) this rank's shard holds the sum over ranks (within the
+/// codec's error).
 ///
 /// Routes: W == 1 copies; the `none` codec and steps before `grad_quant_start_step` use the
 /// communicator's fp32 reduce-scatter; grouped codecs quantize once into the swizzled layout
@@ -206,11 +209,11 @@ impl GradReduceScatter<Host> {
 
     /// Reduce-scatters `bucket` (all `numel` elements, already scaled as the caller wants)
     /// into `shard` (this rank's `S` elements) at optimizer step `step`.
-    pub fn run<C: Comm>(
+    pub fn run<C: Comm, G: BucketElement>(
         &mut self,
         comms: &CommGroups<'_, C>,
-        bucket: &[f32],
-        shard: &mut [f32],
+        bucket: &[G],
+        shard: &mut [G],
         step: u64,
     ) -> Result<()> {
         self.run_on(&Host, comms, bucket, shard, step)
@@ -372,13 +375,15 @@ impl<B: Backend> GradReduceScatter<B> {
 
     /// Reduce-scatters `bucket` (all `numel` elements, already scaled as the caller wants)
     /// into `shard` (this rank's `S` elements) at optimizer step `step`, running the passes
-    /// with `backend` (the one the buffers were allocated with).
-    pub fn run_on<C: Comm<B>>(
+    /// with `backend` (the one the buffers were allocated with). A bf16 bucket gives the
+    /// bytes on the wire and, rounded to bf16, the shard of the fp32 bucket of its values
+    /// (docs/numerics.md §7.5).
+    pub fn run_on<C: Comm<B>, G: BucketElement>(
         &mut self,
         backend: &B,
         comms: &CommGroups<'_, C>,
-        bucket: B::Src<'_, f32>,
-        shard: B::Dst<'_, f32>,
+        bucket: B::Src<'_, G>,
+        shard: B::Dst<'_, G>,
         step: u64,
     ) -> Result<()> {
         check_len("gradient bucket", B::len(bucket), self.plan.numel)?;
@@ -406,13 +411,13 @@ impl<B: Backend> GradReduceScatter<B> {
         };
         let mut clock = PhaseClock::start(self.phase_log.as_ref());
         let result = match &mut self.engine {
-            Engine::Copy => clock.time(Phase::LastPass, || backend.copy(bucket, shard)),
-            Engine::Exact => {
-                clock.time(Phase::FirstWait, || world.reduce_scatter_sum(bucket, shard))
-            }
-            _ if !quantize => {
-                clock.time(Phase::FirstWait, || world.reduce_scatter_sum(bucket, shard))
-            }
+            Engine::Copy => clock.time(Phase::LastPass, || backend.convert(bucket, shard)),
+            Engine::Exact => clock.time(Phase::FirstWait, || {
+                G::reduce_scatter_exact(backend, world, bucket, shard)
+            }),
+            _ if !quantize => clock.time(Phase::FirstWait, || {
+                G::reduce_scatter_exact(backend, world, bucket, shard)
+            }),
             Engine::Grouped(g) => g.run(
                 backend,
                 comms,
@@ -435,6 +440,47 @@ impl<B: Backend> GradReduceScatter<B> {
         };
         clock.finish(self.plan.chunks);
         result
+    }
+}
+
+/// An element type of gradient buckets the reduce-scatter takes: its conversions
+/// ([`GradElement`]) and how the uncompressed routes (the `none` codec, the steps before
+/// `grad_quant_start_step`) sum it, in fp32 on the wire as for an fp32 bucket.
+pub trait BucketElement: GradElement {
+    /// The communicator's fp32 reduce-scatter of `bucket` into `shard`.
+    fn reduce_scatter_exact<B: Backend, C: Comm<B>>(
+        backend: &B,
+        comm: &C,
+        bucket: B::Src<'_, Self>,
+        shard: B::Dst<'_, Self>,
+    ) -> Result<()>;
+}
+
+impl BucketElement for f32 {
+    fn reduce_scatter_exact<B: Backend, C: Comm<B>>(
+        _backend: &B,
+        comm: &C,
+        bucket: B::Src<'_, f32>,
+        shard: B::Dst<'_, f32>,
+    ) -> Result<()> {
+        comm.reduce_scatter_sum(bucket, shard)
+    }
+}
+
+impl BucketElement for bf16 {
+    /// Widens the bucket into an fp32 buffer of this call (the communicator sums fp32), and
+    /// rounds the fp32 shard it returns into `shard` (docs/numerics.md §7.5).
+    fn reduce_scatter_exact<B: Backend, C: Comm<B>>(
+        backend: &B,
+        comm: &C,
+        bucket: B::Src<'_, bf16>,
+        shard: B::Dst<'_, bf16>,
+    ) -> Result<()> {
+        let mut wide = backend.call_buffer::<f32>(B::len(bucket))?;
+        backend.convert(bucket, B::dst(&mut wide))?;
+        let mut sum = backend.call_buffer::<f32>(B::len(B::read(&shard)))?;
+        comm.reduce_scatter_sum(B::src(&wide), B::dst(&mut sum))?;
+        backend.convert(B::src(&sum), shard)
     }
 }
 
@@ -479,13 +525,13 @@ impl<B: Backend> Grouped<B> {
     /// exchange in flight and every rank waits in the same order. The exchange buffers are
     /// taken for this call and given back once every exchange has completed.
     #[allow(clippy::too_many_arguments)]
-    fn run<C: Comm<B>>(
+    fn run<C: Comm<B>, G: GradElement>(
         &self,
         backend: &B,
         comms: &CommGroups<'_, C>,
         topology: &Topology,
-        bucket: B::Src<'_, f32>,
-        mut shard: B::Dst<'_, f32>,
+        bucket: B::Src<'_, G>,
+        mut shard: B::Dst<'_, G>,
         first_rng: &UniformStream,
         second_rng: &UniformStream,
         clock: &mut PhaseClock<'_>,
@@ -602,22 +648,22 @@ impl<B: Backend> Grouped<B> {
 impl<B: Backend> Global<B> {
     /// [`run_with`](Self::run_with) at this bucket's integer width.
     #[allow(clippy::too_many_arguments)]
-    fn run<C: Comm<B>>(
+    fn run<C: Comm<B>, G: GradElement>(
         &mut self,
         backend: &B,
         world: &C,
-        bucket: B::Src<'_, f32>,
-        shard: B::Dst<'_, f32>,
+        bucket: B::Src<'_, G>,
+        shard: B::Dst<'_, G>,
         rounding: Rounding,
         rng: &UniformStream,
         clock: &mut PhaseClock<'_>,
     ) -> Result<()> {
         match self.width {
             IntWidth::I8 => {
-                self.run_with::<C, i8>(backend, world, bucket, shard, rounding, rng, clock)
+                self.run_with::<C, i8, G>(backend, world, bucket, shard, rounding, rng, clock)
             }
             IntWidth::I16 => {
-                self.run_with::<C, i16>(backend, world, bucket, shard, rounding, rng, clock)
+                self.run_with::<C, i16, G>(backend, world, bucket, shard, rounding, rng, clock)
             }
         }
     }
@@ -628,12 +674,12 @@ impl<B: Backend> Global<B> {
     /// it, so on a device nothing waits on the host; a non-finite absmax or a zero scale make
     /// every code 0 and the shard all NaN or all 0.
     #[allow(clippy::too_many_arguments)]
-    fn run_with<C: Comm<B>, T: IntCode + Element + SumElement>(
+    fn run_with<C: Comm<B>, T: IntCode + Element + SumElement, G: GradElement>(
         &mut self,
         backend: &B,
         world: &C,
-        bucket: B::Src<'_, f32>,
-        shard: B::Dst<'_, f32>,
+        bucket: B::Src<'_, G>,
+        shard: B::Dst<'_, G>,
         rounding: Rounding,
         rng: &UniformStream,
         clock: &mut PhaseClock<'_>,

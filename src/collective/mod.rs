@@ -23,7 +23,7 @@ mod weight;
 mod wire;
 
 pub use agreement::{check_ranks_agree, check_setup_agrees};
-pub use gradient::{GradReduceScatter, global_bits, global_k};
+pub use gradient::{BucketElement, GradReduceScatter, global_bits, global_k};
 pub use in_flight::{InFlight, PendingExchange};
 pub use phases::PHASE_LOG_ENV;
 pub use weight::WeightAllGather;

@@ -233,11 +233,30 @@ impl GradBucket {
         })
     }
 
+    pub(super) fn run_bf16(
+        &mut self,
+        comms: &TorchComms,
+        bucket: &[u16],
+        shard: &mut [u16],
+        step: u64,
+    ) -> FfiResult<()> {
+        guard("GradBucket::run_bf16", || {
+            let GradBucket::Host(rs) = self else {
+                return Err(wrong_memory("gradient bucket", "CUDA", "host"));
+            };
+            let levels = TorchLevels::new(comms)?;
+            let bucket: &[bf16] = bytemuck::cast_slice(bucket);
+            let shard: &mut [bf16] = bytemuck::cast_slice_mut(shard);
+            rs.run(&levels.groups(), bucket, shard, step)
+        })
+    }
+
     pub(super) fn run_cuda(
         &mut self,
         comms: &TorchComms,
         bucket: u64,
         shard: u64,
+        bf16: bool,
         stream: u64,
         step: u64,
     ) -> FfiResult<()> {
@@ -248,11 +267,23 @@ impl GradBucket {
             let plan = *rs.plan();
             let backend = cuda(*device, stream)?;
             let levels = TorchLevels::new(comms)?;
-            // SAFETY: the extension checked that both tensors are contiguous fp32 CUDA tensors
-            // of these sizes on this device and keeps them alive until the Work completes.
-            let (bucket, shard) =
-                unsafe { (span(bucket, plan.numel), span(shard, plan.shard_len)) };
-            rs.run_on(&backend, &levels.groups(), bucket, shard, step)?;
+            if bf16 {
+                // SAFETY: the extension checked that both tensors are contiguous bf16 CUDA
+                // tensors of these sizes on this device and keeps them alive until the Work
+                // completes.
+                let (bucket, shard) = unsafe {
+                    (
+                        span::<half::bf16>(bucket, plan.numel),
+                        span(shard, plan.shard_len),
+                    )
+                };
+                rs.run_on(&backend, &levels.groups(), bucket, shard, step)?;
+            } else {
+                // SAFETY: as above, for fp32 tensors.
+                let (bucket, shard) =
+                    unsafe { (span::<f32>(bucket, plan.numel), span(shard, plan.shard_len)) };
+                rs.run_on(&backend, &levels.groups(), bucket, shard, step)?;
+            }
             if let (Some(sums), Some(status)) = (sums.as_mut(), rs.integer_sum_status()) {
                 // SAFETY: `stream` is the live side stream the passes were enqueued on.
                 sums.start(unsafe { Stream::from_raw(stream as usize) }, status)?;

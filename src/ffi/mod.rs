@@ -72,8 +72,8 @@ mod bridge {
 
         /// The gradient reduce-scatter of one bucket.
         type GradBucket;
-        /// Plans bucket `bucket_id` of `numel` fp32 elements for DP rank `rank`; DP rank `z`
-        /// lives on node `node_labels[z]`.
+        /// Plans bucket `bucket_id` of `numel` elements (fp32 or bf16, chosen per call) for DP
+        /// rank `rank`; DP rank `z` lives on node `node_labels[z]`.
         fn new_grad_bucket(
             config: &ParsedConfig,
             node_labels: &[u64],
@@ -100,6 +100,15 @@ mod bridge {
             shard: &mut [f32],
             step: u64,
         ) -> Result<()>;
+        /// [`run`](GradBucket::run) of a bf16 bucket into a bf16 shard (bf16 bit patterns;
+        /// docs/numerics.md §7.5).
+        fn run_bf16(
+            self: &mut GradBucket,
+            comms: &TorchComms,
+            bucket: &[u16],
+            shard: &mut [u16],
+            step: u64,
+        ) -> Result<()>;
         /// Plans a bucket like `new_grad_bucket` with its buffers on CUDA device `device`,
         /// allocated for the current stream, the raw CUDA stream `stream`, and its tables
         /// uploaded on that stream.
@@ -112,14 +121,17 @@ mod bridge {
             device: usize,
             stream: u64,
         ) -> Result<Box<GradBucket>>;
-        /// Reduce-scatters the fp32 CUDA tensor at device address `bucket` into the one at
-        /// `shard`, enqueuing every pass on the raw CUDA stream `stream` (a CUDA bucket), then
-        /// (Global-QSGD) a copy of its integer-sum status to pinned host memory.
+        /// Reduce-scatters the CUDA tensor at device address `bucket` into the one at `shard`
+        /// (both fp32, or both bf16 when `bf16`), enqueuing every pass on the raw CUDA stream
+        /// `stream` (a CUDA bucket), then (Global-QSGD) a copy of its integer-sum status to
+        /// pinned host memory.
+        #[allow(clippy::too_many_arguments)]
         fn run_cuda(
             self: &mut GradBucket,
             comms: &TorchComms,
             bucket: u64,
             shard: u64,
+            bf16: bool,
             stream: u64,
             step: u64,
         ) -> Result<()>;

@@ -372,6 +372,9 @@ struct Held {
     /// The most taken at once by one call, besides what the buckets keep (0 when not run).
     grad_call: usize,
     weight_call: usize,
+    /// The same for the gradient call of a bf16 bucket into a bf16 shard (Megatron's bf16
+    /// gradient buffers, reduce-scattered straight from bf16).
+    grad_call_bf16: usize,
 }
 
 impl Held {
@@ -403,6 +406,7 @@ fn plan_sdp4bit(
         weight_kept,
         grad_call: 0,
         weight_call: 0,
+        grad_call_bf16: 0,
     };
     (grads, weights, held)
 }
@@ -415,7 +419,9 @@ fn plan_sdp4bit(
 /// enqueued and shared by the buckets of a stream, is counted over one step of each collective
 /// on the emulated cluster with buckets of 128 Ki parameters (4 Mi would keep the emulated
 /// ranks waiting for each other past the emulation's deadlock limit), which also keep the
-/// same per parameter. Printed for the docs (docs/cuda.md).
+/// same per parameter; and what a Megatron job with bf16 gradient buffers holds besides its
+/// own buffers, its bf16 buckets reduce-scattered straight from bf16 (one bf16 step). Printed
+/// for the docs (docs/cuda.md).
 #[test]
 fn device_bytes_per_parameter_of_the_sdp4bit_preset() {
     let topology = Topology::uniform(2, 8).expect("two nodes of eight");
@@ -469,9 +475,29 @@ fn device_bytes_per_parameter_of_the_sdp4bit_preset() {
         let weight_call = pool.peak() - kept;
         assert_eq!(pool.live(), kept, "the weight call kept memory");
         download(rank, &shard);
+        let values = gradients(seed, me, 3, 1, run_numel);
+        let bucket = upload(
+            rank,
+            &values.into_iter().map(bf16::from_f32).collect::<Vec<_>>(),
+        );
+        let mut shard = upload(rank, &vec![bf16::ZERO; grads.plan().shard_len]);
+        pool.reset_peak();
+        grads
+            .run_on(
+                &backend,
+                &rank.comms,
+                Cuda::src(&bucket),
+                Cuda::dst(&mut shard),
+                1,
+            )
+            .expect("the bf16 gradient step");
+        let grad_call_bf16 = pool.peak() - kept;
+        assert_eq!(pool.live(), kept, "the bf16 gradient call kept memory");
+        download(rank, &shard);
         Held {
             grad_call,
             weight_call,
+            grad_call_bf16,
             ..held
         }
     });
@@ -492,6 +518,23 @@ fn device_bytes_per_parameter_of_the_sdp4bit_preset() {
         per_param(run.weight_call, run_numel),
         run.kept_per_param(run_numel),
     );
+    // A Megatron job with bf16 gradient buffers: its bf16 buckets go in as they are, so
+    // besides Megatron's own buffers (bf16 params and gradients) sdp4bit keeps what the
+    // buckets keep, with no 4 B/param fp32 copy of the gradient buffer; a call in flight takes
+    // what a bf16 bucket's gradient call takes, plus the extension's bf16 scratch shard for
+    // Megatron's shard inside the bucket (2 / W B/param).
+    let w = topology.world() as f64;
+    let megatron_kept = planned.kept_per_param(planned_numel);
+    let megatron_call = per_param(run.grad_call_bf16.max(run.weight_call), run_numel) + 2.0 / w;
+    println!(
+        "Megatron bf16 job, sdp4bit preset, W = 16: kept besides Megatron's own buffers \
+         {megatron_kept:.3} B/param (no fp32 copy of the bf16 gradient buffer: it was \
+         {:.3} with the 4 B/param copy); taken by a call in flight {megatron_call:.3} B/param \
+         (bf16 gradient reduce-scatter {:.3}, the extension's bf16 scratch shard {:.3})",
+        megatron_kept + 4.0,
+        per_param(run.grad_call_bf16, run_numel),
+        2.0 / w,
+    );
     let kept = planned.kept_per_param(planned_numel);
     assert!(
         kept > 0.0 && kept <= 0.6,
@@ -504,6 +547,13 @@ fn device_bytes_per_parameter_of_the_sdp4bit_preset() {
             "rank {r}: the buckets keep {kept:.3} B/param"
         );
         assert!(h.grad_call > 0 && h.weight_call > 0, "rank {r}: {h:?}");
+        // A bf16 bucket takes no more than an fp32 one: no fp32 copy of it anywhere.
+        assert!(
+            h.grad_call_bf16 > 0 && h.grad_call_bf16 <= h.grad_call,
+            "rank {r}: a bf16 gradient call takes {} bytes, an fp32 one {}",
+            h.grad_call_bf16,
+            h.grad_call
+        );
     }
     let faults = emulation().take_faults(-1);
     assert!(faults.is_empty(), "the emulation reported:\n{faults}");

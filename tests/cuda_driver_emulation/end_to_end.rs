@@ -1,13 +1,14 @@
 //! `GradReduceScatter<Cuda>` and `WeightAllGather<Cuda>` over [`EmulatedCluster`] against the
 //! same collectives on `Host` over `LocalCluster`: the same bytes on every rank, step after
 //! step (the objects and their buffers reused), qWD replicas bit-identical, and no host
-//! synchronisation inside either collective (set-up excluded).
+//! synchronisation inside either collective (set-up excluded). The reduce-scatter runs on fp32
+//! and on bf16 buckets (the kernels' bf16 variants, docs/numerics.md §7.5).
 
 use half::bf16;
 use sdp4bit::backend::cuda::{Cuda, DeviceBuffer};
-use sdp4bit::backend::{Backend, Element};
+use sdp4bit::backend::{Backend, Element, GradElement};
 use sdp4bit::collective::local::LocalCluster;
-use sdp4bit::collective::{GradReduceScatter, WeightAllGather};
+use sdp4bit::collective::{BucketElement, GradReduceScatter, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, WeightCodec};
 use sdp4bit_test_support::random::SplitMix64;
@@ -95,28 +96,34 @@ fn bucket(rng: &mut SplitMix64, numel: usize, specials: bool) -> Vec<f32> {
     out
 }
 
-/// Bit patterns with every NaN made one NaN (payloads are not part of the contract).
-fn canonical(values: &[f32]) -> Vec<u32> {
+/// The fp32 bit patterns of the values, with every NaN made one NaN (payloads are not part of
+/// the contract).
+fn canonical<G: GradElement>(values: &[G]) -> Vec<u32> {
     values
         .iter()
+        .map(|v| v.to_f32())
         .map(|v| if v.is_nan() { 0x7fc0_0000 } else { v.to_bits() })
         .collect()
 }
 
-/// `[step][rank]` data of a run: `STEPS` steps of one bucket per rank.
-fn grad_data(seed: u64, world: usize, numel: usize) -> Vec<Vec<Vec<f32>>> {
+/// `[step][rank]` data of a run: `STEPS` steps of one bucket per rank, rounded to `G`.
+fn grad_data<G: GradElement>(seed: u64, world: usize, numel: usize) -> Vec<Vec<Vec<G>>> {
     let mut rng = SplitMix64::new(seed);
     (0..STEPS)
         .map(|step| {
             (0..world)
-                .map(|_| bucket(&mut rng, numel, step == 1))
+                .map(|_| {
+                    let values = bucket(&mut rng, numel, step == 1);
+                    values.into_iter().map(G::from_f32).collect()
+                })
                 .collect()
         })
         .collect()
 }
 
-/// Runs the reduce-scatter on both backends and compares every rank's shard of every step.
-pub fn compare_reduce_scatter(
+/// Runs the reduce-scatter of `G` buckets on both backends and compares every rank's shard of
+/// every step.
+pub fn compare_reduce_scatter<G: BucketElement + Default>(
     config: &Config,
     name: &str,
     topo: &Topology,
@@ -124,13 +131,13 @@ pub fn compare_reduce_scatter(
     seed: u64,
 ) {
     let w = topo.world();
-    let data = grad_data(seed, w, numel);
+    let data = grad_data::<G>(seed, w, numel);
     let bucket_id = 3;
     let host = LocalCluster::new(topo.clone()).run(|c| {
         let me = sdp4bit::collective::Comm::rank(c.world);
         let mut rs = GradReduceScatter::new(config, topo, me, numel, bucket_id)
             .unwrap_or_else(|e| panic!("{name}: host plan: {e}"));
-        let mut shard = vec![f32::NAN; rs.plan().shard_len];
+        let mut shard = vec![G::from_f32(f32::NAN); rs.plan().shard_len];
         let mut out = Vec::new();
         for (step, grads) in data.iter().enumerate() {
             rs.run(c, &grads[me], &mut shard, step as u64)
@@ -145,7 +152,7 @@ pub fn compare_reduce_scatter(
             GradReduceScatter::with_backend(&rank.backend, config, topo, me, numel, bucket_id)
                 .unwrap_or_else(|e| panic!("{name}: CUDA plan: {e}"));
         let shard_len = rs.plan().shard_len;
-        let mut shard = upload(rank, &vec![f32::NAN; shard_len]);
+        let mut shard = upload(rank, &vec![G::from_f32(f32::NAN); shard_len]);
         let mut out = Vec::new();
         for (step, grads) in data.iter().enumerate() {
             let bucket = upload(rank, &grads[me]);

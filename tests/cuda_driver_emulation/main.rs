@@ -38,6 +38,7 @@ mod library;
 mod self_check;
 mod set_up;
 
+use half::bf16;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::setups::cfg;
 
@@ -66,7 +67,9 @@ fn sweep(name: &str, preset: Preset, overrides: &[(&str, &str)]) {
         for (topo_name, topo) in topologies() {
             let w = topo.world();
             let what = format!("{name} P={chunks} {topo_name}");
-            compare_reduce_scatter(&config, &what, &topo, 307 * w, seed);
+            compare_reduce_scatter::<f32>(&config, &what, &topo, 307 * w, seed);
+            let bf16_buckets = format!("{what} bf16 buckets");
+            compare_reduce_scatter::<bf16>(&config, &bf16_buckets, &topo, 307 * w, seed ^ 2);
             compare_all_gather(&config, &what, &topo, 197 * w, seed ^ 1);
         }
     }
@@ -148,7 +151,8 @@ fn end_to_end_capped_grids() {
         ("global-qsgd large", Preset::GlobalQsgd),
     ] {
         let config = cfg(preset, &[]);
-        compare_reduce_scatter(&config, name, &topo, 2 * 20011, seed);
+        compare_reduce_scatter::<f32>(&config, name, &topo, 2 * 20011, seed);
+        compare_reduce_scatter::<bf16>(&config, name, &topo, 2 * 20011, seed ^ 2);
         compare_all_gather(&config, name, &topo, 2 * 20011, seed ^ 1);
     }
     let faults = emulation().take_faults(-1);

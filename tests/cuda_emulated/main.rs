@@ -15,7 +15,9 @@
 //!   passes;
 //! - weights, per codec (qwd, qw, qsdp, zeropp) with several bit widths, group sizes and
 //!   roundings, W = 1 to 4: encode (also at a bucket index past 2^32 Philox blocks) and apply;
-//! - Global-QSGD: absmax, int8 / int16 rounding (stochastic and nearest) and dequantization.
+//! - Global-QSGD: absmax, int8 / int16 rounding (stochastic and nearest) and dequantization;
+//! - the gradient kernels' bf16 variants (bf16 bucket in, bf16 shard out) beside their fp32
+//!   ones in the gradient and Global-QSGD families, and the bf16 conversions.
 //!
 //! Every gradient and weight case also feeds its decoding kernels corrupt received slabs
 //! (negative or infinite scales, infinite offsets, the symmetric code -2^(b-1)), which the
@@ -41,30 +43,49 @@ mod divide;
 mod emulator;
 
 use emulator::global::{GlobalData, global_case};
-use emulator::grad::grad_case;
+use emulator::grad::{convert_case, grad_case};
 use emulator::weight::weight_case;
 use emulator::{Case, Coverage, emulate_family};
 
 /// The kernels of the grouped gradient reduce-scatter with two levels.
-const TWO_LEVEL_GRAD_KERNELS: [Kernel; 3] = [
+const TWO_LEVEL_GRAD_KERNELS: [Kernel; 5] = [
     Kernel::GradQuantizeFirst,
     Kernel::GradRequantizeSecond,
     Kernel::GradReduceFinal,
+    Kernel::GradQuantizeFirstBf16,
+    Kernel::GradReduceFinalBf16,
 ];
 
 /// The kernels of a one-level gradient reduce-scatter (QSDP always runs one level).
-const ONE_LEVEL_GRAD_KERNELS: [Kernel; 2] = [Kernel::GradQuantizeFirst, Kernel::GradReduceFinal];
+const ONE_LEVEL_GRAD_KERNELS: [Kernel; 4] = [
+    Kernel::GradQuantizeFirst,
+    Kernel::GradReduceFinal,
+    Kernel::GradQuantizeFirstBf16,
+    Kernel::GradReduceFinalBf16,
+];
+
+/// The conversions of bf16 gradients (the uncompressed routes of a bf16 bucket).
+const CONVERT_KERNELS: [Kernel; 3] = [
+    Kernel::GradWidenBf16,
+    Kernel::GradNarrowBf16,
+    Kernel::GradRoundBf16,
+];
 
 /// The kernels of the quantized weight all-gather.
 const WEIGHT_KERNELS: [Kernel; 2] = [Kernel::WeightEncode, Kernel::WeightApply];
 
 /// Global-QSGD's kernels.
-const GLOBAL_KERNELS: [Kernel; 5] = [
+const GLOBAL_KERNELS: [Kernel; 10] = [
     Kernel::GlobalAbsmax,
     Kernel::GlobalQuantizeI8,
     Kernel::GlobalQuantizeI16,
     Kernel::GlobalDequantizeI8,
     Kernel::GlobalDequantizeI16,
+    Kernel::GlobalAbsmaxBf16,
+    Kernel::GlobalQuantizeI8Bf16,
+    Kernel::GlobalQuantizeI16Bf16,
+    Kernel::GlobalDequantizeI8Bf16,
+    Kernel::GlobalDequantizeI16Bf16,
 ];
 
 #[test]
@@ -74,6 +95,7 @@ fn every_kernel_belongs_to_an_emulated_family() {
         &ONE_LEVEL_GRAD_KERNELS,
         &WEIGHT_KERNELS,
         &GLOBAL_KERNELS,
+        &CONVERT_KERNELS,
     ];
     for kernel in Kernel::ALL {
         assert!(
@@ -151,6 +173,21 @@ fn zeropp_weights() {
 #[test]
 fn global_qsgd() {
     emulate_family("Global-QSGD", &GLOBAL_KERNELS, global_cases);
+}
+
+#[test]
+fn gradient_conversions() {
+    emulate_family(
+        "gradient conversions",
+        &CONVERT_KERNELS,
+        |rand, coverage| {
+            let sizes: &[usize] = match coverage {
+                Coverage::Full => &[1, 3, 4, 5, 255, 1000, 4097, 10_007, 70_001],
+                Coverage::Subset => &[1, 5, 4097, 10_007],
+            };
+            sizes.iter().map(|&n| convert_case(rand, n)).collect()
+        },
+    );
 }
 
 /// Gradient codec variants: (name, knobs over the sdp4bit preset with weights off, so the

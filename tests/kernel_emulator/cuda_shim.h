@@ -8,11 +8,12 @@
 //   kernels/common.cuh. Each warp runs as 32 cooperative fibers (ucontext) on one OS thread;
 //   the warps of a launch run one after another, each to completion, in an order chosen per
 //   launch (forward, reverse or shuffled).
-// - __shfl_sync, __shfl_xor_sync and __any_sync are the only points where lanes meet: each
-//   lane deposits its value and yields; once all 32 lanes have arrived, each gets the values.
-//   All 32 lanes must arrive at the same kind of operation with the full mask; a lane that
-//   returns while others wait, or a different operation or mask, fails the case as a
-//   divergent warp. (Like PTX on sm_70+, lanes may arrive from different call sites.)
+// - __shfl_sync, __shfl_xor_sync, __any_sync and __reduce_max_sync are the only points where
+//   lanes meet: each lane deposits its value and yields; once all 32 lanes have arrived, each
+//   gets the values. All 32 lanes must arrive at the same kind of operation with the full
+//   mask; a lane that returns while others wait, or a different operation or mask, fails the
+//   case as a divergent warp. (Like PTX on sm_70+, lanes may arrive from different call
+//   sites.)
 // - Floating point is the host's IEEE binary32 arithmetic with denormals (the emulator checks
 //   they are not flushed): the _rn intrinsics are plain operators (the build passes
 //   -ffp-contract=off, so nothing is fused into an FMA), __fmaf_rn is libm's exact fmaf, and
@@ -25,11 +26,11 @@
 //   so lanes of one warp writing the same address also resolve deterministically here.
 // - No memory model: nothing needs a fence or __syncwarp here. There is no shared memory,
 //   __syncthreads or other block-level primitive, and only what the kernels use is emulated
-//   (32-bit shuffles without a width argument, the any-vote, a 32-bit atomicMax that is plain
-//   code because only one lane runs at a time, the 32-bit, uint2, uint4 and float4 loads and
-//   stores of the cache-hinted intrinsics): a kernel that starts using anything else fails to
-//   compile here. A plain dereference of a vector pointer is not checked for alignment (the
-//   kernels use the intrinsics for every vector access).
+//   (32-bit shuffles without a width argument, the any-vote, the unsigned max-reduction, a
+//   32-bit atomicMax that is plain code because only one lane runs at a time, the 32-bit,
+//   uint2, uint4 and float4 loads and stores of the cache-hinted intrinsics): a kernel that
+//   starts using anything else fails to compile here. A plain dereference of a vector pointer
+//   is not checked for alignment (the kernels use the intrinsics for every vector access).
 // - Host libm stands in for the GPU's floorf / rintf / fminf / fmaxf. All are exact IEEE
 //   operations, but e.g. which zero fminf returns for (+0, -0) may differ (the kernels
 //   canonicalise zeros where it matters). NaN payloads may differ on a GPU (its arithmetic
@@ -67,7 +68,7 @@ extern thread_local emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
 // ---------------------------------------------------------------------------------------------
 // Warp-wide operations.
 
-enum class emu_warp_op : uint32_t { shfl_idx, shfl_bfly, vote_any };
+enum class emu_warp_op : uint32_t { shfl_idx, shfl_bfly, vote_any, reduce_max };
 
 // Deposits this lane's `value`, waits until all 32 lanes of the warp have deposited theirs
 // (with the same `op` and `mask`) and returns the 32 values, indexed by lane; they stay valid
@@ -121,6 +122,17 @@ inline int __any_sync(unsigned mask, int predicate)
         any |= lanes[lane];
     }
     return (int)any;
+}
+
+// The largest `value` of the 32 lanes (redux.sync.max.u32), on every lane.
+inline unsigned __reduce_max_sync(unsigned mask, unsigned value)
+{
+    const uint32_t* lanes = emu_warp_exchange(emu_warp_op::reduce_max, mask, value);
+    uint32_t largest = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        largest = lanes[lane] > largest ? lanes[lane] : largest;
+    }
+    return largest;
 }
 
 // Only one lane of one warp runs at a time, so a plain read-modify-write is atomic.
@@ -252,4 +264,15 @@ void global_quantize_i8(const float* bucket, int8_t* out, sdp_global args);
 void global_quantize_i16(const float* bucket, int16_t* out, sdp_global args);
 void global_dequantize_i8(const int8_t* sum, float* out, sdp_global args);
 void global_dequantize_i16(const int16_t* sum, float* out, sdp_global args);
+void grad_quantize_first_bf16(const sdp_bf16* bucket, const uint32_t* dests, uint8_t* out,
+                              sdp_grad_first args);
+void grad_reduce_final_bf16(const uint8_t* recv, sdp_bf16* shard, sdp_grad_final args);
+void global_absmax_bf16(const sdp_bf16* bucket, uint32_t* abs_bits, sdp_global args);
+void global_quantize_i8_bf16(const sdp_bf16* bucket, int8_t* out, sdp_global args);
+void global_quantize_i16_bf16(const sdp_bf16* bucket, int16_t* out, sdp_global args);
+void global_dequantize_i8_bf16(const int8_t* sum, sdp_bf16* out, sdp_global args);
+void global_dequantize_i16_bf16(const int16_t* sum, sdp_bf16* out, sdp_global args);
+void grad_widen_bf16(const sdp_bf16* src, float* dst, sdp_convert args);
+void grad_narrow_bf16(const float* src, sdp_bf16* dst, sdp_convert args);
+void grad_round_bf16(const sdp_bf16* src, sdp_bf16* dst, sdp_convert args);
 }

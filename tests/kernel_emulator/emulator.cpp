@@ -133,6 +133,47 @@ constexpr KernelEntry kKernels[] = {
      [](void* const* p, const void* a) {
          global_dequantize_i16((const int16_t*)p[0], (float*)p[1], params_of<sdp_global>(a));
      }},
+    {"grad_quantize_first_bf16", 3, sizeof(sdp_grad_first),
+     [](void* const* p, const void* a) {
+         grad_quantize_first_bf16((const sdp_bf16*)p[0], (const uint32_t*)p[1], (uint8_t*)p[2],
+                                  params_of<sdp_grad_first>(a));
+     }},
+    {"grad_reduce_final_bf16", 2, sizeof(sdp_grad_final),
+     [](void* const* p, const void* a) {
+         grad_reduce_final_bf16((const uint8_t*)p[0], (sdp_bf16*)p[1], params_of<sdp_grad_final>(a));
+     }},
+    {"global_absmax_bf16", 2, sizeof(sdp_global),
+     [](void* const* p, const void* a) {
+         global_absmax_bf16((const sdp_bf16*)p[0], (uint32_t*)p[1], params_of<sdp_global>(a));
+     }},
+    {"global_quantize_i8_bf16", 2, sizeof(sdp_global),
+     [](void* const* p, const void* a) {
+         global_quantize_i8_bf16((const sdp_bf16*)p[0], (int8_t*)p[1], params_of<sdp_global>(a));
+     }},
+    {"global_quantize_i16_bf16", 2, sizeof(sdp_global),
+     [](void* const* p, const void* a) {
+         global_quantize_i16_bf16((const sdp_bf16*)p[0], (int16_t*)p[1], params_of<sdp_global>(a));
+     }},
+    {"global_dequantize_i8_bf16", 2, sizeof(sdp_global),
+     [](void* const* p, const void* a) {
+         global_dequantize_i8_bf16((const int8_t*)p[0], (sdp_bf16*)p[1], params_of<sdp_global>(a));
+     }},
+    {"global_dequantize_i16_bf16", 2, sizeof(sdp_global),
+     [](void* const* p, const void* a) {
+         global_dequantize_i16_bf16((const int16_t*)p[0], (sdp_bf16*)p[1], params_of<sdp_global>(a));
+     }},
+    {"grad_widen_bf16", 2, sizeof(sdp_convert),
+     [](void* const* p, const void* a) {
+         grad_widen_bf16((const sdp_bf16*)p[0], (float*)p[1], params_of<sdp_convert>(a));
+     }},
+    {"grad_narrow_bf16", 2, sizeof(sdp_convert),
+     [](void* const* p, const void* a) {
+         grad_narrow_bf16((const float*)p[0], (sdp_bf16*)p[1], params_of<sdp_convert>(a));
+     }},
+    {"grad_round_bf16", 2, sizeof(sdp_convert),
+     [](void* const* p, const void* a) {
+         grad_round_bf16((const sdp_bf16*)p[0], (sdp_bf16*)p[1], params_of<sdp_convert>(a));
+     }},
 };
 
 static_assert(std::all_of(std::begin(kKernels), std::end(kKernels),
@@ -343,6 +384,8 @@ const char* op_name(emu_warp_op op)
         return "__shfl_xor_sync";
     case emu_warp_op::vote_any:
         return "__any_sync";
+    case emu_warp_op::reduce_max:
+        return "__reduce_max_sync";
     }
     return "?";
 }

@@ -20,7 +20,8 @@ def _model(seed: int) -> torch.nn.Module:
     )
 
 
-def _ds_config(stage: int, gas: int, section: dict | None) -> dict:
+def _ds_config(stage: int, gas: int, section: dict | None,
+               grad_accum_dtype: str | None = None) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": gas,
@@ -31,6 +32,8 @@ def _ds_config(stage: int, gas: int, section: dict | None) -> dict:
     }
     if section is not None:
         config["sdp4bit"] = section
+    if grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     return config
 
 
@@ -62,8 +65,9 @@ def _spy_on_reduce_scatters(optimizer, seen: list):
 
 
 def _check_partitions_against_core(optimizer, seen: list) -> int:
-    """Each group's gradient partition, as the step reads it, equals the Rust core's
-    in-process reduce-scatter of every rank's bucket, byte for byte. Returns how many
+    """Each group's gradient partition, as the step reads it, is of DeepSpeed's accumulation
+    dtype and equals the Rust core's in-process reduce-scatter of every rank's bucket (of its
+    fp32 values, rounded to bf16 for a bf16 bucket), byte for byte. Returns how many
     partitions it compared."""
     rank, world = dist.get_rank(), dist.get_world_size()
     labels = optimizer._sdp4bit.groups.node_labels
@@ -71,9 +75,12 @@ def _check_partitions_against_core(optimizer, seen: list) -> int:
         every = [torch.empty_like(bucket) for _ in range(world)]
         dist.all_gather(every, bucket)
         expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
-            rs.config.spec(), labels, rs.bucket_id, step, torch.stack(every))[rank]
+            rs.config.spec(), labels, rs.bucket_id, step,
+            torch.stack(every).float())[rank].to(bucket.dtype)
         got = optimizer.averaged_gradients[i].flat_partition
-        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (
+        assert got.dtype == optimizer.gradient_accumulation_dtype, got.dtype
+        bits = torch.int32 if got.dtype == torch.float32 else torch.int16
+        assert torch.equal(got.view(bits), expected.view(bits)), (
             f"group {i} step {step} differs from the core")
     compared = len(seen)
     seen.clear()
@@ -81,7 +88,7 @@ def _check_partitions_against_core(optimizer, seen: list) -> int:
 
 
 def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
-          exact_gather_at=None):
+          exact_gather_at=None, grad_accum_dtype=None):
     """Trains `steps` optimizer steps of `gas` micro-batches; returns (losses, final params as
     bytes, (sent, uncompressed) bytes, partitions compared with the core). `section` None:
     plain deepspeed.initialize."""
@@ -93,12 +100,17 @@ def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model(1234)
-    config = _ds_config(stage, gas, section)
+    config = _ds_config(stage, gas, section, grad_accum_dtype)
     init = deepspeed.initialize if section is None else deepspeed_zero.initialize
     engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(),
                                    config=config)
     seen, compared = [], 0
     if check_against_core:
+        # The accumulation buffer has DeepSpeed's accumulation dtype: bf16 (the model's) by
+        # default, fp32 when the config asks for it; no fp32 copy of a bf16 buffer.
+        wanted = torch.float32 if grad_accum_dtype == "fp32" else torch.bfloat16
+        for group_state in optimizer._sdp4bit.per_group:
+            assert group_state.grads.dtype == wanted, (group_state.grads.dtype, wanted)
         _spy_on_reduce_scatters(optimizer, seen)
     g = torch.Generator().manual_seed(500 + rank)
     target = torch.nn.Linear(HIDDEN, 8)

@@ -89,7 +89,8 @@ def _grad_snapshot(chunk) -> list[torch.Tensor]:
 
 def _check_grad_shards_against_core(chunk, before):
     """Each bucket's reduced shard equals the Rust core's in-process reduce-scatter of every
-    DP rank's (scaled) bucket, byte for byte."""
+    DP rank's (scaled) bucket, byte for byte (a bf16 bucket: of its fp32 values, rounded to
+    bf16)."""
     dp = _dp_group()
     rank, world = dist.get_rank(dp), dist.get_world_size(dp)
     buckets = [(g, i, b) for g in chunk.bucket_groups for i, b in enumerate(g.buckets)]
@@ -102,9 +103,10 @@ def _check_grad_shards_against_core(chunk, before):
         dist.all_gather(every, grad, group=dp)
         expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
             rs.config.spec(), state.groups.node_labels, rs.bucket_id, step,
-            torch.stack(every))[rank]
+            torch.stack(every).float())[rank].to(grad.dtype)
         got = local_shard(bucket.grad_data, rank, world)
-        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (
+        bits = torch.int32 if got.dtype == torch.float32 else torch.int16
+        assert torch.equal(got.view(bits), expected.view(bits)), (
             f"bucket {rs.bucket_id} step {step} differs from the core")
 
 
@@ -146,7 +148,7 @@ def _train_step(ddp, optimizer, step: int, rank: int) -> float:
 
 
 def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None,
-          check_against_core=False, bucket_size=BUCKET):
+          check_against_core=False, bucket_size=BUCKET, grad_fp32=True):
     """Trains a few steps; returns (losses, stepped flags, final bf16 params as bytes, (bytes
     sent, uncompressed bytes) in one step, buckets). Plain Python values: tensors sent between
     processes would live in shared memory that ends with the rank."""
@@ -154,7 +156,8 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
     _enable(preset)
     ddp = gpt.build_model(SHAPE, SEED, overlap_grad_reduce=overlap_grad,
                           overlap_param_gather=overlap_param, bucket_size=bucket_size,
-                          check_for_nan_in_grad=False)  # the optimizer's check is under test
+                          check_for_nan_in_grad=False,  # the optimizer's check is under test
+                          grad_reduce_in_fp32=grad_fp32)
     optimizer = gpt.build_optimizer([ddp], lr=LR)
     losses, stepped, snapshots = [], [], {}
     recording = _grads_as_each_sync_starts(snapshots) if check_against_core else (

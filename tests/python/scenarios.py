@@ -89,6 +89,39 @@ def byte_equal_to_in_process(rank, world, labels, presets, use_env_topology, dev
     return report
 
 
+def bf16_buckets_equal_their_fp32_conversion(rank, world, labels, presets, device="cpu"):
+    """Every preset's reduce-scatter of a bf16 bucket (2 steps, the shard a separate tensor
+    and a view into the bucket; the data with NaN and Inf in one case) writes the in-process
+    collective's fp32 shard of the bucket's fp32 conversion, rounded to bf16 as torch rounds
+    (`.bfloat16()`), byte for byte; NaN stays NaN and Inf stays Inf."""
+    groups = ProcessGroups.create(node_labels=labels)
+    numel = world * 3000
+    for bucket_id, preset in enumerate(presets):
+        config = Config.from_knobs(preset, {"seed": 91})
+        rs = GradReduceScatter(groups, config, numel, bucket_id, device=device)
+        s = rs.shard_len
+        for step, as_view in ((0, False), (1, True)):
+            inputs = gradients(world, numel, seed=300 + 2 * bucket_id + step).bfloat16()
+            if step == 1:
+                every_shard = torch.arange(world) * (numel // world)
+                inputs[0, every_shard + 5] = float("nan")
+                inputs[world - 1, every_shard + 9] = float("inf")
+            bucket = inputs[rank].to(device, copy=True)
+            shard = (bucket.narrow(0, rank * s, s) if as_view
+                     else torch.empty(s, dtype=torch.bfloat16, device=device))
+            rs.start(bucket, shard, step).wait()
+            expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+                config.spec(), labels, bucket_id, step, inputs.float())[rank].bfloat16()
+            got = shard.cpu()
+            assert got.dtype == torch.bfloat16, got.dtype
+            nan = torch.isnan(expected)
+            assert torch.equal(torch.isnan(got), nan), f"{preset}: NaN elements differ"
+            assert same_bits(got[~nan], expected[~nan]), f"{preset}: step {step} differs"
+            if step == 1:
+                assert not torch.isfinite(got).all(), f"{preset}: NaN / Inf did not arrive"
+    groups.close()
+
+
 def pipelined_chunks_equal_one_chunk(rank, world, labels, device="cpu"):
     """Chunks in flight over the process groups (each chunk's all-to-alls issued while its
     neighbours are computed; on CUDA, on the process group's stream while the side stream
@@ -233,8 +266,12 @@ def bad_inputs(rank, world):
     s = rs.shard_len
     good = torch.zeros(world * 1024)
     cases = [
-        (TypeError, "must be torch.float32, got torch.float16",
+        (TypeError, "must be torch.float32 or torch.bfloat16, got torch.float16",
          lambda: rs.start(good.half(), torch.empty(s), 0)),
+        (TypeError, "gradient shard is torch.float32 but the gradient bucket is torch.bfloat16",
+         lambda: rs.start(good.bfloat16(), torch.empty(s), 0)),
+        (TypeError, "gradient shard is torch.bfloat16 but the gradient bucket is torch.float32",
+         lambda: rs.start(good, torch.empty(s, dtype=torch.bfloat16), 0)),
         (ValueError, "has 1000 elements, the bucket was planned for",
          lambda: rs.start(torch.zeros(1000), torch.empty(s), 0)),
         (ValueError, "gradient shard has", lambda: rs.start(good, torch.empty(s + 1), 0)),

@@ -27,6 +27,13 @@ def test_every_preset_equals_the_in_process_collective(name):
             assert rs < rs_base and ag <= ag_base, (preset, rs, rs_base, ag, ag_base)
 
 
+@pytest.mark.parametrize("name", ["W4-2x2", "W3-unequal-2+1"])
+def test_bf16_buckets_equal_their_fp32_conversion_rounded(name):
+    labels = TOPOLOGIES[name]
+    run_ranks(len(labels), scenarios.bf16_buckets_equal_their_fp32_conversion, labels,
+              scenarios.PRESETS)
+
+
 @pytest.mark.parametrize("name", ["W4-2x2", "W4-1x4", "W4-4x1", "W3-unequal-2+1"])
 def test_pipelined_chunks_in_flight_equal_one_chunk(name):
     labels = TOPOLOGIES[name]

@@ -38,6 +38,18 @@ def test_sdp4bit_partitions_equal_the_core_and_replicas_stay_identical(stage):
     assert len(params) == 1, "replicas differ"
 
 
+def test_fp32_gradient_accumulation_stays_fp32_on_zero_2():
+    # "grad_accum_dtype": "fp32": DeepSpeed keeps fp32 gradient accumulators, and so does the
+    # buffer sdp4bit reduce-scatters (the partitions are fp32, checked against the core); the
+    # default (bf16, the model's dtype) is the test above.
+    section = {"preset": "sdp4bit", "ranks_per_node": 2, "seed": 3}
+    per_rank = run_ranks(4, ds.train, 2, section, 3, 2, True, None, "fp32", env=CPU)
+    for losses, _, _, compared in per_rank:
+        assert compared == 3, "every step's partitions are compared with the core"
+        assert all(torch.isfinite(torch.tensor(losses)))
+    assert len({p for _, p, _, _ in per_rank}) == 1, "replicas differ"
+
+
 @pytest.mark.parametrize("preset", ["qsdp", "global-qsgd", "zeropp"])
 def test_other_presets_run_on_zero_2(preset):
     per_rank = run_ranks(2, ds.train, 2, {"preset": preset, "ranks_per_node": 1}, 3, env=CPU)

@@ -17,9 +17,9 @@ def test_the_cpu_shims_are_the_ones_this_megatron_core_needs():
 
 
 def _train(preset, overlap_grad=False, overlap_param=False, nan_step=None, core=False,
-           bucket_size=ms.BUCKET):
+           bucket_size=ms.BUCKET, grad_fp32=True):
     return run_ranks(4, ms.train, preset, overlap_grad, overlap_param, STEPS, nan_step, core,
-                     bucket_size, env=ENV)
+                     bucket_size, grad_fp32, env=ENV)
 
 
 def test_baseline_preset_is_bit_exact_with_megatrons_own_path():
@@ -71,6 +71,19 @@ def test_nan_gradient_skips_the_step_through_megatrons_found_inf_check():
     # every rank (its grad scaler's found-inf flag, all-reduced over the DP group).
     results = _train("sdp4bit", nan_step=1)
     for _, stepped, _, _, _ in results:
+        assert stepped == [True, False, True], stepped
+
+
+def test_bf16_gradient_buffers_match_the_core_and_reach_the_found_inf_check():
+    # grad_reduce_in_fp32=False: the bf16 buckets go into the collective as they are (read as
+    # fp32, the shard rounded to bf16), each shard equal to the core's of their fp32 values
+    # rounded; a NaN still skips the step on every rank.
+    results = _train("sdp4bit", overlap_grad=True, core=True, grad_fp32=False)
+    losses, stepped, params, _, _ = results[0]
+    assert all(stepped)
+    assert losses[-1] < losses[0], losses
+    assert all(r[2] == params for r in results)
+    for _, stepped, _, _, _ in _train("sdp4bit", nan_step=1, grad_fp32=False):
         assert stepped == [True, False, True], stepped
 
 

@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use crate::backend::grad_element::GradElement;
 use crate::codec::int_code::IntCode;
 use crate::codec::quant::{abs_bits_max, bits_non_finite, code_bits};
 use crate::config::Rounding;
@@ -12,9 +13,19 @@ use crate::rng::UniformStream;
 const TASK: usize = 1 << 14;
 
 /// `max |x|` over the bucket, or +Inf when it holds a NaN or Inf (so a MAX all-reduce carries
-/// the non-finite flag to every rank whatever the backend does with NaN).
-pub fn local_absmax(bucket: &[f32]) -> f32 {
-    let bits = bucket.par_chunks(TASK).map(abs_bits_max).max().unwrap_or(0);
+/// the non-finite flag to every rank whatever the backend does with NaN). Elements are read
+/// as their fp32 values (docs/numerics.md §7.5).
+pub fn local_absmax<G: GradElement>(bucket: &[G]) -> f32 {
+    let bits = bucket
+        .par_chunks(TASK)
+        .map(|x| match G::as_f32(x) {
+            Some(x) => abs_bits_max(x),
+            None => x
+                .iter()
+                .fold(0u32, |m, v| m.max(v.to_f32().to_bits() & 0x7fff_ffff)),
+        })
+        .max()
+        .unwrap_or(0);
     if bits_non_finite(bits) {
         f32::INFINITY
     } else {
@@ -26,8 +37,8 @@ pub fn local_absmax(bucket: &[f32]) -> f32 {
 const BATCH: usize = 1024;
 
 /// `out[i] = clamp(R(x[i] / scale), -k, k)` with uniforms of element `i` of the bucket.
-pub fn quantize<T: IntCode>(
-    bucket: &[f32],
+pub fn quantize<G: GradElement, T: IntCode>(
+    bucket: &[G],
     scale: f32,
     k: i32,
     rounding: Rounding,
@@ -44,9 +55,9 @@ pub fn quantize<T: IntCode>(
 }
 
 /// One task of [`quantize`]: elements `first .. first + x.len()` of the bucket.
-fn quantize_task<T: IntCode>(
+fn quantize_task<G: GradElement, T: IntCode>(
     first: u64,
-    x: &[f32],
+    x: &[G],
     scale: f32,
     kf: f32,
     rounding: Rounding,
@@ -61,13 +72,13 @@ fn quantize_task<T: IntCode>(
                 let u = &mut u[..x.len()];
                 fill_uniforms(rng, first + (c * BATCH) as u64, u);
                 for ((q, &v), &r) in codes.iter_mut().zip(x).zip(&*u) {
-                    *q = code((v / scale + r).floor().clamp(-kf, kf));
+                    *q = code((v.to_f32() / scale + r).floor().clamp(-kf, kf));
                 }
             }
         }
         Rounding::Nearest => {
             for (q, &v) in codes.iter_mut().zip(x) {
-                *q = code((v / scale).round_ties_even().clamp(-kf, kf));
+                *q = code((v.to_f32() / scale).round_ties_even().clamp(-kf, kf));
             }
         }
     }
@@ -84,13 +95,13 @@ fn fill_uniforms(rng: &UniformStream, first: u64, u: &mut [f32]) {
     }
 }
 
-/// `out[i] = sum[i] * scale`.
-pub fn dequantize<T: IntCode>(sum: &[T], scale: f32, out: &mut [f32]) {
+/// `out[i] = sum[i] * scale`, rounded to `G`.
+pub fn dequantize<T: IntCode, G: GradElement>(sum: &[T], scale: f32, out: &mut [G]) {
     out.par_chunks_mut(TASK)
         .zip(sum.par_chunks(TASK))
         .for_each(|(o, s)| {
             for (o, &q) in o.iter_mut().zip(s) {
-                *o = q.to_f32() * scale;
+                *o = G::from_f32(q.to_f32() * scale);
             }
         });
 }

@@ -6,6 +6,7 @@
 
 use rayon::prelude::*;
 
+use crate::backend::grad_element::{GradElement, narrow_into, widen_into};
 use crate::codec::slab::{GroupRun, SlabLayout};
 use crate::config::Rounding;
 use crate::error::Result;
@@ -16,8 +17,14 @@ use crate::rng::UniformStream;
 use super::{run_groups, with_scratch};
 
 /// First pass: Hadamard (when on) + quantize + swizzle of the whole bucket, all P chunks, into
-/// `out` (`P * first.peers` slabs of the first level).
-pub fn quantize_first(layout: &GradLayout, bucket: &[f32], rng: &UniformStream, out: &mut [u8]) {
+/// `out` (`P * first.peers` slabs of the first level). Each element is read as its fp32 value
+/// (docs/numerics.md §7.5).
+pub fn quantize_first<G: GradElement>(
+    layout: &GradLayout,
+    bucket: &[G],
+    rng: &UniformStream,
+    out: &mut [u8],
+) {
     let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
     for (p, chunk) in out.chunks_exact_mut(chunk_bytes).enumerate() {
         quantize_first_chunk(layout, p, bucket, rng, chunk);
@@ -26,10 +33,10 @@ pub fn quantize_first(layout: &GradLayout, bucket: &[f32], rng: &UniformStream, 
 
 /// The first pass of chunk `p` alone, into `out` (the `first.peers` slabs of chunk `p`, the
 /// bytes [`quantize_first`] writes at `p * first.peers` slabs).
-pub fn quantize_first_chunk(
+pub fn quantize_first_chunk<G: GradElement>(
     layout: &GradLayout,
     p: usize,
-    bucket: &[f32],
+    bucket: &[G],
     rng: &UniformStream,
     out: &mut [u8],
 ) {
@@ -47,11 +54,11 @@ pub fn quantize_first_chunk(
 
 /// One run of [`quantize_first`]: the groups `run.first ..` of the slab for chunk `p` and
 /// first-level peer `x1`.
-fn quantize_first_run(
+fn quantize_first_run<G: GradElement>(
     layout: &GradLayout,
     p: usize,
     x1: usize,
-    bucket: &[f32],
+    bucket: &[G],
     rng: &UniformStream,
     mut run: GroupRun<'_>,
 ) {
@@ -69,12 +76,15 @@ fn quantize_first_run(
             if spec.rounding == Rounding::Stochastic {
                 rng.fill(plan.padded_index(z, offset), u);
             }
-            if layout.hadamard.is_none() && real.len() == g {
-                // A whole group needs no transform and no padding: quantize it in place.
+            if layout.hadamard.is_none()
+                && real.len() == g
+                && let Some(real) = G::as_f32(real)
+            {
+                // A whole fp32 group needs no transform and no padding: quantize it in place.
                 run.quantize(i, &spec, real, u);
                 continue;
             }
-            x[..real.len()].copy_from_slice(real);
+            widen_into(real, &mut x[..real.len()]);
             x[real.len()..].fill(0.0);
             if let Some(block) = layout.hadamard {
                 hadamard::forward(x, block);
@@ -143,8 +153,13 @@ fn requantize_run(
 
 /// Last pass for chunk `p`: dequantize the slabs received at the last level, sum them in rank
 /// order, invert the Hadamard transform and write the real elements of chunk `p` of this
-/// rank's shard (`shard.len() == S`).
-pub fn reduce_final(layout: &GradLayout, p: usize, recv: &[u8], shard: &mut [f32]) -> Result<()> {
+/// rank's shard (`shard.len() == S`), each rounded to `G` (docs/numerics.md §7.5).
+pub fn reduce_final<G: GradElement>(
+    layout: &GradLayout,
+    p: usize,
+    recv: &[u8],
+    shard: &mut [G],
+) -> Result<()> {
     let last = layout.last();
     let g = last.slab.spec.group_size;
     last.slab.check_slabs(recv.len(), last.peers)?;
@@ -163,15 +178,17 @@ pub fn reduce_final(layout: &GradLayout, p: usize, recv: &[u8], shard: &mut [f32
                 }
                 Ok(())
             };
-            if dst.len() % g == 0 {
-                finish(dst)
-            } else {
-                let groups = dst.len().div_ceil(g);
-                with_scratch(groups * g, 0, |x, _| {
-                    finish(x)?;
-                    dst.copy_from_slice(&x[..dst.len()]);
-                    Ok(())
-                })
+            let whole = dst.len() % g == 0;
+            match G::as_f32_mut(dst) {
+                Some(dst) if whole => finish(dst),
+                _ => {
+                    let groups = dst.len().div_ceil(g);
+                    with_scratch(groups * g, 0, |x, _| {
+                        finish(x)?;
+                        narrow_into(&x[..dst.len()], dst);
+                        Ok(())
+                    })
+                }
             }
         })
 }

@@ -7,6 +7,7 @@ use half::bf16;
 use super::buffers::HostBuffer;
 use super::{global_qsgd, gradient, pool, weight};
 use crate::backend::device::{Backend, Element, GlobalScale, global_scale};
+use crate::backend::grad_element::GradElement;
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
 use crate::codec::sum::SumElement;
@@ -88,6 +89,14 @@ impl Backend for Host {
         Ok(())
     }
 
+    fn convert<S: GradElement, D: GradElement>(&self, src: &[S], dst: &mut [D]) -> Result<()> {
+        check_len("conversion destination", dst.len(), src.len())?;
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = D::from_f32(s.to_f32());
+        }
+        Ok(())
+    }
+
     fn fill(&self, dst: &mut [f32], value: f32) -> Result<()> {
         dst.fill(value);
         Ok(())
@@ -97,11 +106,11 @@ impl Backend for Host {
         Ok(())
     }
 
-    fn quantize_first(
+    fn quantize_first<G: GradElement>(
         &self,
         layout: &GradLayout,
         _tables: &(),
-        bucket: &[f32],
+        bucket: &[G],
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
@@ -113,12 +122,12 @@ impl Backend for Host {
         true
     }
 
-    fn quantize_first_chunk(
+    fn quantize_first_chunk<G: GradElement>(
         &self,
         layout: &GradLayout,
         _tables: &(),
         chunk: usize,
-        bucket: &[f32],
+        bucket: &[G],
         rng: &UniformStream,
         out: &mut [u8],
     ) -> Result<()> {
@@ -147,12 +156,12 @@ impl Backend for Host {
         pool::install(|| gradient::requantize_second(layout, my_x1, chunk, recv, rng, out))
     }
 
-    fn reduce_final(
+    fn reduce_final<G: GradElement>(
         &self,
         layout: &GradLayout,
         chunk: usize,
         recv: &[u8],
-        shard: &mut [f32],
+        shard: &mut [G],
     ) -> Result<()> {
         pool::install(|| gradient::reduce_final(layout, chunk, recv, shard))
     }
@@ -188,15 +197,15 @@ impl Backend for Host {
         })
     }
 
-    fn global_absmax(&self, bucket: &[f32], word: &mut [f32]) -> Result<()> {
+    fn global_absmax<G: GradElement>(&self, bucket: &[G], word: &mut [f32]) -> Result<()> {
         check_len("absmax word", word.len(), 1)?;
         word[0] = pool::install(|| global_qsgd::local_absmax(bucket));
         Ok(())
     }
 
-    fn global_quantize<T: IntCode + Element>(
+    fn global_quantize<G: GradElement, T: IntCode + Element>(
         &self,
-        bucket: &[f32],
+        bucket: &[G],
         absmax: &[f32],
         k: i32,
         rounding: Rounding,
@@ -213,14 +222,14 @@ impl Backend for Host {
         Ok(())
     }
 
-    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
+    fn global_sum_dequantize<T: IntCode + SumElement + Element, G: GradElement>(
         &self,
         blocks: &[T],
         world: usize,
         absmax: &[f32],
         k: i32,
         status: &mut [u32],
-        shard: &mut [f32],
+        shard: &mut [G],
     ) -> Result<()> {
         let n = shard.len();
         check_len("integer blocks", blocks.len(), world * n)?;
@@ -229,11 +238,11 @@ impl Backend for Host {
         let scale = match global_scale(absmax[0], k) {
             GlobalScale::Scaled(scale) => scale,
             GlobalScale::Zeros => {
-                shard.fill(0.0);
+                shard.fill(G::from_f32(0.0));
                 return Ok(());
             }
             GlobalScale::Nans => {
-                shard.fill(f32::NAN);
+                shard.fill(G::from_f32(f32::NAN));
                 return Ok(());
             }
         };
@@ -259,7 +268,7 @@ impl Backend for Host {
         }
         pool::install(|| global_qsgd::dequantize(&sum, scale, shard));
         for (x, _) in shard.iter_mut().zip(&overflowed).filter(|(_, o)| **o) {
-            *x = f32::NAN;
+            *x = G::from_f32(f32::NAN);
         }
         Ok(())
     }
@@ -269,20 +278,20 @@ impl Backend for Host {
         Ok(std::mem::take(&mut status[0]))
     }
 
-    fn global_dequantize<T: IntCode + Element>(
+    fn global_dequantize<T: IntCode + Element, G: GradElement>(
         &self,
         sum: &[T],
         absmax: &[f32],
         k: i32,
-        shard: &mut [f32],
+        shard: &mut [G],
     ) -> Result<()> {
         check_len("absmax word", absmax.len(), 1)?;
         match global_scale(absmax[0], k) {
             GlobalScale::Scaled(scale) => {
                 pool::install(|| global_qsgd::dequantize(sum, scale, shard))
             }
-            GlobalScale::Zeros => shard.fill(0.0),
-            GlobalScale::Nans => shard.fill(f32::NAN),
+            GlobalScale::Zeros => shard.fill(G::from_f32(0.0)),
+            GlobalScale::Nans => shard.fill(G::from_f32(f32::NAN)),
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::backend::grad_element::{bf16_from_f32, bf16_to_f32};
 use crate::codec::quant::QuantSpec;
 use crate::codec::slab::{GroupRun, SlabLayout, SlabView};
 use crate::codec::weight_encoding::WeightEncoding;
@@ -145,52 +146,4 @@ fn apply_run(
         }
         Ok(())
     })
-}
-
-/// `bf16::to_f32` bit for bit (NaNs come out quiet), branch-free so loops over it vectorise.
-#[inline(always)]
-fn bf16_to_f32(b: bf16) -> f32 {
-    let bits = u32::from(b.to_bits());
-    let quiet = if bits & 0x7FFF > 0x7F80 { 0x40 } else { 0 };
-    f32::from_bits((bits | quiet) << 16)
-}
-
-/// `bf16::from_f32` bit for bit: round to nearest even by adding `0x7FFF` plus the lowest
-/// kept bit before truncating (`half`'s rule, verified on all 2^32 inputs); NaNs keep their
-/// high mantissa bits and come out quiet. Branch-free, so loops over it vectorise.
-#[inline(always)]
-fn bf16_from_f32(v: f32) -> bf16 {
-    let x = v.to_bits();
-    let bits = if x & 0x7FFF_FFFF > 0x7F80_0000 {
-        (x >> 16) | 0x40
-    } else {
-        x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16
-    };
-    bf16::from_bits(bits as u16)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The branch-free conversions agree with `half` on every bf16 and on a dense sweep of
-    /// f32 bit patterns (every exponent, every rounding case, NaNs and infinities).
-    #[test]
-    fn bf16_conversions_match_half() {
-        for bits in 0..=u16::MAX {
-            let b = bf16::from_bits(bits);
-            assert_eq!(
-                bf16_to_f32(b).to_bits(),
-                b.to_f32().to_bits(),
-                "{bits:#06x}"
-            );
-        }
-        for hi in (0..=u32::MAX >> 16).step_by(7) {
-            for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000, 0xC000] {
-                let v = f32::from_bits(hi << 16 | lo);
-                let want = bf16::from_f32(v).to_bits();
-                assert_eq!(bf16_from_f32(v).to_bits(), want, "{:#010x}", v.to_bits());
-            }
-        }
-    }
 }

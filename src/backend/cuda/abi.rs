@@ -196,6 +196,15 @@ pub struct SdpGlobal {
     pub status: u64,
 }
 
+/// `struct sdp_convert`: parameters of the gradient conversions (`grad_widen_bf16`,
+/// `grad_narrow_bf16`, `grad_round_bf16`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SdpConvert {
+    /// Elements.
+    pub numel: u64,
+}
+
 /// The first overflow `(block, element)` of a sum in rank order that the status word of a
 /// dequantize launch summing blocks of `numel` integers holds, or `None` when it is 0.
 pub fn overflow_from_status(status: u32, numel: usize) -> Option<(usize, usize)> {
@@ -218,6 +227,7 @@ const _: () = assert!(size_of::<SdpGradFinal>() == 80);
 const _: () = assert!(size_of::<SdpWeightEncode>() == 72);
 const _: () = assert!(size_of::<SdpWeightApply>() == 56);
 const _: () = assert!(size_of::<SdpGlobal>() == 56);
+const _: () = assert!(size_of::<SdpConvert>() == 8);
 // A few offsets `offsetof` gives, where padding could hide.
 const _: () = assert!(std::mem::offset_of!(SdpGradFirst, rng) == 64);
 const _: () = assert!(std::mem::offset_of!(SdpGradFirst, peers1) == 80);

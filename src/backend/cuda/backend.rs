@@ -15,7 +15,7 @@ use half::bf16;
 use super::alloc::{Allocator, DeviceBuffer};
 use super::launch::{DeviceSpan, Stream, dest_table};
 use super::module::{Kernels, driver_error};
-use crate::backend::{Backend, Element};
+use crate::backend::{Backend, Element, GradElement};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
 use crate::codec::sum::SumElement;
@@ -191,6 +191,29 @@ impl Backend for Cuda {
         })
     }
 
+    fn convert<S: GradElement, D: GradElement>(
+        &self,
+        src: DeviceSpan<S>,
+        dst: DeviceSpan<D>,
+    ) -> Result<()> {
+        check_len("conversion destination", dst.len(), src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        if !S::IS_BF16 && !D::IS_BF16 {
+            // SAFETY: both are fp32 (the only GradElement that is not bf16), the same device
+            // memory.
+            let (src, dst) = unsafe {
+                (
+                    DeviceSpan::<f32>::from_raw(src.addr(), src.len()),
+                    DeviceSpan::<f32>::from_raw(dst.addr(), dst.len()),
+                )
+            };
+            return self.copy(src, dst);
+        }
+        self.kernels.grad_convert(self.stream, src, dst)
+    }
+
     fn fill(&self, dst: DeviceSpan<f32>, value: f32) -> Result<()> {
         if dst.is_empty() {
             return Ok(());
@@ -224,11 +247,11 @@ impl Backend for Cuda {
         Ok(buffer)
     }
 
-    fn quantize_first(
+    fn quantize_first<G: GradElement>(
         &self,
         layout: &GradLayout,
         tables: &DeviceBuffer<u32>,
-        bucket: DeviceSpan<f32>,
+        bucket: DeviceSpan<G>,
         rng: &UniformStream,
         out: DeviceSpan<u8>,
     ) -> Result<()> {
@@ -258,12 +281,12 @@ impl Backend for Cuda {
         )
     }
 
-    fn reduce_final(
+    fn reduce_final<G: GradElement>(
         &self,
         layout: &GradLayout,
         chunk: usize,
         recv: DeviceSpan<u8>,
-        shard: DeviceSpan<f32>,
+        shard: DeviceSpan<G>,
     ) -> Result<()> {
         self.kernels
             .grad_reduce_final(self.stream, layout, chunk, recv, shard)
@@ -313,16 +336,20 @@ impl Backend for Cuda {
         )
     }
 
-    fn global_absmax(&self, bucket: DeviceSpan<f32>, word: DeviceSpan<f32>) -> Result<()> {
+    fn global_absmax<G: GradElement>(
+        &self,
+        bucket: DeviceSpan<G>,
+        word: DeviceSpan<f32>,
+    ) -> Result<()> {
         // SAFETY: the same device memory; the kernel leaves the bits of a non-negative f32 or
         // +Inf in it.
         let bits = unsafe { DeviceSpan::<u32>::from_raw(word.addr(), word.len()) };
         self.kernels.global_absmax(self.stream, bucket, bits)
     }
 
-    fn global_quantize<T: IntCode + Element>(
+    fn global_quantize<G: GradElement, T: IntCode + Element>(
         &self,
-        bucket: DeviceSpan<f32>,
+        bucket: DeviceSpan<G>,
         absmax: DeviceSpan<f32>,
         k: i32,
         rounding: Rounding,
@@ -337,14 +364,14 @@ impl Backend for Cuda {
         true
     }
 
-    fn global_sum_dequantize<T: IntCode + SumElement + Element>(
+    fn global_sum_dequantize<T: IntCode + SumElement + Element, G: GradElement>(
         &self,
         blocks: DeviceSpan<T>,
         world: usize,
         absmax: DeviceSpan<f32>,
         k: i32,
         status: DeviceSpan<u32>,
-        shard: DeviceSpan<f32>,
+        shard: DeviceSpan<G>,
     ) -> Result<()> {
         self.kernels
             .global_sum_dequantize(self.stream, blocks, world, absmax, k, status, shard)
@@ -364,12 +391,12 @@ impl Backend for Cuda {
         Ok(word[0])
     }
 
-    fn global_dequantize<T: IntCode + Element>(
+    fn global_dequantize<T: IntCode + Element, G: GradElement>(
         &self,
         sum: DeviceSpan<T>,
         absmax: DeviceSpan<f32>,
         k: i32,
-        shard: DeviceSpan<f32>,
+        shard: DeviceSpan<G>,
     ) -> Result<()> {
         self.kernels
             .global_dequantize_scaled_by(self.stream, sum, absmax, k, shard)

@@ -15,10 +15,12 @@ use std::marker::PhantomData;
 use half::bf16;
 
 use super::abi::{
-    SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode, to_u32,
+    SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
+    SdpWeightEncode, to_u32,
 };
 use super::module::{Kernels, driver_error};
 use super::source::Kernel;
+use crate::backend::GradElement;
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::{SLAB_ALIGN, SlabLayout};
 use crate::codec::weight_encoding::WeightEncoding;
@@ -239,14 +241,14 @@ impl Kernels {
     }
 
     /// `grad_quantize_first` (= `cpu::gradient::quantize_first`): Hadamard (when on) +
-    /// quantize + swizzle of the whole `bucket` (`numel` fp32) into `out` (`P * first.peers`
-    /// first-level slabs, 16-byte aligned). `dests` is [`dest_table`] of `layout` in device
-    /// memory.
-    pub fn grad_quantize_first(
+    /// quantize + swizzle of the whole `bucket` (`numel` fp32, or bf16 with
+    /// `grad_quantize_first_bf16`) into `out` (`P * first.peers` first-level slabs, 16-byte
+    /// aligned). `dests` is [`dest_table`] of `layout` in device memory.
+    pub fn grad_quantize_first<G: GradElement>(
         &self,
         stream: Stream,
         layout: &GradLayout,
-        bucket: DeviceSpan<f32>,
+        bucket: DeviceSpan<G>,
         dests: DeviceSpan<u32>,
         rng: &UniformStream,
         out: DeviceSpan<u8>,
@@ -269,7 +271,7 @@ impl Kernels {
         let units = (chunks * first.peers * first.slab.groups) as u64;
         let (mut a0, mut a1, mut a2) = (bucket.addr(), dests.addr(), out.addr());
         self.launch(
-            Kernel::GradQuantizeFirst,
+            grad_variant::<G>(Kernel::GradQuantizeFirst, Kernel::GradQuantizeFirstBf16),
             stream,
             units,
             GROUPS_PER_BLOCK,
@@ -327,14 +329,15 @@ impl Kernels {
     /// `grad_reduce_final` (= `cpu::gradient::reduce_final`) for chunk `chunk`: dequantize the
     /// slabs received at the last level (`recv`), sum them in rank order, invert the
     /// Hadamard transform and write the real elements of chunk `chunk` of this rank's `shard`
-    /// (`S` fp32; the other chunks are left alone).
-    pub fn grad_reduce_final(
+    /// (`S` fp32, or bf16 rounded to nearest even with `grad_reduce_final_bf16`; the other
+    /// chunks are left alone).
+    pub fn grad_reduce_final<G: GradElement>(
         &self,
         stream: Stream,
         layout: &GradLayout,
         chunk: usize,
         recv: DeviceSpan<u8>,
-        shard: DeviceSpan<f32>,
+        shard: DeviceSpan<G>,
     ) -> Result<()> {
         let last = layout.last();
         check_index("pipeline chunk", chunk, layout.bucket.chunks)?;
@@ -349,7 +352,7 @@ impl Kernels {
         let units = last.slab.groups as u64;
         let (mut a0, mut a1) = (recv.addr(), shard.addr());
         self.launch(
-            Kernel::GradReduceFinal,
+            grad_variant::<G>(Kernel::GradReduceFinal, Kernel::GradReduceFinalBf16),
             stream,
             units,
             GROUPS_PER_BLOCK,
@@ -464,10 +467,11 @@ impl Kernels {
     /// `u32`) on the stream, then leaves in it the maximum over `bucket` of
     /// `bits & 0x7fffffff` capped at +Inf's bits, which are the bits of the CPU's value (read
     /// as an f32, what a MAX all-reduce maximises); [`absmax_from_bits`] reads it on the host.
-    pub fn global_absmax(
+    /// A bf16 bucket (`global_absmax_bf16`) is read as fp32.
+    pub fn global_absmax<G: GradElement>(
         &self,
         stream: Stream,
-        bucket: DeviceSpan<f32>,
+        bucket: DeviceSpan<G>,
         abs_bits: DeviceSpan<u32>,
     ) -> Result<()> {
         bucket.check("gradient bucket", bucket.len(), 1)?;
@@ -482,7 +486,7 @@ impl Kernels {
         let mut params = SdpGlobal::absmax(bucket.len());
         let (mut a0, mut a1) = (bucket.addr(), abs_bits.addr());
         self.launch(
-            Kernel::GlobalAbsmax,
+            grad_variant::<G>(Kernel::GlobalAbsmax, Kernel::GlobalAbsmaxBf16),
             stream,
             bucket.len() as u64,
             ELEMENTS_PER_BLOCK,
@@ -491,12 +495,13 @@ impl Kernels {
     }
 
     /// `global_quantize_i8` / `_i16` (= `cpu::global_qsgd::quantize::<T>`):
-    /// `out[i] = clamp(R(bucket[i] / scale), -k, k)` with the uniforms of element `i`.
+    /// `out[i] = clamp(R(bucket[i] / scale), -k, k)` with the uniforms of element `i` (a bf16
+    /// bucket, `_bf16`, read as fp32).
     #[allow(clippy::too_many_arguments)]
-    pub fn global_quantize<T: IntCode>(
+    pub fn global_quantize<G: GradElement, T: IntCode>(
         &self,
         stream: Stream,
-        bucket: DeviceSpan<f32>,
+        bucket: DeviceSpan<G>,
         scale: f32,
         k: i32,
         rounding: Rounding,
@@ -512,10 +517,10 @@ impl Kernels {
     /// ordered before on `stream`), so the host never waits for it: every code is 0 when `a`
     /// is not finite or `s` is 0 (docs/numerics.md §7.2).
     #[allow(clippy::too_many_arguments)]
-    pub fn global_quantize_scaled_by<T: IntCode>(
+    pub fn global_quantize_scaled_by<G: GradElement, T: IntCode>(
         &self,
         stream: Stream,
-        bucket: DeviceSpan<f32>,
+        bucket: DeviceSpan<G>,
         absmax: DeviceSpan<f32>,
         k: i32,
         rounding: Rounding,
@@ -529,17 +534,17 @@ impl Kernels {
         self.launch_global_quantize(stream, bucket, params, &[absmax.range()], out)
     }
 
-    fn launch_global_quantize<T: IntCode>(
+    fn launch_global_quantize<G: GradElement, T: IntCode>(
         &self,
         stream: Stream,
-        bucket: DeviceSpan<f32>,
+        bucket: DeviceSpan<G>,
         mut params: SdpGlobal,
         read: &[(u64, u64)],
         out: DeviceSpan<T>,
     ) -> Result<()> {
         let kernel = match T::BITS {
-            8 => Kernel::GlobalQuantizeI8,
-            16 => Kernel::GlobalQuantizeI16,
+            8 => grad_variant::<G>(Kernel::GlobalQuantizeI8, Kernel::GlobalQuantizeI8Bf16),
+            16 => grad_variant::<G>(Kernel::GlobalQuantizeI16, Kernel::GlobalQuantizeI16Bf16),
             bits => return Err(int_width_error(bits)),
         };
         bucket.check("gradient bucket", bucket.len(), 1)?;
@@ -558,13 +563,13 @@ impl Kernels {
     }
 
     /// `global_dequantize_i8` / `_i16` (= `cpu::global_qsgd::dequantize::<T>`):
-    /// `out[i] = f32(sum[i]) * scale`.
-    pub fn global_dequantize<T: IntCode>(
+    /// `out[i] = f32(sum[i]) * scale` (rounded to bf16 for a bf16 `out`, `_bf16`).
+    pub fn global_dequantize<T: IntCode, G: GradElement>(
         &self,
         stream: Stream,
         sum: DeviceSpan<T>,
         scale: f32,
-        out: DeviceSpan<f32>,
+        out: DeviceSpan<G>,
     ) -> Result<()> {
         let params = SdpGlobal::dequantize(sum.len(), scale);
         self.launch_global_dequantize(stream, sum, params, &[], out)
@@ -573,13 +578,13 @@ impl Kernels {
     /// [`global_dequantize`](Self::global_dequantize) at the scale `s = a / k` of the global
     /// absmax `a` the kernel reads from `absmax`: every output is NaN when `a` is not finite
     /// and 0 when `s` is 0 (docs/numerics.md §7.2).
-    pub fn global_dequantize_scaled_by<T: IntCode>(
+    pub fn global_dequantize_scaled_by<T: IntCode, G: GradElement>(
         &self,
         stream: Stream,
         sum: DeviceSpan<T>,
         absmax: DeviceSpan<f32>,
         k: i32,
-        out: DeviceSpan<f32>,
+        out: DeviceSpan<G>,
     ) -> Result<()> {
         absmax.check("global absmax word", 1, 1)?;
         check_positive_k(k)?;
@@ -595,7 +600,7 @@ impl Kernels {
     /// is NaN, and the first overflow in rank order is recorded in `status` (one u32 the
     /// caller zeroes; [`overflow_from_status`](super::abi::overflow_from_status) reads it).
     #[allow(clippy::too_many_arguments)]
-    pub fn global_sum_dequantize<T: IntCode>(
+    pub fn global_sum_dequantize<T: IntCode, G: GradElement>(
         &self,
         stream: Stream,
         blocks: DeviceSpan<T>,
@@ -603,7 +608,7 @@ impl Kernels {
         absmax: DeviceSpan<f32>,
         k: i32,
         status: DeviceSpan<u32>,
-        out: DeviceSpan<f32>,
+        out: DeviceSpan<G>,
     ) -> Result<()> {
         let numel = out.len();
         let total = world.checked_mul(numel).filter(|&n| n < u32::MAX as usize);
@@ -634,17 +639,17 @@ impl Kernels {
         )
     }
 
-    fn launch_global_dequantize<T: IntCode>(
+    fn launch_global_dequantize<T: IntCode, G: GradElement>(
         &self,
         stream: Stream,
         sum: DeviceSpan<T>,
         mut params: SdpGlobal,
         read: &[(u64, u64)],
-        out: DeviceSpan<f32>,
+        out: DeviceSpan<G>,
     ) -> Result<()> {
         let kernel = match T::BITS {
-            8 => Kernel::GlobalDequantizeI8,
-            16 => Kernel::GlobalDequantizeI16,
+            8 => grad_variant::<G>(Kernel::GlobalDequantizeI8, Kernel::GlobalDequantizeI8Bf16),
+            16 => grad_variant::<G>(Kernel::GlobalDequantizeI16, Kernel::GlobalDequantizeI16Bf16),
             bits => return Err(int_width_error(bits)),
         };
         sum.check("integer receive buffer", sum.len(), 1)?;
@@ -661,6 +666,48 @@ impl Kernels {
             &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
         )
     }
+}
+
+impl Kernels {
+    /// `grad_widen_bf16` / `grad_narrow_bf16` / `grad_round_bf16` (= `Host::convert`):
+    /// `dst[i] = D::from_f32(src[i].to_f32())`. Only conversions that involve bf16 have a
+    /// kernel; an fp32 copy is a memory copy (an error here).
+    pub fn grad_convert<S: GradElement, D: GradElement>(
+        &self,
+        stream: Stream,
+        src: DeviceSpan<S>,
+        dst: DeviceSpan<D>,
+    ) -> Result<()> {
+        let kernel = match (S::IS_BF16, D::IS_BF16) {
+            (true, false) => Kernel::GradWidenBf16,
+            (false, true) => Kernel::GradNarrowBf16,
+            (true, true) => Kernel::GradRoundBf16,
+            (false, false) => {
+                return Err(Error::Cuda(
+                    "no conversion kernel between fp32 buffers: copy them".into(),
+                ));
+            }
+        };
+        src.check("conversion source", src.len(), 1)?;
+        dst.check("conversion destination", src.len(), 1)?;
+        check_disjoint("conversion destination", dst.range(), &[src.range()])?;
+        let mut params = SdpConvert {
+            numel: src.len() as u64,
+        };
+        let (mut a0, mut a1) = (src.addr(), dst.addr());
+        self.launch(
+            kernel,
+            stream,
+            src.len() as u64,
+            ELEMENTS_PER_BLOCK,
+            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+        )
+    }
+}
+
+/// `fp32` for an fp32 gradient element, `bf16` for a bf16 one: the kernel variant of `G`.
+fn grad_variant<G: GradElement>(fp32: Kernel, bf16: Kernel) -> Kernel {
+    if G::IS_BF16 { bf16 } else { fp32 }
 }
 
 /// Fails unless `k` (Global-QSGD's largest code) is positive.

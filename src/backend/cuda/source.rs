@@ -27,11 +27,31 @@ pub enum Kernel {
     GlobalDequantizeI8,
     /// Global-QSGD: dequantize summed int16 (`sdp_global`).
     GlobalDequantizeI16,
+    /// [`GradQuantizeFirst`](Self::GradQuantizeFirst) of a bf16 bucket.
+    GradQuantizeFirstBf16,
+    /// [`GradReduceFinal`](Self::GradReduceFinal) into a bf16 shard.
+    GradReduceFinalBf16,
+    /// [`GlobalAbsmax`](Self::GlobalAbsmax) of a bf16 bucket.
+    GlobalAbsmaxBf16,
+    /// [`GlobalQuantizeI8`](Self::GlobalQuantizeI8) of a bf16 bucket.
+    GlobalQuantizeI8Bf16,
+    /// [`GlobalQuantizeI16`](Self::GlobalQuantizeI16) of a bf16 bucket.
+    GlobalQuantizeI16Bf16,
+    /// [`GlobalDequantizeI8`](Self::GlobalDequantizeI8) into a bf16 shard.
+    GlobalDequantizeI8Bf16,
+    /// [`GlobalDequantizeI16`](Self::GlobalDequantizeI16) into a bf16 shard.
+    GlobalDequantizeI16Bf16,
+    /// bf16 gradients to fp32 (`sdp_convert`).
+    GradWidenBf16,
+    /// fp32 gradients rounded to bf16 (`sdp_convert`).
+    GradNarrowBf16,
+    /// bf16 gradients through fp32 back to bf16 (`sdp_convert`).
+    GradRoundBf16,
 }
 
 impl Kernel {
     /// Number of kernels.
-    pub const COUNT: usize = 10;
+    pub const COUNT: usize = 20;
 
     /// Every kernel, in discriminant order.
     pub const ALL: [Kernel; Self::COUNT] = [
@@ -45,6 +65,16 @@ impl Kernel {
         Kernel::GlobalQuantizeI16,
         Kernel::GlobalDequantizeI8,
         Kernel::GlobalDequantizeI16,
+        Kernel::GradQuantizeFirstBf16,
+        Kernel::GradReduceFinalBf16,
+        Kernel::GlobalAbsmaxBf16,
+        Kernel::GlobalQuantizeI8Bf16,
+        Kernel::GlobalQuantizeI16Bf16,
+        Kernel::GlobalDequantizeI8Bf16,
+        Kernel::GlobalDequantizeI16Bf16,
+        Kernel::GradWidenBf16,
+        Kernel::GradNarrowBf16,
+        Kernel::GradRoundBf16,
     ];
 
     /// The `extern "C"` name of the kernel (its `.entry` in the PTX).
@@ -60,6 +90,16 @@ impl Kernel {
             Kernel::GlobalQuantizeI16 => "global_quantize_i16",
             Kernel::GlobalDequantizeI8 => "global_dequantize_i8",
             Kernel::GlobalDequantizeI16 => "global_dequantize_i16",
+            Kernel::GradQuantizeFirstBf16 => "grad_quantize_first_bf16",
+            Kernel::GradReduceFinalBf16 => "grad_reduce_final_bf16",
+            Kernel::GlobalAbsmaxBf16 => "global_absmax_bf16",
+            Kernel::GlobalQuantizeI8Bf16 => "global_quantize_i8_bf16",
+            Kernel::GlobalQuantizeI16Bf16 => "global_quantize_i16_bf16",
+            Kernel::GlobalDequantizeI8Bf16 => "global_dequantize_i8_bf16",
+            Kernel::GlobalDequantizeI16Bf16 => "global_dequantize_i16_bf16",
+            Kernel::GradWidenBf16 => "grad_widen_bf16",
+            Kernel::GradNarrowBf16 => "grad_narrow_bf16",
+            Kernel::GradRoundBf16 => "grad_round_bf16",
         }
     }
 }
@@ -85,11 +125,11 @@ pub const HEADERS: [(&str, &str); 2] = [
 ];
 
 /// Every kernel source; each [`Kernel`] is defined by exactly one of them.
-pub const SOURCES: [KernelSource; 6] = [
+pub const SOURCES: [KernelSource; 7] = [
     KernelSource {
         file: "grad_quantize_first.cu",
         code: include_str!("../../../kernels/grad_quantize_first.cu"),
-        kernels: &[Kernel::GradQuantizeFirst],
+        kernels: &[Kernel::GradQuantizeFirst, Kernel::GradQuantizeFirstBf16],
     },
     KernelSource {
         file: "grad_requantize_second.cu",
@@ -99,7 +139,7 @@ pub const SOURCES: [KernelSource; 6] = [
     KernelSource {
         file: "grad_reduce_final.cu",
         code: include_str!("../../../kernels/grad_reduce_final.cu"),
-        kernels: &[Kernel::GradReduceFinal],
+        kernels: &[Kernel::GradReduceFinal, Kernel::GradReduceFinalBf16],
     },
     KernelSource {
         file: "weight_encode.cu",
@@ -120,6 +160,20 @@ pub const SOURCES: [KernelSource; 6] = [
             Kernel::GlobalQuantizeI16,
             Kernel::GlobalDequantizeI8,
             Kernel::GlobalDequantizeI16,
+            Kernel::GlobalAbsmaxBf16,
+            Kernel::GlobalQuantizeI8Bf16,
+            Kernel::GlobalQuantizeI16Bf16,
+            Kernel::GlobalDequantizeI8Bf16,
+            Kernel::GlobalDequantizeI16Bf16,
+        ],
+    },
+    KernelSource {
+        file: "grad_convert.cu",
+        code: include_str!("../../../kernels/grad_convert.cu"),
+        kernels: &[
+            Kernel::GradWidenBf16,
+            Kernel::GradNarrowBf16,
+            Kernel::GradRoundBf16,
         ],
     },
 ];

@@ -2,7 +2,8 @@
 //! the case file the emulator reads (format: `tests/kernel_emulator/emulator.cpp`).
 
 use sdp4bit::backend::cuda::abi::{
-    SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode,
+    SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
+    SdpWeightEncode,
 };
 use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::codec::slab::SlabLayout;
@@ -71,6 +72,7 @@ impl AbiParams for SdpGradFinal {}
 impl AbiParams for SdpWeightEncode {}
 impl AbiParams for SdpWeightApply {}
 impl AbiParams for SdpGlobal {}
+impl AbiParams for SdpConvert {}
 
 /// The bytes `cuLaunchKernel` would copy for `params`.
 fn param_bytes<T: AbiParams>(params: &T) -> Vec<u8> {

@@ -1,7 +1,9 @@
 //! The emulator cases of Global-QSGD's kernels: the absmax, the rounding to int8 / int16
 //! (stochastic and nearest) and the dequantization of summed integers.
 
+use half::bf16;
 use sdp4bit::Rounding;
+use sdp4bit::backend::GradElement;
 use sdp4bit::backend::cpu::global_qsgd;
 use sdp4bit::backend::cuda::abi::SdpGlobal;
 use sdp4bit::backend::cuda::source::Kernel;
@@ -11,7 +13,7 @@ use sdp4bit::collective::{global_k, sum_in_rank_order};
 use sdp4bit::rng::Stage;
 
 use super::case::{Buf, Case, ELEMENTS_PER_BLOCK, Expect};
-use super::data::{f32_bytes, garbage, stream, values};
+use super::data::{bf16_bytes, f32_bytes, garbage, stream, values};
 use sdp4bit_test_support::random::SplitMix64;
 
 /// The data of one Global-QSGD case.
@@ -29,6 +31,8 @@ pub enum GlobalData {
 trait WireInt: IntCode + Default + SumElement + Into<i64> + TryFrom<i64> {
     const QUANTIZE: Kernel;
     const DEQUANTIZE: Kernel;
+    const QUANTIZE_BF16: Kernel;
+    const DEQUANTIZE_BF16: Kernel;
     /// The largest value (the smallest is `-MAX - 1`).
     const MAX: i64;
     fn random(rand: &mut SplitMix64) -> Self;
@@ -38,6 +42,8 @@ trait WireInt: IntCode + Default + SumElement + Into<i64> + TryFrom<i64> {
 impl WireInt for i8 {
     const QUANTIZE: Kernel = Kernel::GlobalQuantizeI8;
     const DEQUANTIZE: Kernel = Kernel::GlobalDequantizeI8;
+    const QUANTIZE_BF16: Kernel = Kernel::GlobalQuantizeI8Bf16;
+    const DEQUANTIZE_BF16: Kernel = Kernel::GlobalDequantizeI8Bf16;
     const MAX: i64 = i8::MAX as i64;
     fn random(rand: &mut SplitMix64) -> Self {
         rand.next_u64() as i8
@@ -50,6 +56,8 @@ impl WireInt for i8 {
 impl WireInt for i16 {
     const QUANTIZE: Kernel = Kernel::GlobalQuantizeI16;
     const DEQUANTIZE: Kernel = Kernel::GlobalDequantizeI16;
+    const QUANTIZE_BF16: Kernel = Kernel::GlobalQuantizeI16Bf16;
+    const DEQUANTIZE_BF16: Kernel = Kernel::GlobalDequantizeI16Bf16;
     const MAX: i64 = i16::MAX as i64;
     fn random(rand: &mut SplitMix64) -> Self {
         rand.next_u64() as i16
@@ -88,20 +96,59 @@ pub fn global_case(rand: &mut SplitMix64, numel: usize, data: GlobalData) -> Cas
         &[Some(input), Some(bits)],
         &SdpGlobal::absmax(numel),
     );
-    global_codes::<i8>(&mut case, rand, input, &bucket, absmax, 2);
-    global_codes::<i8>(&mut case, rand, input, &bucket, absmax, 127);
-    global_codes::<i16>(&mut case, rand, input, &bucket, absmax, 3);
-    global_codes::<i16>(&mut case, rand, input, &bucket, absmax, 1000);
+    global_codes::<i8, f32>(&mut case, rand, input, &bucket, absmax, 2);
+    global_codes::<i8, f32>(&mut case, rand, input, &bucket, absmax, 127);
+    global_codes::<i16, f32>(&mut case, rand, input, &bucket, absmax, 3);
+    global_codes::<i16, f32>(&mut case, rand, input, &bucket, absmax, 1000);
+
+    // The bf16 variants over the bucket rounded to bf16, into bf16 shards.
+    let bucket: Vec<bf16> = bucket.iter().map(|&x| bf16::from_f32(x)).collect();
+    let absmax = global_qsgd::local_absmax(&bucket);
+    let input = case.input(bf16_bytes(&bucket));
+    let bits = case.output(
+        vec![0; 4],
+        "global_absmax_bf16".into(),
+        Expect::AbsmaxBits,
+        absmax.to_bits().to_le_bytes().to_vec(),
+    );
+    case.launch(
+        Kernel::GlobalAbsmaxBf16,
+        numel as u64,
+        ELEMENTS_PER_BLOCK,
+        &[Some(input), Some(bits)],
+        &SdpGlobal::absmax(numel),
+    );
+    global_codes::<i8, bf16>(&mut case, rand, input, &bucket, absmax, 5);
+    global_codes::<i16, bf16>(&mut case, rand, input, &bucket, absmax, 300);
     case
+}
+
+/// The bytes of gradient elements and how an output of them is compared.
+fn grad_output<G: GradElement>(values: &[G]) -> (Vec<u8>, Expect) {
+    let expect = if G::IS_BF16 {
+        Expect::Bf16
+    } else {
+        Expect::F32
+    };
+    (bytemuck::cast_slice(values).to_vec(), expect)
+}
+
+/// The quantize and dequantize kernel of `T` codes and `G` gradients.
+fn kernels_of<T: WireInt, G: GradElement>() -> (Kernel, Kernel) {
+    if G::IS_BF16 {
+        (T::QUANTIZE_BF16, T::DEQUANTIZE_BF16)
+    } else {
+        (T::QUANTIZE, T::DEQUANTIZE)
+    }
 }
 
 /// The rounding (stochastic and nearest) of `bucket` to `T` at the scale the collective uses
 /// for `w` ranks, and the dequantization of random sums.
-fn global_codes<T: WireInt>(
+fn global_codes<T: WireInt, G: GradElement>(
     case: &mut Case,
     rand: &mut SplitMix64,
     input: Buf,
-    bucket: &[f32],
+    bucket: &[G],
     absmax: f32,
     w: usize,
 ) {
@@ -115,18 +162,19 @@ fn global_codes<T: WireInt>(
         0.37
     };
     let width = size_of::<T>();
+    let (quantize, dequantize) = kernels_of::<T, G>();
     for rounding in [Rounding::Stochastic, Rounding::Nearest] {
         let rng = stream(rand, 0, Stage::GlobalQsgd);
         let mut want = vec![T::default(); numel];
         global_qsgd::quantize(bucket, scale, k, rounding, &rng, &mut want);
         let out = case.output(
             garbage(numel * width),
-            format!("{} W={w} {rounding:?}", T::QUANTIZE.name()),
+            format!("{} W={w} {rounding:?}", quantize.name()),
             Expect::Ints(width),
             T::le_bytes(&want),
         );
         case.launch(
-            T::QUANTIZE,
+            quantize,
             numel as u64,
             ELEMENTS_PER_BLOCK,
             &[Some(input), Some(out)],
@@ -134,17 +182,18 @@ fn global_codes<T: WireInt>(
         );
     }
     let sums: Vec<T> = (0..numel).map(|_| T::random(rand)).collect();
-    let mut want = vec![0f32; numel];
+    let mut want = vec![G::from_f32(0.0); numel];
     global_qsgd::dequantize(&sums, scale, &mut want);
     let sums = case.input(T::le_bytes(&sums));
+    let (want, expect) = grad_output(&want);
     let out = case.output(
-        garbage(4 * numel),
-        format!("{} W={w}", T::DEQUANTIZE.name()),
-        Expect::F32,
-        f32_bytes(&want),
+        garbage(want.len()),
+        format!("{} W={w}", dequantize.name()),
+        expect,
+        want,
     );
     case.launch(
-        T::DEQUANTIZE,
+        dequantize,
         numel as u64,
         ELEMENTS_PER_BLOCK,
         &[Some(sums), Some(out)],
@@ -157,7 +206,7 @@ fn global_codes<T: WireInt>(
         (8, numel.next_multiple_of(4)),
         (5, numel.next_multiple_of(4)),
     ] {
-        global_sums::<T>(case, rand, numel, blocks, scale);
+        global_sums::<T, G>(case, rand, numel, blocks, scale);
     }
 }
 
@@ -167,7 +216,7 @@ fn global_codes<T: WireInt>(
 /// enough never to. Every element with a partial sum outside `T` must be NaN, the others the
 /// host's scaled sum, and the status word must name the first overflow in rank order, the one
 /// `sum_in_rank_order` reports.
-fn global_sums<T: WireInt>(
+fn global_sums<T: WireInt, G: GradElement>(
     case: &mut Case,
     rand: &mut SplitMix64,
     numel: usize,
@@ -206,11 +255,11 @@ fn global_sums<T: WireInt>(
             sums[i] = T::try_from(acc).ok().expect("a sum inside T");
         }
     }
-    let mut want = vec![0f32; numel];
+    let mut want = vec![G::from_f32(0.0); numel];
     global_qsgd::dequantize(&sums, scale, &mut want);
     for (w, first) in want.iter_mut().zip(&first_overflow) {
         if first.is_some() {
-            *w = f32::NAN;
+            *w = G::from_f32(f32::NAN);
         }
     }
     let first = (0..numel)
@@ -232,12 +281,14 @@ fn global_sums<T: WireInt>(
     }
     let status = first.map_or(0, |(r, i)| u32::MAX - (r * numel + i) as u32);
     let sums = case.input(bytes.concat());
-    let name = T::DEQUANTIZE.name();
+    let dequantize = kernels_of::<T, G>().1;
+    let name = dequantize.name();
+    let (want, expect) = grad_output(&want);
     let out = case.output(
-        garbage(4 * numel),
+        garbage(want.len()),
         format!("{name} of {blocks} blocks"),
-        Expect::F32,
-        f32_bytes(&want),
+        expect,
+        want,
     );
     let word = case.output(
         vec![0; 4],
@@ -246,7 +297,7 @@ fn global_sums<T: WireInt>(
         status.to_le_bytes().to_vec(),
     );
     case.launch(
-        T::DEQUANTIZE,
+        dequantize,
         numel as u64,
         ELEMENTS_PER_BLOCK,
         &[Some(sums), Some(out)],

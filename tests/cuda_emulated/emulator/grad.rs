@@ -2,16 +2,18 @@
 //! pass over its bucket, then per pipeline chunk the requantization (two-level routes) and the
 //! final reduction of what its peers send it, each also with damaged received slabs.
 
+use half::bf16;
 use sdp4bit::Config;
 use sdp4bit::backend::cpu::gradient;
-use sdp4bit::backend::cuda::abi::{SdpGradFinal, SdpGradFirst, SdpGradSecond};
+use sdp4bit::backend::cuda::abi::{SdpConvert, SdpGradFinal, SdpGradFirst, SdpGradSecond};
 use sdp4bit::backend::cuda::dest_table;
 use sdp4bit::backend::cuda::source::Kernel;
+use sdp4bit::backend::{narrow_into, widen_into};
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
 use sdp4bit::rng::Stage;
 
-use super::case::{Case, Expect, GROUPS_PER_BLOCK};
-use super::data::{damage, f32_bytes, garbage, plain, stream, values};
+use super::case::{Case, ELEMENTS_PER_BLOCK, Expect, GROUPS_PER_BLOCK};
+use super::data::{bf16_bytes, bf16s, damage, f32_bytes, garbage, plain, stream, values};
 use sdp4bit_test_support::random::SplitMix64;
 
 /// One rank's view of the grouped gradient reduce-scatter: its first pass over the whole
@@ -57,6 +59,25 @@ pub fn grad_case(
         (plan.chunks * first.peers * first.slab.groups) as u64,
         GROUPS_PER_BLOCK,
         &[Some(input), Some(dests), Some(out)],
+        &SdpGradFirst::new(&layout, &rng).expect("params"),
+    );
+
+    // The same pass over a bf16 bucket (the bf16 kernel variant).
+    let bucket16 = bf16s(rand, plan.numel, g);
+    let mut own16 = vec![0u8; own.len()];
+    gradient::quantize_first(&layout, &bucket16, &rng, &mut own16);
+    let input16 = case.input(bf16_bytes(&bucket16));
+    let out16 = case.output(
+        garbage(own16.len()),
+        "grad_quantize_first_bf16".into(),
+        Expect::Slabs(first.slab),
+        own16,
+    );
+    case.launch(
+        Kernel::GradQuantizeFirstBf16,
+        (plan.chunks * first.peers * first.slab.groups) as u64,
+        GROUPS_PER_BLOCK,
+        &[Some(input16), Some(dests), Some(out16)],
         &SdpGradFirst::new(&layout, &rng).expect("params"),
     );
 
@@ -151,6 +172,90 @@ pub fn grad_case(
                 &SdpGradFinal::new(&layout, p).expect("params"),
             );
         }
+
+        // The same into a bf16 shard (the bf16 kernel variant).
+        let sentinel16: Vec<bf16> = sentinel.iter().map(|&x| bf16::from_f32(x)).collect();
+        let cpu16 = |recv: &[u8]| {
+            let mut shard = sentinel16.clone();
+            gradient::reduce_final(&layout, p, recv, &mut shard).expect("valid slabs");
+            bf16_bytes(&shard)
+        };
+        for (tag, input, want) in [
+            ("", &last_recv, cpu16(&last_recv)),
+            (" damaged", &bad, cpu16(&twin)),
+        ] {
+            let input = case.input(input.clone());
+            let out = case.output(
+                bf16_bytes(&sentinel16),
+                format!("grad_reduce_final_bf16 p={p}{tag}"),
+                Expect::Bf16,
+                want,
+            );
+            case.launch(
+                Kernel::GradReduceFinalBf16,
+                last.slab.groups as u64,
+                GROUPS_PER_BLOCK,
+                &[Some(input), Some(out)],
+                &SdpGradFinal::new(&layout, p).expect("params"),
+            );
+        }
+    }
+    case
+}
+
+/// The conversions of gradients between bf16 and fp32 over `numel` elements (special values
+/// included): widen, round to bf16, and bf16 through fp32 back to bf16 (a partial last run
+/// when `numel` is not a multiple of 4 is taken element by element).
+pub fn convert_case(rand: &mut SplitMix64, numel: usize) -> Case {
+    let mut case = Case::new(format!("gradient conversions n={numel}"), rand);
+    let params = SdpConvert {
+        numel: numel as u64,
+    };
+    let narrow = bf16s(rand, numel, 64);
+    let wide = values(rand, numel, 64);
+    let mut widened = vec![0f32; numel];
+    widen_into(&narrow, &mut widened);
+    let mut narrowed = vec![bf16::ZERO; numel];
+    narrow_into(&wide, &mut narrowed);
+    let mut rounded = vec![bf16::ZERO; numel];
+    narrow_into(&widened, &mut rounded);
+    for (kernel, input, out_width, expect, want) in [
+        (
+            Kernel::GradWidenBf16,
+            bf16_bytes(&narrow),
+            4,
+            Expect::F32,
+            f32_bytes(&widened),
+        ),
+        (
+            Kernel::GradNarrowBf16,
+            f32_bytes(&wide),
+            2,
+            Expect::Bf16,
+            bf16_bytes(&narrowed),
+        ),
+        (
+            Kernel::GradRoundBf16,
+            bf16_bytes(&narrow),
+            2,
+            Expect::Bf16,
+            bf16_bytes(&rounded),
+        ),
+    ] {
+        let input = case.input(input);
+        let out = case.output(
+            garbage(out_width * numel),
+            kernel.name().into(),
+            expect,
+            want,
+        );
+        case.launch(
+            kernel,
+            numel as u64,
+            ELEMENTS_PER_BLOCK,
+            &[Some(input), Some(out)],
+            &params,
+        );
     }
     case
 }

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
-use sdp4bit::collective::{Comm, CommGroups, GradReduceScatter, WeightAllGather};
+use sdp4bit::collective::{BucketElement, Comm, CommGroups, GradReduceScatter, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Result};
 
@@ -92,20 +92,21 @@ pub fn per_step<T>(per_rank: Vec<Result<Vec<T>>>, context: &str) -> Vec<Vec<T>> 
         .collect()
 }
 
-/// What one rank saw of one reduce-scatter: `(shard, world log, intra log, inter log)`.
-pub type RankLogs = (Vec<f32>, Vec<Record>, Vec<Record>, Vec<Record>);
+/// What one rank saw of one reduce-scatter of `G` gradients: `(shard, world log, intra log,
+/// inter log)`.
+pub type RankLogs<G = f32> = (Vec<G>, Vec<Record>, Vec<Record>, Vec<Record>);
 
 /// Runs one reduce-scatter per entry of `steps` (fresh objects, `steps[k] = (step, grads)`)
 /// through [`Recorder`]s and returns every rank's shards and logs per step.
-pub fn reduce_scatter_recorded(
+pub fn reduce_scatter_recorded<G: BucketElement>(
     config: &Config,
     topo: &Topology,
     bucket_id: u32,
-    steps: &[(u64, Vec<Vec<f32>>)],
-) -> Vec<Vec<RankLogs>> {
+    steps: &[(u64, Vec<Vec<G>>)],
+) -> Vec<Vec<RankLogs<G>>> {
     let cluster = LocalCluster::new(topo.clone());
     let w = topo.world();
-    let per_rank = cluster.run(|c| -> Result<Vec<RankLogs>> {
+    let per_rank = cluster.run(|c| -> Result<Vec<RankLogs<G>>> {
         let me = c.world.rank();
         let world = Recorder::new(c.world);
         let intra = c.intra.map(Recorder::new);
@@ -119,7 +120,7 @@ pub fn reduce_scatter_recorded(
         for (step, grads) in steps {
             let numel = grads[me].len();
             let mut rs = GradReduceScatter::new(config, topo, me, numel, bucket_id)?;
-            let mut shard = vec![f32::NAN; numel / w];
+            let mut shard = vec![G::from_f32(f32::NAN); numel / w];
             rs.run(&groups, &grads[me], &mut shard, *step)?;
             out.push((
                 shard,
