@@ -71,7 +71,8 @@ def ranks_per_core(row: dict, cores: int) -> float:
 def wire_ms(row: dict, rate_mbit: float | None = None) -> float:
     """The link time at `rate_mbit` (default: the row's) of the bytes the row's busiest node
     link carried per call, as its interface counted them (`wire_bytes`, bench/cluster_cpu.py);
-    rows without that count (bench/cluster.py's) use the bytes the core plans (`link_ms`)."""
+    rows without that count (measured before it was recorded) use the bytes the core plans
+    (`link_ms`)."""
     rate = row["rate_mbit"] if rate_mbit is None else rate_mbit
     if row.get("wire_bytes"):
         return row["wire_bytes"] * 8e-3 / rate

@@ -49,6 +49,14 @@ class Transport:
     uncompressed_unhidden: float = 0.0  # beta_gloo: the same for the uncompressed collectives
     core_share: float = 0.74  # kappa: of shared cores' time the ranks' work gets
 
+    def __post_init__(self):
+        for name in ("link_fraction", "uncompressed_link_fraction", "core_share"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("unhidden_codec", "uncompressed_unhidden"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
 
 def cpu_ms(work_ms: float, ranks_per_core: float, core_share: float) -> float:
     """The wall time of one rank's `work_ms` of CPU work when `ranks_per_core` ranks (each with
@@ -89,6 +97,10 @@ class Cluster:
     intra_latency_us: float = 2.0
     inter_latency_us: float = 5.0
     ranks_per_core: float = 1.0  # above 1 only where ranks share cores (the emulated cluster)
+
+    def __post_init__(self):
+        if not self.ranks_per_core > 0:
+            raise ValueError(f"ranks_per_core must be positive, got {self.ranks_per_core}")
 
     def dp_layout(self) -> tuple[int, int]:
         """(DP ranks, DP ranks per node): TP inside a node, PP across nodes."""
@@ -223,8 +235,11 @@ def main(argv=None) -> None:
                    "with every preset at the link's rate (PAPER_TRANSPORT)")
     args = p.parse_args(argv)
     presets = args.presets.split(",")
-    transport = Transport(args.link_fraction, args.uncompressed_link_fraction,
-                          args.unhidden_codec, args.uncompressed_unhidden, args.core_share)
+    try:
+        transport = Transport(args.link_fraction, args.uncompressed_link_fraction,
+                              args.unhidden_codec, args.uncompressed_unhidden, args.core_share)
+    except ValueError as error:
+        p.error(str(error))
     if args.paper:
         for name, cluster, measured in PAPER:
             print(f"== {name} (assumed {cluster.inter_gbps:g} Gbit/s per node between nodes, "
@@ -238,9 +253,12 @@ def main(argv=None) -> None:
                if getattr(args, n) is None]
     if missing:
         p.error(f"{', '.join(missing)} required (or --paper)")
-    cluster = Cluster(args.nodes, args.gpus_per_node, args.tp, args.pp, args.intra_gbps,
-                      args.inter_gbps, args.intra_latency_us, args.inter_latency_us,
-                      args.ranks_per_core)
+    try:
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.tp, args.pp, args.intra_gbps,
+                          args.inter_gbps, args.intra_latency_us, args.inter_latency_us,
+                          args.ranks_per_core)
+    except ValueError as error:
+        p.error(str(error))
     _print(predict(args.params, cluster, presets, args.bucket_elements, args.codec_gbps,
                    args.compute_ms, transport))
 

@@ -44,6 +44,12 @@ def test_speedups_follow_the_links():
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="do not split"):
         plan.Cluster(2, 8, tp=3).dp_layout()
+    with pytest.raises(ValueError, match="ranks_per_core must be positive"):
+        plan.Cluster(2, 8, ranks_per_core=0)
+    with pytest.raises(ValueError, match="core_share must be positive"):
+        plan.Transport(core_share=0)
+    with pytest.raises(ValueError, match=r"unhidden_codec must be in \[0, 1\]"):
+        plan.Transport(unhidden_codec=1.5)
 
 
 def test_command_line(tmp_path):
@@ -53,6 +59,9 @@ def test_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--nodes", "2"],
                          cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode != 0 and "--params, --gpus-per-node required" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--paper", "--link-fraction",
+                          "0"], cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode != 0 and "link_fraction must be positive" in bad.stderr
 
 
 def _calibrate_plan():
