@@ -208,15 +208,16 @@ const MODELS: [Model; 20] = [
     },
     Model {
         kernel: "grad_quantize_first_bf16",
-        config: "TLq-HS first level from a bf16 bucket: 8-bit, g = 128, Hadamard 32, stochastic",
+        config: "TLq-HS first level from a bf16 bucket: 8-bit, g = 128, Hadamard 32, stochastic, 3 groups per unit",
         params: "a.slab.quant.bits = 8; a.slab.quant.group_size = 128; a.slab.quant.symmetric = 1; a.slab.quant.stochastic = 1; a.peers1 = 8;  a.hadamard_block = 32;",
         pointers: "const sdp_bf16* __restrict__ p0, const uint32_t* __restrict__ p1, uint8_t* __restrict__ p2",
         arguments: "p0, p1, p2",
         struct_name: "sdp_grad_first",
-        min_blocks: 4,
-        elements_per_unit: 128.0,
+        min_blocks: 3,
+        elements_per_unit: 3.0 * 128.0,
         bytes_per_element: 2.0 + 1.0 + 4.0 / 128.0,
-        loaded_per_unit: 128.0 * 2.0,
+        loaded_per_unit: 3.0 * 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
     },
     Model {
         kernel: "grad_reduce_final_bf16",
@@ -229,6 +230,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 4.0 * (0.5 + 4.0 / 128.0) + 2.0,
         loaded_per_unit: 128.0 * 4.0 * 0.5,
+        in_flight_per_warp: 128.0 * 4.0 * 0.5,
     },
     Model {
         kernel: "global_absmax_bf16",
@@ -241,6 +243,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 2.0,
         loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
     },
     Model {
         kernel: "global_quantize_i8_bf16",
@@ -253,6 +256,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 2.0 + 1.0,
         loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
     },
     Model {
         kernel: "global_quantize_i16_bf16",
@@ -265,6 +269,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 2.0 + 2.0,
         loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
     },
     Model {
         kernel: "global_dequantize_i8_bf16",
@@ -277,6 +282,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 8.0 * 1.0 + 2.0,
         loaded_per_unit: 8.0 * 128.0,
+        in_flight_per_warp: 8.0 * 128.0,
     },
     Model {
         kernel: "global_dequantize_i16_bf16",
@@ -289,6 +295,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 8.0 * 2.0 + 2.0,
         loaded_per_unit: 8.0 * 128.0 * 2.0,
+        in_flight_per_warp: 8.0 * 128.0 * 2.0,
     },
     Model {
         kernel: "grad_widen_bf16",
@@ -301,6 +308,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 2.0 + 4.0,
         loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
     },
     Model {
         kernel: "grad_narrow_bf16",
@@ -313,6 +321,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 4.0 + 2.0,
         loaded_per_unit: 128.0 * 4.0,
+        in_flight_per_warp: 128.0 * 4.0,
     },
     Model {
         kernel: "grad_round_bf16",
@@ -325,6 +334,7 @@ const MODELS: [Model; 20] = [
         elements_per_unit: 128.0,
         bytes_per_element: 2.0 + 2.0,
         loaded_per_unit: 128.0 * 2.0,
+        in_flight_per_warp: 128.0 * 2.0,
     },
 ];
 
