@@ -786,11 +786,12 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_non_finite()
     return m;
 }
 
-// quant::symmetric_meta / quant::asymmetric_meta from the group's statistics. The min-max
+// quant::symmetric_meta / quant::asymmetric_meta from the group's statistics, for any group, out
+// of line (sdp_meta_of takes it for min-max codecs and for absmax outside its fast range). The min-max
 // path is only reached when every value is finite, so fminf / fmaxf see no NaN; which zero
 // they return for a group holding +0 and -0 does not matter because `+ 0.0` canonicalises -0
 // to +0.
-__device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const sdp_group_stats& s)
+static __device__ SDP_NOINLINE sdp_group_meta sdp_meta_general(const sdp_quant& q, const sdp_group_stats& s)
 {
     if (s.abs_bits >= 0x7f800000u) {
         return sdp_meta_non_finite();
@@ -820,6 +821,57 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const 
     }
     m.coded = m.scale != 0.0f;
     m.divisor = sdp_divisor_of(m.scale, range);
+    return m;
+}
+
+// RN(1 / L) for the largest code L of a quantizer (sdp_max_code): the four of 4- and 8-bit codes
+// as constants, any other by the IEEE reciprocal.
+__device__ __forceinline__ float sdp_max_code_inverse(int32_t top)
+{
+    switch (top) {
+    case 7:
+        return __uint_as_float(0x3e124925u);
+    case 15:
+        return __uint_as_float(0x3d888889u);
+    case 127:
+        return __uint_as_float(0x3c010204u);
+    case 255:
+        return __uint_as_float(0x3b808081u);
+    default:
+        return __frcp_rn((float)top);
+    }
+}
+
+// sdp_meta_of's fast range of a symmetric group's absmax a: [2^-24, 2^40) (the bits of 2^-24 and
+// 2^40).
+#define SDP_META_FAST_LOW 0x33800000u
+#define SDP_META_FAST_HIGH 0x53800000u
+
+// sdp_meta_general, with the common case inline: for a symmetric group whose absmax a lies in
+// [2^-24, 2^40), the scale s = RN(a / L) is Markstein's quotient by the divisor L (the largest
+// code, 1 <= L < 2^16, and a meet sdp_divisor's conditions, so it is the IEEE division's,
+// docs/numerics.md §1.4). Then 2^-40 < a / L <= a < 2^40 puts s in [2^-40, 2^40): nonzero
+// (coded), L s finite (the non-finite checks cannot fire), and s a fast divisor for the
+// group's |x| <= a (sdp_divisor_of's conditions). Bit for bit what sdp_meta_general returns.
+__device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const sdp_group_stats& s)
+{
+    if (!q.symmetric || s.abs_bits - SDP_META_FAST_LOW >= SDP_META_FAST_HIGH - SDP_META_FAST_LOW) {
+        // Cold path: min-max codecs, and groups with absmax outside the fast range (zero,
+        // tiny, huge, Inf or NaN).
+        return sdp_meta_general(q, s);
+    }
+    const int32_t top = sdp_max_code(q);
+    sdp_divisor by_top;
+    by_top.s = (float)top;
+    by_top.inverse = sdp_max_code_inverse(top);
+    by_top.fast = true;
+    sdp_group_meta m;
+    m.scale = sdp_divide_markstein(by_top, __uint_as_float(s.abs_bits));
+    m.offset = 0.0f;
+    m.coded = true;
+    m.divisor.s = m.scale;
+    m.divisor.inverse = __frcp_rn(m.scale);
+    m.divisor.fast = true;
     return m;
 }
 
@@ -932,13 +984,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
                 for (uint32_t k = 0; k < E; ++k) {
                     x[k] = q.symmetric ? v[r * E + k] : __fsub_rn(v[r * E + k], meta.offset);
                 }
-                if (E == 8) {
-                    sdp_divide_run<E>(meta.divisor, x, quotient);
-                } else {
-                    // Runs of 4 divide with __fdiv_rn: per group, the reciprocal and the
-                    // fallback cost as much as the divisions they save over 4 values.
-                    sdp_divide_each<E>(meta.scale, x, quotient);
-                }
+                sdp_divide_run<E>(meta.divisor, x, quotient);
             }
             // The Philox words after the quotients: fewer values live at once. Drawn for every
             // run (pure arithmetic), used only for the coded ones: no branch around them.

@@ -24,6 +24,26 @@
 // multiprocessor (four spill).
 #define GROUPS_PER_UNIT 3u
 
+// Elements i .. i + 3 of a unit whose first `real` elements are real, as fp32, zeros from the
+// `real`-th on (the padding past the shard): one vector load when the run is wholly real and
+// aligned, else element by element. The loader of units that are not whole (sdp_grad_first's
+// last unit of a shard, or an unaligned bucket), out of line: a call per run in the loop, not
+// the tests and the element-wise code.
+template <class G>
+static __device__ SDP_NOINLINE float4 load_four_of_part(const G* __restrict__ unit, uint32_t real, uint32_t i)
+{
+    float x[4];
+    if (i + 4 <= real && sdp_grad_run_aligned(unit + i)) {
+        sdp_grad_load4(unit + i, x);
+    } else {
+#pragma unroll
+        for (uint32_t k = 0; k < 4; ++k) {
+            x[k] = i + k < real ? sdp_grad_to_f32(unit[i + k]) : 0.0f;
+        }
+    }
+    return make_float4(x[0], x[1], x[2], x[3]);
+}
+
 // The kernel for a bucket of G (float or sdp_bf16, read as fp32).
 template <class G>
 __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ bucket, const uint32_t* __restrict__ dests,
@@ -56,30 +76,32 @@ __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ buc
         const uint64_t unit_left = unit_first < sh.shard_len ? sh.shard_len - unit_first : 0;
         const uint32_t unit_real = unit_left < GROUPS_PER_UNIT * g ? (uint32_t)unit_left : GROUPS_PER_UNIT * g;
         const uint64_t unit_index = z * sh.padded_shard_len + unit_first;
+        // A whole unit (all its groups real, its first element 16-byte aligned, so every run
+        // is: g is a multiple of 32) loads each run with one vector load, untested.
+        const bool whole = unit_real == GROUPS_PER_UNIT * g && sdp_grad_run_aligned(unit_elements);
 #pragma unroll
         for (uint32_t n = 0; n < GROUPS_PER_UNIT; ++n) {
             const uint32_t j = GROUPS_PER_UNIT * walk.at[3] + n;
             if (j >= gc) {
                 break;
             }
-            // Group n of the unit: its elements, and how many of them are real.
-            const G* group = unit_elements + n * g;
-            const uint32_t ahead = unit_real > n * g ? unit_real - n * g : 0;
-            const uint32_t real = ahead < g ? ahead : g;
-
             // Tile t: the real elements of shard z, zeros past S, then the forward Hadamard.
             auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
 #pragma unroll
                 for (uint32_t r = 0; r < SDP_LANE_VALUES / 4; ++r) {
                     float* x = v + 4 * r;
                     const uint32_t e = sdp_tile_element<4>(t, 4 * r, lane);
-                    if (e + 4 <= real && sdp_grad_run_aligned(group + e)) {
-                        sdp_grad_load4(group + e, x);
-                    } else {  // Cold path: an unaligned or partial run, element by element.
-#pragma unroll
-                        for (uint32_t i = 0; i < 4; ++i) {
-                            x[i] = e + i < real ? sdp_grad_to_f32(group[e + i]) : 0.0f;
-                        }
+                    const uint32_t i = n * g + e;
+                    if (e >= g) {  // A run past the group (its last tile): zeros.
+                        x[0] = x[1] = x[2] = x[3] = 0.0f;
+                    } else if (whole) {
+                        sdp_grad_load4(unit_elements + i, x);
+                    } else {  // Cold path: a unit not whole, run by run, out of line.
+                        const float4 part = load_four_of_part(unit_elements, unit_real, i);
+                        x[0] = part.x;
+                        x[1] = part.y;
+                        x[2] = part.z;
+                        x[3] = part.w;
                     }
                 }
                 if (args.hadamard_block != 0) {
