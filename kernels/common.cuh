@@ -767,13 +767,20 @@ __device__ __forceinline__ sdp_group_stats sdp_stats_reduce(const sdp_quant& q, 
 }
 
 // Scale and offset of a group (GroupMeta), whether its codes are computed (`coded`; false:
-// every code is 0) and, for a coded group, the scale as a divisor.
+// every code is 0) and the divisor of its values: the scale for a coded group, NaN otherwise.
 struct sdp_group_meta {
     float scale;
     float offset;
     bool coded;
     sdp_divisor divisor;
 };
+
+// The divisor of a group that is not coded: NaN, so that every quotient is NaN and its code 0
+// (sdp_code_of), as the group's codes must be.
+__device__ __forceinline__ sdp_divisor sdp_divisor_uncoded()
+{
+    return sdp_divisor_of(sdp_nan(), sdp_nan());
+}
 
 // A non-finite group: scale and offset NaN, codes 0 (quant::non_finite_meta).
 __device__ __forceinline__ sdp_group_meta sdp_meta_non_finite()
@@ -782,7 +789,7 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_non_finite()
     m.scale = sdp_nan();
     m.offset = sdp_nan();
     m.coded = false;
-    m.divisor = sdp_divisor_of(1.0f, 1.0f);
+    m.divisor = sdp_divisor_uncoded();
     return m;
 }
 
@@ -820,7 +827,7 @@ static __device__ SDP_NOINLINE sdp_group_meta sdp_meta_general(const sdp_quant& 
         }
     }
     m.coded = m.scale != 0.0f;
-    m.divisor = sdp_divisor_of(m.scale, range);
+    m.divisor = m.coded ? sdp_divisor_of(m.scale, range) : sdp_divisor_uncoded();
     return m;
 }
 
@@ -878,8 +885,8 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const 
 // The code of x in a coded group: R(x / s) (symmetric) or R((x - lo) / s) (asymmetric), with
 // R(v) = floor(v + u) (stochastic, u from the Philox word `word`, sdp_add_uniform) or round
 // half to even, clamped to [-L, L] or [0, 2^b - 1] (sdp_store_codes keeps its b bits). A NaN
-// code becomes 0
-// (quant::code_bits; cannot happen for a coded group, kept for parity). The rounding converts
+// code becomes 0 (quant::code_bits; never for a coded group), which gives a group that is not
+// coded its codes 0: its divisor is NaN (sdp_divisor_uncoded). The rounding converts
 // straight to an integer (cvt.rmi / cvt.rni: saturating, NaN to 0) and clamps the integer,
 // which equals rounding, clamping and converting in fp32 for every value, NaN and Inf included.
 // `t` is the quotient x / s or (x - lo) / s (sdp_quotients).
@@ -946,8 +953,8 @@ __device__ __forceinline__ void sdp_store_codes(uint8_t* codes, const sdp_quant&
 // `offset` (null for symmetric slabs), lanes holding runs of E elements. `load(t, v)` fills
 // this lane's values of tile t (zeros for runs past the group) and is called by all 32 lanes
 // together; it may be called twice per tile. `rng` gives the uniform of element e at
-// `first_index + e` (stochastic rounding only; drawn for every run but used only for coded
-// groups, as on the CPU the uniforms of an uncoded group are unused).
+// `first_index + e` (stochastic rounding only; drawn for every run, and a group that
+// is not coded divides by NaN, so its codes are 0 whatever the uniforms, without a branch).
 template <uint32_t E, class Load>
 __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& load, const sdp_rng& rng,
                                                    uint64_t first_index, uint8_t* codes, float* scale,
@@ -978,7 +985,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
             }
             const bool valid = sdp_run_in_group<E>(g, t, r, lane);
             float quotient[E];
-            if (valid && meta.coded) {
+            if (valid) {
                 float x[E];
 #pragma unroll
                 for (uint32_t k = 0; k < E; ++k) {
@@ -987,7 +994,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
                 sdp_divide_run<E>(meta.divisor, x, quotient);
             }
             // The Philox words after the quotients: fewer values live at once. Drawn for every
-            // run (pure arithmetic), used only for the coded ones: no branch around them.
+            // run (pure arithmetic): no branch around them.
             uint32_t w[E];
 #pragma unroll
             for (uint32_t k = 0; k < E; k += 4) {
@@ -999,7 +1006,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
             }
 #pragma unroll
             for (uint32_t k = 0; k < E; ++k) {
-                c[r * E + k] = valid && meta.coded ? sdp_code_of(q, quotient[k], w[k]) : 0;
+                c[r * E + k] = valid ? sdp_code_of(q, quotient[k], w[k]) : 0;
             }
             sdp_store_codes<E>(codes, q, t, r, c, valid, lane);
         }
