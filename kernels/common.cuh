@@ -465,16 +465,6 @@ static __device__ SDP_NOINLINE float4 sdp_divide_plain4(float4 x, float s)
     return make_float4(__fdiv_rn(x.x, s), __fdiv_rn(x.y, s), __fdiv_rn(x.z, s), __fdiv_rn(x.w, s));
 }
 
-// q[i] = RN(x[i] / s) for the N values of x, each an IEEE division.
-template <uint32_t N>
-__device__ __forceinline__ void sdp_divide_each(float s, const float* x, float* q)
-{
-#pragma unroll
-    for (uint32_t i = 0; i < N; ++i) {
-        q[i] = __fdiv_rn(x[i], s);
-    }
-}
-
 // q[i] = RN(x[i] / s) for the N values of x (N a multiple of 4): the fast path, redone with the
 // plain division unless its conditions hold for all of them (one branch per run, no path to
 // duplicate code into).

@@ -291,9 +291,16 @@ fn metadata_fast_path_equals_the_general_one_for_every_absmax() {
         let count = u64::from(power_of_two_bits(41) - first);
         // SAFETY: plain values in, a count out.
         let dense = unsafe { (h.meta_mismatches)(bits, first, count, 1) };
-        assert_eq!(dense, 0, "{bits}-bit codes: {dense} absmax patterns in [2^-25, 2^41) differ");
+        assert_eq!(
+            dense, 0,
+            "{bits}-bit codes: {dense} absmax patterns in [2^-25, 2^41) differ"
+        );
+        // SAFETY: as above.
         let sparse = unsafe { (h.meta_mismatches)(bits, 0, 1 << 31, 997) };
-        assert_eq!(sparse, 0, "{bits}-bit codes: {sparse} sampled absmax patterns differ");
+        assert_eq!(
+            sparse, 0,
+            "{bits}-bit codes: {sparse} sampled absmax patterns differ"
+        );
     }
 }
 
@@ -311,7 +318,15 @@ fn metadata_scale_is_the_cpu_quantizers() {
             let at = power_of_two_bits(e);
             [at - 2, at - 1, at, at + 1, at + 2]
         })
-        .chain([0, 1, 0x007f_ffff, 0x0080_0000, 0x7f7f_ffff, 0x7f80_0000, 0x7fc0_0000])
+        .chain([
+            0,
+            1,
+            0x007f_ffff,
+            0x0080_0000,
+            0x7f7f_ffff,
+            0x7f80_0000,
+            0x7fc0_0000,
+        ])
         .collect();
     abs_bits.extend((0..1 << 20).map(|_| rng.next_u32() % 0x7f80_0000));
     for bits in [4u8, 8] {
