@@ -821,22 +821,15 @@ static __device__ SDP_NOINLINE sdp_group_meta sdp_meta_general(const sdp_quant& 
     return m;
 }
 
-// RN(1 / L) for the largest code L of a quantizer (sdp_max_code): the four of 4- and 8-bit codes
-// as constants, any other by the IEEE reciprocal.
+// RN(1 / L) for the largest code L of a 4- or 8-bit quantizer (sdp_max_code), 0 for any other
+// L: sdp_meta_of's `top_inverse`, which a kernel computes once, before its loop over groups.
 __device__ __forceinline__ float sdp_max_code_inverse(int32_t top)
 {
-    switch (top) {
-    case 7:
-        return __uint_as_float(0x3e124925u);
-    case 15:
-        return __uint_as_float(0x3d888889u);
-    case 127:
-        return __uint_as_float(0x3c010204u);
-    case 255:
-        return __uint_as_float(0x3b808081u);
-    default:
-        return __frcp_rn((float)top);
-    }
+    return top == 7     ? __uint_as_float(0x3e124925u)
+           : top == 15  ? __uint_as_float(0x3d888889u)
+           : top == 127 ? __uint_as_float(0x3c010204u)
+           : top == 255 ? __uint_as_float(0x3b808081u)
+                        : 0.0f;
 }
 
 // sdp_meta_of's fast range of a symmetric group's absmax a: [2^-24, 2^40) (the bits of 2^-24 and
@@ -844,24 +837,25 @@ __device__ __forceinline__ float sdp_max_code_inverse(int32_t top)
 #define SDP_META_FAST_LOW 0x33800000u
 #define SDP_META_FAST_HIGH 0x53800000u
 
-// sdp_meta_general, with the common case inline: for a symmetric group whose absmax a lies in
-// [2^-24, 2^40), the scale s = RN(a / L) is Markstein's quotient by the divisor L (the largest
-// code, 1 <= L < 2^16, and a meet sdp_divisor's conditions, so it is the IEEE division's,
-// docs/numerics.md §1.4). Then 2^-40 < a / L <= a < 2^40 puts s in [2^-40, 2^40): nonzero
+// sdp_meta_general, with the common case inline: for a symmetric group of 4- or 8-bit codes
+// (`top_inverse` = sdp_max_code_inverse(L), not 0) whose absmax a lies in [2^-24, 2^40), the
+// scale s = RN(a / L) is Markstein's quotient by the divisor L (the largest code, 1 <= L < 2^16,
+// and a meet sdp_divisor's conditions, so it is the IEEE division's, docs/numerics.md §1.4). Then 2^-40 < a / L <= a < 2^40 puts s in [2^-40, 2^40): nonzero
 // (coded), L s finite (the non-finite checks cannot fire), and s a fast divisor for the
 // group's |x| <= a (sdp_divisor_of's conditions). Bit for bit what sdp_meta_general returns.
-__device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const sdp_group_stats& s)
+__device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, float top_inverse,
+                                                     const sdp_group_stats& s)
 {
-    if (!q.symmetric || s.abs_bits - SDP_META_FAST_LOW >= SDP_META_FAST_HIGH - SDP_META_FAST_LOW) {
-        // Cold path: min-max codecs, and groups with absmax outside the fast range (zero,
-        // tiny, huge, Inf or NaN).
+    sdp_divisor by_top;
+    by_top.s = (float)sdp_max_code(q);
+    by_top.inverse = top_inverse;
+    by_top.fast = true;
+    if (!q.symmetric || by_top.inverse == 0.0f ||
+        s.abs_bits - SDP_META_FAST_LOW >= SDP_META_FAST_HIGH - SDP_META_FAST_LOW) {
+        // Cold path: min-max codecs, other code widths, and groups with absmax outside the
+        // fast range (zero, tiny, huge, Inf or NaN).
         return sdp_meta_general(q, s);
     }
-    const int32_t top = sdp_max_code(q);
-    sdp_divisor by_top;
-    by_top.s = (float)top;
-    by_top.inverse = sdp_max_code_inverse(top);
-    by_top.fast = true;
     sdp_group_meta m;
     m.scale = sdp_divide_markstein(by_top, __uint_as_float(s.abs_bits));
     m.offset = 0.0f;
@@ -940,13 +934,14 @@ __device__ __forceinline__ void sdp_store_codes(uint8_t* codes, const sdp_quant&
 }
 
 // Quantizes one group with the whole warp into `codes` (the group's code bytes), `scale` and
-// `offset` (null for symmetric slabs), lanes holding runs of E elements. `load(t, v)` fills
+// `offset` (null for symmetric slabs), lanes holding runs of E elements; `top_inverse` is
+// sdp_max_code_inverse(sdp_max_code(q)), computed by the caller once. `load(t, v)` fills
 // this lane's values of tile t (zeros for runs past the group) and is called by all 32 lanes
 // together; it may be called twice per tile. `rng` gives the uniform of element e at
 // `first_index + e` (stochastic rounding only; drawn for every run, and a group that
 // is not coded divides by NaN, so its codes are 0 whatever the uniforms, without a branch).
 template <uint32_t E, class Load>
-__device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& load, const sdp_rng& rng,
+__device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, float top_inverse, Load& load, const sdp_rng& rng,
                                                    uint64_t first_index, uint8_t* codes, float* scale,
                                                    float* offset, uint32_t lane)
 {
@@ -959,7 +954,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
         load(t, v);
         sdp_stats_add<E>(stats, q, v, t, lane);
     }
-    const sdp_group_meta meta = sdp_meta_of(q, sdp_stats_reduce(q, stats));
+    const sdp_group_meta meta = sdp_meta_of(q, top_inverse, sdp_stats_reduce(q, stats));
 
     for (uint32_t t = 0; t < tiles; ++t) {
         // A one-tile group still holds its values from the statistics pass.
@@ -1011,16 +1006,16 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
 }
 
 // Quantizes group k of a slab being written (codes, scale, offset at their slab positions; the
-// slab's padding is zeroed by sdp_zero_slabs_padding).
+// slab's padding is zeroed by sdp_zero_slabs_padding); `top_inverse` as for sdp_quantize_group.
 template <uint32_t E, class Load>
-__device__ __forceinline__ void sdp_quantize_slab_group(uint8_t* slab, const sdp_slab& layout,
+__device__ __forceinline__ void sdp_quantize_slab_group(uint8_t* slab, const sdp_slab& layout, float top_inverse,
                                                         uint64_t k, Load& load, const sdp_rng& rng,
                                                         uint64_t first_index, uint32_t lane)
 {
     float* scale = (float*)(slab + sdp_scale_offset(layout, k));
     float* offset = layout.quant.symmetric ? nullptr : (float*)(slab + sdp_offset_offset(layout, k));
-    sdp_quantize_group<E>(layout.quant, load, rng, first_index, slab + sdp_codes_offset(layout, k), scale,
-                          offset, lane);
+    sdp_quantize_group<E>(layout.quant, top_inverse, load, rng, first_index, slab + sdp_codes_offset(layout, k),
+                          scale, offset, lane);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ buc
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
     const uint32_t gc = args.groups_per_chunk;
+    const float top_inverse = sdp_max_code_inverse(sdp_max_code(layout.quant));
     // Unit u = ((p * peers1 + x1) * peers2 + x2) * per_dest + h, with per_dest =
     // ceil(gc / GROUPS_PER_UNIT): the groups j = GROUPS_PER_UNIT h + n (n < GROUPS_PER_UNIT,
     // j < gc) of chunk p for destination (x1, x2); units fit in 32 bits (the launch checks, and
@@ -108,7 +109,7 @@ __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ buc
                     sdp_hadamard_forward(v, g, t, args.hadamard_block, lane);
                 }
             };
-            sdp_quantize_slab_group<4>(slab, layout, x2 * gc + j, load, args.rng, unit_index + n * g, lane);
+            sdp_quantize_slab_group<4>(slab, layout, top_inverse, x2 * gc + j, load, args.rng, unit_index + n * g, lane);
         }
     }
     sdp_zero_slabs_padding(out, layout, (uint64_t)sh.chunks * args.peers1, lane);

@@ -48,7 +48,7 @@ uint64_t sdp_test_meta_mismatches(uint32_t bits, uint32_t first, uint64_t count,
     for (uint64_t i = 0; i < count; i += stride) {
         sdp_group_stats s = sdp_stats_empty();
         s.abs_bits = (uint32_t)(first + i);
-        if (!same_meta(sdp_meta_of(q, s), sdp_meta_general(q, s))) {
+        if (!same_meta(sdp_meta_of(q, sdp_max_code_inverse(sdp_max_code(q)), s), sdp_meta_general(q, s))) {
             ++mismatches;
         }
     }
@@ -63,7 +63,7 @@ void sdp_test_meta_scales(uint32_t bits, const uint32_t* abs_bits, float* scale,
     for (size_t i = 0; i < n; ++i) {
         sdp_group_stats s = sdp_stats_empty();
         s.abs_bits = abs_bits[i];
-        scale[i] = sdp_meta_of(q, s).scale;
+        scale[i] = sdp_meta_of(q, sdp_max_code_inverse(sdp_max_code(q)), s).scale;
     }
 }
 
