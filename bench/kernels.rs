@@ -577,6 +577,8 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
         "element loads and stores (with their unaligned / tail fallbacks)",
         &[
             "sdp_load_f32x4",
+            "sdp_grad_load4",
+            "sdp_grad_load4_raw",
             "sdp_store_f32x4",
             "sdp_load_u16x8",
             "sdp_store_u16x8",

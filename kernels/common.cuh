@@ -293,6 +293,23 @@ __device__ __forceinline__ void sdp_grad_load4(const sdp_bf16* p, float* x)
     x[3] = sdp_bf16_to_f32(sdp_half(w.y, 1));
 }
 
+// sdp_grad_load4 for values whose NaN payload never reaches an output (a quantizer's inputs,
+// where a NaN only makes its group non-finite): bf16 NaNs keep their payload unquieted
+// (sdp_bf16_low_to_f32_raw), every other value is converted exactly as sdp_grad_load4 does.
+__device__ __forceinline__ void sdp_grad_load4_raw(const float* p, float* x)
+{
+    sdp_load_f32x4(p, x);
+}
+
+__device__ __forceinline__ void sdp_grad_load4_raw(const sdp_bf16* p, float* x)
+{
+    const uint2 w = __ldg((const uint2*)p);
+    x[0] = sdp_bf16_low_to_f32_raw(w.x);
+    x[1] = sdp_bf16_high_to_f32_raw(w.x);
+    x[2] = sdp_bf16_low_to_f32_raw(w.y);
+    x[3] = sdp_bf16_high_to_f32_raw(w.y);
+}
+
 // One element as fp32.
 __device__ __forceinline__ float sdp_grad_to_f32(float v)
 {

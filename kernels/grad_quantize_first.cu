@@ -96,7 +96,9 @@ __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ buc
                     if (e >= g) {  // A run past the group (its last tile): zeros.
                         x[0] = x[1] = x[2] = x[3] = 0.0f;
                     } else if (whole) {
-                        sdp_grad_load4(unit_elements + i, x);
+                        // A NaN makes its Hadamard block's values NaN and its group
+                        // non-finite (scale NaN, codes 0): its payload reaches no output.
+                        sdp_grad_load4_raw(unit_elements + i, x);
                     } else {  // Cold path: a unit not whole, run by run, out of line.
                         const float4 part = load_four_of_part(unit_elements, unit_real, i);
                         x[0] = part.x;
