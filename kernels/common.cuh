@@ -293,6 +293,23 @@ __device__ __forceinline__ void sdp_grad_load4(const sdp_bf16* p, float* x)
     x[3] = sdp_bf16_to_f32(sdp_half(w.y, 1));
 }
 
+// sdp_grad_load4 for values whose NaN payload never reaches an output (a quantizer's inputs,
+// where a NaN only makes its group non-finite): bf16 NaNs keep their payload unquieted
+// (sdp_bf16_low_to_f32_raw), every other value is converted exactly as sdp_grad_load4 does.
+__device__ __forceinline__ void sdp_grad_load4_raw(const float* p, float* x)
+{
+    sdp_load_f32x4(p, x);
+}
+
+__device__ __forceinline__ void sdp_grad_load4_raw(const sdp_bf16* p, float* x)
+{
+    const uint2 w = __ldg((const uint2*)p);
+    x[0] = sdp_bf16_low_to_f32_raw(w.x);
+    x[1] = sdp_bf16_high_to_f32_raw(w.x);
+    x[2] = sdp_bf16_low_to_f32_raw(w.y);
+    x[3] = sdp_bf16_high_to_f32_raw(w.y);
+}
+
 // One element as fp32.
 __device__ __forceinline__ float sdp_grad_to_f32(float v)
 {
@@ -463,16 +480,6 @@ __device__ __forceinline__ float sdp_divide_markstein(const sdp_divisor& d, floa
 static __device__ SDP_NOINLINE float4 sdp_divide_plain4(float4 x, float s)
 {
     return make_float4(__fdiv_rn(x.x, s), __fdiv_rn(x.y, s), __fdiv_rn(x.z, s), __fdiv_rn(x.w, s));
-}
-
-// q[i] = RN(x[i] / s) for the N values of x, each an IEEE division.
-template <uint32_t N>
-__device__ __forceinline__ void sdp_divide_each(float s, const float* x, float* q)
-{
-#pragma unroll
-    for (uint32_t i = 0; i < N; ++i) {
-        q[i] = __fdiv_rn(x[i], s);
-    }
 }
 
 // q[i] = RN(x[i] / s) for the N values of x (N a multiple of 4): the fast path, redone with the
@@ -767,13 +774,20 @@ __device__ __forceinline__ sdp_group_stats sdp_stats_reduce(const sdp_quant& q, 
 }
 
 // Scale and offset of a group (GroupMeta), whether its codes are computed (`coded`; false:
-// every code is 0) and, for a coded group, the scale as a divisor.
+// every code is 0) and the divisor of its values: the scale for a coded group, NaN otherwise.
 struct sdp_group_meta {
     float scale;
     float offset;
     bool coded;
     sdp_divisor divisor;
 };
+
+// The divisor of a group that is not coded: NaN, so that every quotient is NaN and its code 0
+// (sdp_code_of), as the group's codes must be.
+__device__ __forceinline__ sdp_divisor sdp_divisor_uncoded()
+{
+    return sdp_divisor_of(sdp_nan(), sdp_nan());
+}
 
 // A non-finite group: scale and offset NaN, codes 0 (quant::non_finite_meta).
 __device__ __forceinline__ sdp_group_meta sdp_meta_non_finite()
@@ -782,15 +796,16 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_non_finite()
     m.scale = sdp_nan();
     m.offset = sdp_nan();
     m.coded = false;
-    m.divisor = sdp_divisor_of(1.0f, 1.0f);
+    m.divisor = sdp_divisor_uncoded();
     return m;
 }
 
-// quant::symmetric_meta / quant::asymmetric_meta from the group's statistics. The min-max
+// quant::symmetric_meta / quant::asymmetric_meta from the group's statistics, for any group, out
+// of line (sdp_meta_of takes it for min-max codecs and for absmax outside its fast range). The min-max
 // path is only reached when every value is finite, so fminf / fmaxf see no NaN; which zero
 // they return for a group holding +0 and -0 does not matter because `+ 0.0` canonicalises -0
 // to +0.
-__device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const sdp_group_stats& s)
+static __device__ SDP_NOINLINE sdp_group_meta sdp_meta_general(const sdp_quant& q, const sdp_group_stats& s)
 {
     if (s.abs_bits >= 0x7f800000u) {
         return sdp_meta_non_finite();
@@ -819,15 +834,60 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, const 
         }
     }
     m.coded = m.scale != 0.0f;
-    m.divisor = sdp_divisor_of(m.scale, range);
+    m.divisor = m.coded ? sdp_divisor_of(m.scale, range) : sdp_divisor_uncoded();
+    return m;
+}
+
+// RN(1 / L) for the largest code L of a 4- or 8-bit quantizer (sdp_max_code), 0 for any other
+// L: sdp_meta_of's `top_inverse`, which a kernel computes once, before its loop over groups.
+__device__ __forceinline__ float sdp_max_code_inverse(int32_t top)
+{
+    return top == 7     ? __uint_as_float(0x3e124925u)
+           : top == 15  ? __uint_as_float(0x3d888889u)
+           : top == 127 ? __uint_as_float(0x3c010204u)
+           : top == 255 ? __uint_as_float(0x3b808081u)
+                        : 0.0f;
+}
+
+// sdp_meta_of's fast range of a symmetric group's absmax a: [2^-24, 2^40) (the bits of 2^-24 and
+// 2^40).
+#define SDP_META_FAST_LOW 0x33800000u
+#define SDP_META_FAST_HIGH 0x53800000u
+
+// sdp_meta_general, with the common case inline: for a symmetric group of 4- or 8-bit codes
+// (`top_inverse` = sdp_max_code_inverse(L), not 0) whose absmax a lies in [2^-24, 2^40), the
+// scale s = RN(a / L) is Markstein's quotient by the divisor L (the largest code, 1 <= L < 2^16,
+// and a meet sdp_divisor's conditions, so it is the IEEE division's, docs/numerics.md §1.4). Then 2^-40 < a / L <= a < 2^40 puts s in [2^-40, 2^40): nonzero
+// (coded), L s finite (the non-finite checks cannot fire), and s a fast divisor for the
+// group's |x| <= a (sdp_divisor_of's conditions). Bit for bit what sdp_meta_general returns.
+__device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, float top_inverse,
+                                                     const sdp_group_stats& s)
+{
+    sdp_divisor by_top;
+    by_top.s = (float)sdp_max_code(q);
+    by_top.inverse = top_inverse;
+    by_top.fast = true;
+    if (!q.symmetric || by_top.inverse == 0.0f ||
+        s.abs_bits - SDP_META_FAST_LOW >= SDP_META_FAST_HIGH - SDP_META_FAST_LOW) {
+        // Cold path: min-max codecs, other code widths, and groups with absmax outside the
+        // fast range (zero, tiny, huge, Inf or NaN).
+        return sdp_meta_general(q, s);
+    }
+    sdp_group_meta m;
+    m.scale = sdp_divide_markstein(by_top, __uint_as_float(s.abs_bits));
+    m.offset = 0.0f;
+    m.coded = true;
+    m.divisor.s = m.scale;
+    m.divisor.inverse = __frcp_rn(m.scale);
+    m.divisor.fast = true;
     return m;
 }
 
 // The code of x in a coded group: R(x / s) (symmetric) or R((x - lo) / s) (asymmetric), with
 // R(v) = floor(v + u) (stochastic, u from the Philox word `word`, sdp_add_uniform) or round
 // half to even, clamped to [-L, L] or [0, 2^b - 1] (sdp_store_codes keeps its b bits). A NaN
-// code becomes 0
-// (quant::code_bits; cannot happen for a coded group, kept for parity). The rounding converts
+// code becomes 0 (quant::code_bits; never for a coded group), which gives a group that is not
+// coded its codes 0: its divisor is NaN (sdp_divisor_uncoded). The rounding converts
 // straight to an integer (cvt.rmi / cvt.rni: saturating, NaN to 0) and clamps the integer,
 // which equals rounding, clamping and converting in fp32 for every value, NaN and Inf included.
 // `t` is the quotient x / s or (x - lo) / s (sdp_quotients).
@@ -891,13 +951,14 @@ __device__ __forceinline__ void sdp_store_codes(uint8_t* codes, const sdp_quant&
 }
 
 // Quantizes one group with the whole warp into `codes` (the group's code bytes), `scale` and
-// `offset` (null for symmetric slabs), lanes holding runs of E elements. `load(t, v)` fills
+// `offset` (null for symmetric slabs), lanes holding runs of E elements; `top_inverse` is
+// sdp_max_code_inverse(sdp_max_code(q)), computed by the caller once. `load(t, v)` fills
 // this lane's values of tile t (zeros for runs past the group) and is called by all 32 lanes
 // together; it may be called twice per tile. `rng` gives the uniform of element e at
-// `first_index + e` (stochastic rounding only; drawn for every run but used only for coded
-// groups, as on the CPU the uniforms of an uncoded group are unused).
+// `first_index + e` (stochastic rounding only; drawn for every run, and a group that
+// is not coded divides by NaN, so its codes are 0 whatever the uniforms, without a branch).
 template <uint32_t E, class Load>
-__device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& load, const sdp_rng& rng,
+__device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, float top_inverse, Load& load, const sdp_rng& rng,
                                                    uint64_t first_index, uint8_t* codes, float* scale,
                                                    float* offset, uint32_t lane)
 {
@@ -910,7 +971,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
         load(t, v);
         sdp_stats_add<E>(stats, q, v, t, lane);
     }
-    const sdp_group_meta meta = sdp_meta_of(q, sdp_stats_reduce(q, stats));
+    const sdp_group_meta meta = sdp_meta_of(q, top_inverse, sdp_stats_reduce(q, stats));
 
     for (uint32_t t = 0; t < tiles; ++t) {
         // A one-tile group still holds its values from the statistics pass.
@@ -926,22 +987,16 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
             }
             const bool valid = sdp_run_in_group<E>(g, t, r, lane);
             float quotient[E];
-            if (valid && meta.coded) {
+            if (valid) {
                 float x[E];
 #pragma unroll
                 for (uint32_t k = 0; k < E; ++k) {
                     x[k] = q.symmetric ? v[r * E + k] : __fsub_rn(v[r * E + k], meta.offset);
                 }
-                if (E == 8) {
-                    sdp_divide_run<E>(meta.divisor, x, quotient);
-                } else {
-                    // Runs of 4 divide with __fdiv_rn: per group, the reciprocal and the
-                    // fallback cost as much as the divisions they save over 4 values.
-                    sdp_divide_each<E>(meta.scale, x, quotient);
-                }
+                sdp_divide_run<E>(meta.divisor, x, quotient);
             }
             // The Philox words after the quotients: fewer values live at once. Drawn for every
-            // run (pure arithmetic), used only for the coded ones: no branch around them.
+            // run (pure arithmetic): no branch around them.
             uint32_t w[E];
 #pragma unroll
             for (uint32_t k = 0; k < E; k += 4) {
@@ -953,7 +1008,7 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
             }
 #pragma unroll
             for (uint32_t k = 0; k < E; ++k) {
-                c[r * E + k] = valid && meta.coded ? sdp_code_of(q, quotient[k], w[k]) : 0;
+                c[r * E + k] = valid ? sdp_code_of(q, quotient[k], w[k]) : 0;
             }
             sdp_store_codes<E>(codes, q, t, r, c, valid, lane);
         }
@@ -968,16 +1023,16 @@ __device__ __forceinline__ void sdp_quantize_group(const sdp_quant& q, Load& loa
 }
 
 // Quantizes group k of a slab being written (codes, scale, offset at their slab positions; the
-// slab's padding is zeroed by sdp_zero_slabs_padding).
+// slab's padding is zeroed by sdp_zero_slabs_padding); `top_inverse` as for sdp_quantize_group.
 template <uint32_t E, class Load>
-__device__ __forceinline__ void sdp_quantize_slab_group(uint8_t* slab, const sdp_slab& layout,
+__device__ __forceinline__ void sdp_quantize_slab_group(uint8_t* slab, const sdp_slab& layout, float top_inverse,
                                                         uint64_t k, Load& load, const sdp_rng& rng,
                                                         uint64_t first_index, uint32_t lane)
 {
     float* scale = (float*)(slab + sdp_scale_offset(layout, k));
     float* offset = layout.quant.symmetric ? nullptr : (float*)(slab + sdp_offset_offset(layout, k));
-    sdp_quantize_group<E>(layout.quant, load, rng, first_index, slab + sdp_codes_offset(layout, k), scale,
-                          offset, lane);
+    sdp_quantize_group<E>(layout.quant, top_inverse, load, rng, first_index, slab + sdp_codes_offset(layout, k),
+                          scale, offset, lane);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -24,6 +24,26 @@
 // multiprocessor (four spill).
 #define GROUPS_PER_UNIT 3u
 
+// Elements i .. i + 3 of a unit whose first `real` elements are real, as fp32, zeros from the
+// `real`-th on (the padding past the shard): one vector load when the run is wholly real and
+// aligned, else element by element. The loader of units that are not whole (sdp_grad_first's
+// last unit of a shard, or an unaligned bucket), out of line: a call per run in the loop, not
+// the tests and the element-wise code.
+template <class G>
+static __device__ SDP_NOINLINE float4 load_four_of_part(const G* __restrict__ unit, uint32_t real, uint32_t i)
+{
+    float x[4];
+    if (i + 4 <= real && sdp_grad_run_aligned(unit + i)) {
+        sdp_grad_load4(unit + i, x);
+    } else {
+#pragma unroll
+        for (uint32_t k = 0; k < 4; ++k) {
+            x[k] = i + k < real ? sdp_grad_to_f32(unit[i + k]) : 0.0f;
+        }
+    }
+    return make_float4(x[0], x[1], x[2], x[3]);
+}
+
 // The kernel for a bucket of G (float or sdp_bf16, read as fp32).
 template <class G>
 __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ bucket, const uint32_t* __restrict__ dests,
@@ -34,6 +54,7 @@ __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ buc
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
     const uint32_t gc = args.groups_per_chunk;
+    const float top_inverse = sdp_max_code_inverse(sdp_max_code(layout.quant));
     // Unit u = ((p * peers1 + x1) * peers2 + x2) * per_dest + h, with per_dest =
     // ceil(gc / GROUPS_PER_UNIT): the groups j = GROUPS_PER_UNIT h + n (n < GROUPS_PER_UNIT,
     // j < gc) of chunk p for destination (x1, x2); units fit in 32 bits (the launch checks, and
@@ -56,37 +77,41 @@ __device__ __forceinline__ void grad_quantize_first_of(const G* __restrict__ buc
         const uint64_t unit_left = unit_first < sh.shard_len ? sh.shard_len - unit_first : 0;
         const uint32_t unit_real = unit_left < GROUPS_PER_UNIT * g ? (uint32_t)unit_left : GROUPS_PER_UNIT * g;
         const uint64_t unit_index = z * sh.padded_shard_len + unit_first;
+        // A whole unit (all its groups real, its first element 16-byte aligned, so every run
+        // is: g is a multiple of 32) loads each run with one vector load, untested.
+        const bool whole = unit_real == GROUPS_PER_UNIT * g && sdp_grad_run_aligned(unit_elements);
 #pragma unroll
         for (uint32_t n = 0; n < GROUPS_PER_UNIT; ++n) {
             const uint32_t j = GROUPS_PER_UNIT * walk.at[3] + n;
             if (j >= gc) {
                 break;
             }
-            // Group n of the unit: its elements, and how many of them are real.
-            const G* group = unit_elements + n * g;
-            const uint32_t ahead = unit_real > n * g ? unit_real - n * g : 0;
-            const uint32_t real = ahead < g ? ahead : g;
-
             // Tile t: the real elements of shard z, zeros past S, then the forward Hadamard.
             auto load = [&](uint32_t t, float (&v)[SDP_LANE_VALUES]) {
 #pragma unroll
                 for (uint32_t r = 0; r < SDP_LANE_VALUES / 4; ++r) {
                     float* x = v + 4 * r;
                     const uint32_t e = sdp_tile_element<4>(t, 4 * r, lane);
-                    if (e + 4 <= real && sdp_grad_run_aligned(group + e)) {
-                        sdp_grad_load4(group + e, x);
-                    } else {  // Cold path: an unaligned or partial run, element by element.
-#pragma unroll
-                        for (uint32_t i = 0; i < 4; ++i) {
-                            x[i] = e + i < real ? sdp_grad_to_f32(group[e + i]) : 0.0f;
-                        }
+                    const uint32_t i = n * g + e;
+                    if (e >= g) {  // A run past the group (its last tile): zeros.
+                        x[0] = x[1] = x[2] = x[3] = 0.0f;
+                    } else if (whole) {
+                        // A NaN makes its Hadamard block's values NaN and its group
+                        // non-finite (scale NaN, codes 0): its payload reaches no output.
+                        sdp_grad_load4_raw(unit_elements + i, x);
+                    } else {  // Cold path: a unit not whole, run by run, out of line.
+                        const float4 part = load_four_of_part(unit_elements, unit_real, i);
+                        x[0] = part.x;
+                        x[1] = part.y;
+                        x[2] = part.z;
+                        x[3] = part.w;
                     }
                 }
                 if (args.hadamard_block != 0) {
                     sdp_hadamard_forward(v, g, t, args.hadamard_block, lane);
                 }
             };
-            sdp_quantize_slab_group<4>(slab, layout, x2 * gc + j, load, args.rng, unit_index + n * g, lane);
+            sdp_quantize_slab_group<4>(slab, layout, top_inverse, x2 * gc + j, load, args.rng, unit_index + n * g, lane);
         }
     }
     sdp_zero_slabs_padding(out, layout, (uint64_t)sh.chunks * args.peers1, lane);

@@ -31,6 +31,7 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
     const sdp_shards& sh = args.shards;
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
+    const float top_inverse = sdp_max_code_inverse(sdp_max_code(layout.quant));
     const uint32_t gc = args.groups_per_chunk;
     // Unit u = x2 * gc + j (units fit in 32 bits, the launch checks), walked as the digits
     // (x2, j): no division in the loop.
@@ -53,7 +54,7 @@ grad_requantize_second(const uint8_t* __restrict__ recv, const uint32_t* __restr
             v[0] = corrupt ? sdp_nan() : v[0];
         };
         const uint64_t first_index = z * sh.padded_shard_len + args.chunk * sh.chunk_len + (uint64_t)j * g;
-        sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, x2), layout, j, load, args.rng, first_index,
+        sdp_quantize_slab_group<4>(sdp_slab_at(out, layout, x2), layout, top_inverse, j, load, args.rng, first_index,
                                    lane);
     }
     sdp_zero_slabs_padding(out, layout, args.peers2, lane);

@@ -80,6 +80,7 @@ weight_encode(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict
     const sdp_slab& layout = args.slab;
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
+    const float top_inverse = sdp_max_code_inverse(sdp_max_code(layout.quant));
 
     for (uint64_t j = sdp_warp_id(); j < layout.groups; j += sdp_warp_count()) {
         // Tile t: the (difference of the) bf16 values as fp32, zeros past shard_len.
@@ -93,7 +94,7 @@ weight_encode(const uint16_t* __restrict__ new_shard, const uint16_t* __restrict
                 }
             }
         };
-        sdp_quantize_slab_group<8>(out, layout, j, load, args.rng, args.first_index + j * g, lane);
+        sdp_quantize_slab_group<8>(out, layout, top_inverse, j, load, args.rng, args.first_index + j * g, lane);
     }
     sdp_zero_slabs_padding(out, layout, 1, lane);
 }

@@ -11,6 +11,13 @@
 //! x against divisors with extreme mantissas, random bit patterns, and the quantizer's own
 //! quotients (x in [-absmax, absmax], s = absmax / L for every code limit L): 570 million
 //! quotients in all.
+//!
+//! The quantizer's metadata (`sdp_meta_of`) takes an inline fast path for symmetric groups of 4-
+//! or 8-bit codes whose absmax lies in [2^-24, 2^40): the scale as Markstein's quotient by the
+//! largest code L (its reciprocal a constant, `sdp_max_code_inverse`, which is 0 for any other
+//! L) and the divisor without its range checks. It must give what the general path
+//! (`sdp_meta_general`) gives for every absmax bit pattern of that range and its surroundings
+//! (all 1.1 billion of them for 4- and 8-bit codes), and its scale must be the CPU quantizer's.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,12 +27,18 @@ use sdp4bit_test_support::random::SplitMix64;
 
 type DivideFn = unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, usize);
 type DivideRunsFn = unsafe extern "C" fn(*const f32, f32, f32, *mut f32, usize);
+type MetaMismatchesFn = unsafe extern "C" fn(u32, u32, u64, u32) -> u64;
+type MetaScalesFn = unsafe extern "C" fn(u32, *const u32, *mut f32, usize);
+type MaxCodeInverseFn = unsafe extern "C" fn(*const i32, *mut f32, usize);
 
 /// The helpers, loaded from the library g++ built (kept alive with it).
 struct Helpers {
     _library: libloading::Library,
     divide: DivideFn,
     divide_runs: DivideRunsFn,
+    meta_mismatches: MetaMismatchesFn,
+    meta_scales: MetaScalesFn,
+    max_code_inverse: MaxCodeInverseFn,
 }
 
 /// Builds `divide.cpp` into a shared library in a fresh directory and loads it.
@@ -65,10 +78,22 @@ fn helpers() -> Helpers {
         let divide_runs = *lib
             .get::<DivideRunsFn>(b"sdp_test_divide_runs")
             .expect("sdp_test_divide_runs");
+        let meta_mismatches = *lib
+            .get::<MetaMismatchesFn>(b"sdp_test_meta_mismatches")
+            .expect("sdp_test_meta_mismatches");
+        let meta_scales = *lib
+            .get::<MetaScalesFn>(b"sdp_test_meta_scales")
+            .expect("sdp_test_meta_scales");
+        let max_code_inverse = *lib
+            .get::<MaxCodeInverseFn>(b"sdp_test_max_code_inverse")
+            .expect("sdp_test_max_code_inverse");
         Helpers {
             _library: lib,
             divide,
             divide_runs,
+            meta_mismatches,
+            meta_scales,
+            max_code_inverse,
         }
     };
     let _ = std::fs::remove_dir_all(&dir);
@@ -249,4 +274,107 @@ fn divide_equals_ieee_division_on_random_and_quantizer_inputs() {
         checked += check_divide(&h, &x, &s, &bound);
     }
     assert_eq!(checked, 256 * batch);
+}
+
+/// The bits of 2^e.
+fn power_of_two_bits(e: i32) -> u32 {
+    ((e + 127) as u32) << 23
+}
+
+#[test]
+fn metadata_fast_path_equals_the_general_one_for_every_absmax() {
+    let h = helpers();
+    for bits in [4u32, 8] {
+        // Every pattern from 2^-25 to 2^41 (the fast range [2^-24, 2^40) and a binade either
+        // side), then every 997th of all absmax patterns (zero to NaN).
+        let first = power_of_two_bits(-25);
+        let count = u64::from(power_of_two_bits(41) - first);
+        // SAFETY: plain values in, a count out.
+        let dense = unsafe { (h.meta_mismatches)(bits, first, count, 1) };
+        assert_eq!(
+            dense, 0,
+            "{bits}-bit codes: {dense} absmax patterns in [2^-25, 2^41) differ"
+        );
+        // SAFETY: as above.
+        let sparse = unsafe { (h.meta_mismatches)(bits, 0, 1 << 31, 997) };
+        assert_eq!(
+            sparse, 0,
+            "{bits}-bit codes: {sparse} sampled absmax patterns differ"
+        );
+    }
+}
+
+#[test]
+fn metadata_scale_is_the_cpu_quantizers() {
+    use sdp4bit::Rounding;
+    use sdp4bit::codec::quant::{QuantSpec, quantize_group};
+    let h = helpers();
+    let mut rng = SplitMix64::new(0xd1_0003);
+    // Both ends of the fast range and of fp32 with their neighbours, then random patterns of
+    // every finite absmax.
+    let mut abs_bits: Vec<u32> = [-25, -24, -23, 39, 40, 41]
+        .iter()
+        .flat_map(|&e| {
+            let at = power_of_two_bits(e);
+            [at - 2, at - 1, at, at + 1, at + 2]
+        })
+        .chain([
+            0,
+            1,
+            0x007f_ffff,
+            0x0080_0000,
+            0x7f7f_ffff,
+            0x7f80_0000,
+            0x7fc0_0000,
+        ])
+        .collect();
+    abs_bits.extend((0..1 << 20).map(|_| rng.next_u32() % 0x7f80_0000));
+    for bits in [4u8, 8] {
+        let spec = QuantSpec {
+            bits,
+            group_size: 32,
+            symmetric: true,
+            rounding: Rounding::Nearest,
+        };
+        let mut scale = vec![0.0f32; abs_bits.len()];
+        // SAFETY: abs_bits and scale hold abs_bits.len() elements.
+        unsafe {
+            (h.meta_scales)(
+                u32::from(bits),
+                abs_bits.as_ptr(),
+                scale.as_mut_ptr(),
+                abs_bits.len(),
+            )
+        };
+        let mut x = vec![0.0f32; 32];
+        let mut codes = vec![0u8; spec.code_bytes_per_group()];
+        for (&a, &got) in abs_bits.iter().zip(&scale) {
+            x[0] = f32::from_bits(a);
+            let want = quantize_group(&spec, &x, &[0.0; 32], &mut codes).scale;
+            assert!(
+                same(got, want),
+                "{bits}-bit codes, absmax {:e} [{a:#010x}]: scale {got:e}, the CPU's {want:e}",
+                f32::from_bits(a)
+            );
+        }
+    }
+}
+
+#[test]
+fn max_code_inverse_is_the_correctly_rounded_reciprocal_or_zero() {
+    let h = helpers();
+    let top: Vec<i32> = (1..=1024).chain([32767, 65535]).collect();
+    let mut inverse = vec![0.0f32; top.len()];
+    // SAFETY: top and inverse hold top.len() elements.
+    unsafe { (h.max_code_inverse)(top.as_ptr(), inverse.as_mut_ptr(), top.len()) };
+    for (&l, &got) in top.iter().zip(&inverse) {
+        // The largest codes of 4- and 8-bit quantizers, symmetric or not; 0 (the general
+        // metadata) for any other.
+        let want = if [7, 15, 127, 255].contains(&l) {
+            1.0 / l as f32
+        } else {
+            0.0
+        };
+        assert!(same(got, want), "L = {l}: {got:e}, want {want:e}");
+    }
 }

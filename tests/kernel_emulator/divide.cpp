@@ -4,6 +4,8 @@
 #include "common.cuh"
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 
 extern "C" {
 
@@ -25,6 +27,51 @@ void sdp_test_divide_runs(const float* x, float s, float bound, float* q, size_t
     const sdp_divisor d = sdp_divisor_of(s, bound);
     for (size_t i = 0; i + 4 <= n; i += 4) {
         sdp_divide_run<4>(d, x + i, q + i);
+    }
+}
+
+// Whether two metadata are the same bit for bit (scale, offset, coded and the divisor).
+static bool same_meta(const sdp_group_meta& a, const sdp_group_meta& b)
+{
+    const float fa[4] = {a.scale, a.offset, a.divisor.s, a.divisor.inverse};
+    const float fb[4] = {b.scale, b.offset, b.divisor.s, b.divisor.inverse};
+    return std::memcmp(fa, fb, sizeof fa) == 0 && a.coded == b.coded && a.divisor.fast == b.divisor.fast;
+}
+
+// How many of the absmax bit patterns first, first + stride, ... (below first + count) give a
+// symmetric group of `bits`-bit codes other metadata through sdp_meta_of (its inline fast path
+// where it applies) than through sdp_meta_general.
+uint64_t sdp_test_meta_mismatches(uint32_t bits, uint32_t first, uint64_t count, uint32_t stride)
+{
+    const sdp_quant q = {bits, 128, 1, 1};
+    uint64_t mismatches = 0;
+    for (uint64_t i = 0; i < count; i += stride) {
+        sdp_group_stats s = sdp_stats_empty();
+        s.abs_bits = (uint32_t)(first + i);
+        if (!same_meta(sdp_meta_of(q, sdp_max_code_inverse(sdp_max_code(q)), s), sdp_meta_general(q, s))) {
+            ++mismatches;
+        }
+    }
+    return mismatches;
+}
+
+// scale[i]: the scale sdp_meta_of gives a symmetric group of `bits`-bit codes with absmax bits
+// abs_bits[i].
+void sdp_test_meta_scales(uint32_t bits, const uint32_t* abs_bits, float* scale, size_t n)
+{
+    const sdp_quant q = {bits, 128, 1, 1};
+    for (size_t i = 0; i < n; ++i) {
+        sdp_group_stats s = sdp_stats_empty();
+        s.abs_bits = abs_bits[i];
+        scale[i] = sdp_meta_of(q, sdp_max_code_inverse(sdp_max_code(q)), s).scale;
+    }
+}
+
+// sdp_max_code_inverse(top) for each top.
+void sdp_test_max_code_inverse(const int32_t* top, float* inverse, size_t n)
+{
+    for (size_t i = 0; i < n; ++i) {
+        inverse[i] = sdp_max_code_inverse(top[i]);
     }
 }
 }

@@ -38,6 +38,10 @@ const GROUPS_PER_BLOCK: u64 = (BLOCK_THREADS / 32) as u64;
 /// Elements one block handles at a time in the element-wise Global-QSGD kernels: a run of 4
 /// consecutive elements per thread (`kernels/global_qsgd.cu`).
 const ELEMENTS_PER_BLOCK: u64 = BLOCK_THREADS as u64 * 4;
+/// Groups of one work unit of `grad_quantize_first` (`GROUPS_PER_UNIT` of
+/// `kernels/grad_quantize_first.cu`): one warp quantizes that many consecutive groups of one
+/// chunk and destination.
+const GRAD_FIRST_GROUPS_PER_UNIT: u64 = 3;
 /// Resident blocks per multiprocessor times waves: grids are capped at this many blocks per
 /// multiprocessor (the kernels loop grid-stride over the rest).
 const BLOCKS_PER_MULTIPROCESSOR: u64 = 32;
@@ -268,7 +272,12 @@ impl Kernels {
             &[bucket.range(), dests.range()],
         )?;
         let mut params = SdpGradFirst::new(layout, rng)?;
-        let units = (chunks * first.peers * first.slab.groups) as u64;
+        // The kernel's work units: per chunk, first-level peer and second-level peer, the
+        // chunk's Gc groups for that destination in units of GRAD_FIRST_GROUPS_PER_UNIT.
+        let units = u64::from(params.shards.chunks)
+            * u64::from(params.peers1)
+            * u64::from(params.peers2)
+            * u64::from(params.groups_per_chunk).div_ceil(GRAD_FIRST_GROUPS_PER_UNIT);
         let (mut a0, mut a1, mut a2) = (bucket.addr(), dests.addr(), out.addr());
         self.launch(
             grad_variant::<G>(Kernel::GradQuantizeFirst, Kernel::GradQuantizeFirstBf16),
@@ -751,4 +760,24 @@ fn int_width_error(bits: u8) -> Error {
     Error::Cuda(format!(
         "Global-QSGD kernels exist for 8- and 16-bit integers, not {bits}-bit"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GRAD_FIRST_GROUPS_PER_UNIT;
+    use crate::backend::cuda::source::SOURCES;
+
+    #[test]
+    fn grad_first_units_are_the_kernels() {
+        let code = SOURCES
+            .iter()
+            .find(|s| s.file == "grad_quantize_first.cu")
+            .expect("grad_quantize_first.cu is embedded")
+            .code;
+        let defined = code
+            .lines()
+            .find_map(|l| l.strip_prefix("#define GROUPS_PER_UNIT "))
+            .expect("grad_quantize_first.cu defines GROUPS_PER_UNIT");
+        assert_eq!(defined.trim(), format!("{GRAD_FIRST_GROUPS_PER_UNIT}u"));
+    }
 }

@@ -44,7 +44,7 @@ pub(crate) fn plain(rand: &mut SplitMix64, n: usize) -> Vec<f32> {
 /// `n` values in runs of `run` (a group size), each run plain or special: zeros, signed
 /// zeros, a NaN (assorted payloads), an Inf, denormals, tiny or huge magnitudes (the scale
 /// underflows or overflows), a single `±f32::MAX`, a constant, non-negative values with -0,
-/// magnitudes spread over 60 decades, a single outlier.
+/// magnitudes spread over 60 decades, a single outlier, the smallest denormals (a zero scale).
 pub(crate) fn values(rand: &mut SplitMix64, n: usize, run: usize) -> Vec<f32> {
     let mut v = plain(rand, n);
     for lo in (0..n).step_by(run.max(1)) {
@@ -74,6 +74,10 @@ pub(crate) fn values(rand: &mut SplitMix64, n: usize, run: usize) -> Vec<f32> {
                 .iter_mut()
                 .for_each(|x| *x *= 10f32.powi(rand.below(61) as i32 - 30)),
             11 => v[i] = 1e4 * signed(rand),
+            // The smallest denormals: absmax / L rounds to a zero scale, values non-zero.
+            12 => v[lo..hi].iter_mut().for_each(|x| {
+                *x = f32::from_bits(rand.below(4) as u32 | if coin(rand) { 0x8000_0000 } else { 0 })
+            }),
             _ => {}
         }
     }
