@@ -43,11 +43,11 @@ class Transport:
     """How the collectives use links and cores; the defaults are bench/calibrate_plan.py's fit
     on the emulated cluster (bench/results/plan_calibration.json)."""
 
-    link_fraction: float = 0.86  # eta: of a link's rate the compressed presets' exchanges get
-    uncompressed_link_fraction: float = 0.87  # eta_gloo: the same for the uncompressed ones
-    unhidden_codec: float = 0.12  # beta: of the shorter of CPU and link time not overlapped
-    uncompressed_unhidden: float = 0.0  # beta_gloo: the same for the uncompressed collectives
-    core_share: float = 0.74  # kappa: of shared cores' time the ranks' work gets
+    link_fraction: float = 0.89  # eta: of a link's rate the compressed presets' exchanges get
+    uncompressed_link_fraction: float = 0.94  # eta_gloo: the same for the uncompressed ones
+    unhidden_codec: float = 0.18  # beta: of the shorter of CPU and link time not overlapped
+    uncompressed_unhidden: float = 0.26  # beta_gloo: the same for the uncompressed collectives
+    core_share: float = 0.92  # kappa: of shared cores' time the ranks' work gets
 
     def __post_init__(self):
         for name in ("link_fraction", "uncompressed_link_fraction", "core_share"):
