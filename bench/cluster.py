@@ -95,7 +95,6 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
                 "comm_min_ms": preset_row["comm"]["min"] * 1e3,
                 "comm_max_ms": preset_row["comm"]["max"] * 1e3,
                 "bucket_bytes": preset_row["rs_bytes"] + preset_row["ag_bytes"],
-                "link_ms": link_ms(preset, collectives["numel"], nodes, per_node, rate),
                 "step_ms": steady[len(steady) // 2],
                 "step_bytes": trained["sent"] // args.steps if trained["sent"] else None,
                 "cpu_ms": cpu[preset], "wire_bytes": wire[preset],
@@ -105,6 +104,16 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
                                 comm_a2a_ms=preset_row["comm_a2a"]["median"] * 1e3,
                                 comm_a2a_min_ms=preset_row["comm_a2a"]["min"] * 1e3,
                                 comm_a2a_max_ms=preset_row["comm_a2a"]["max"] * 1e3)
+    derive(rows)
+    return rows
+
+
+def derive(rows: list[dict]) -> None:
+    """Each row's link time (`link_ms`, from the core's plan) and its ratios to the
+    measurements and to the same topology and rate's uncompressed row."""
+    for r in rows:
+        nodes, per_node = (int(x) for x in r["topology"].split("x"))
+        r["link_ms"] = link_ms(r["preset"], r["bucket_numel"], nodes, per_node, r["rate_mbit"])
     base = {(r["topology"], r["rate_mbit"]): r for r in rows if r["preset"] == "baseline"}
     for r in rows:
         b = base[(r["topology"], r["rate_mbit"])]
@@ -114,7 +123,6 @@ def measure(topology: str, rate: float, args, workdir: Path) -> list[dict]:
         r["best_speedup"] = r["best_uncompressed_ms"] / r["comm_ms"]
         r["ideal_speedup"] = b["bucket_bytes"] / r["bucket_bytes"]
         r["step_speedup"] = b["step_ms"] / r["step_ms"]
-    return rows
 
 
 def mean_cpu_ms(cpu_logs: Path) -> dict[str, float]:
@@ -137,13 +145,12 @@ def busiest_link_bytes(cpu_logs: Path) -> dict[str, float | None]:
 
 def link_ms(preset: str, numel: int, nodes: int, per_node: int, rate_mbit: float) -> float:
     """Milliseconds the busiest node link needs, at `rate_mbit` per direction, for the bytes
-    one bucket's reduce-scatter and all-gather send between nodes: every rank of a node sends
-    the inter-node bytes the core plans for it (uncompressed: each byte sent once, as a direct
-    send does) through the node's one link."""
+    one bucket's reduce-scatter and all-gather send between nodes as the core plans them
+    (`sdp4bit.plan.node_link_bytes`: all-to-alls straight to their peers, all-gathers in a
+    ring; uncompressed: rings, the least an uncompressed collective sends)."""
     from sdp4bit import plan
 
-    b, _ = plan.step_bytes(preset, numel, nodes * per_node, per_node)
-    return per_node * (b.grad[1] + b.weight[1]) * 8 / (rate_mbit * 1e6) * 1e3
+    return plan.bucket_link_ms(preset, numel, nodes, per_node, rate_mbit)
 
 
 def add_predictions(rows: list[dict], cores: int) -> None:
@@ -185,7 +192,9 @@ def write_results(rows: list[dict], args, out_dir: Path, meta: dict | None = Non
         "warm-up steps. Times are the slowest rank's, median of --reps runs "
         f"({args.reps}) with [min-max]; comm = reduce-scatter then all-gather, timed together. "
         "link ms = the bytes one bucket's two collectives send over the busiest node link "
-        "(the core's plan; uncompressed: each byte sent once) at the link rate; link/measured "
+        "(the core's plan: all-to-alls straight to each peer, all-gathers in a ring; "
+        "uncompressed: rings, the least an uncompressed collective sends) at the link rate; "
+        "link/measured "
         "= how close the measurement comes to the link's limit. Uncompressed: gloo's "
         "reduce-scatter and all-gather (baseline); best = the faster of that and a "
         "reduce-scatter made of an all-to-all and a local sum (each byte sent once). "
@@ -256,6 +265,7 @@ def rescore(path: Path, parser: argparse.ArgumentParser, out_dir: Path) -> None:
     script = next(i for i, a in enumerate(argv) if a.endswith("cluster.py"))
     args = parser.parse_args(argv[script + 1:])
     rows = data["rows"]
+    derive(rows)
     add_predictions(rows, meta["cpus"])
     meta["rescored"] = (f"model columns recomputed {datetime.date.today().isoformat()} with "
                         "`bench/cluster.py --rescore`")

@@ -132,6 +132,30 @@ def step_bytes(preset: str, elements: float, dp: int, per_node: int) -> tuple[By
     return Bytes((c[0], c[1]), (c[2], c[3])), Bytes((c[4], c[5]), (c[6], c[7]))
 
 
+def node_link_bytes(b: Bytes, per_node: int, compressed: bool) -> float:
+    """Bytes the busiest link between nodes carries per direction for `b`, the bytes one of a
+    node's `per_node` DP ranks sends. An all-to-all (the compressed presets' reduce-scatters)
+    sends each rank's inter-node bytes straight to their destination, so the node's ranks add
+    up on its link. A ring (the all-gathers, gloo's and NCCL's; NCCL's uncompressed
+    reduce-scatter) orders the ranks node by node and crosses each node boundary once per
+    direction, carrying every shard but one: W - 1 shards, what one rank sends in all (intra +
+    inter). Nothing crosses when every peer is inside the node."""
+    def ring(sent: tuple[float, float]) -> float:
+        return sum(sent) if sent[1] > 0 else 0.0
+
+    grad = per_node * b.grad[1] if compressed else ring(b.grad)
+    return grad + ring(b.weight)
+
+
+def bucket_link_ms(preset: str, elements: float, nodes: int, per_node: int,
+                   rate_mbit: float) -> float:
+    """Milliseconds the busiest node link needs at `rate_mbit` per direction for one bucket of
+    `elements`' reduce-scatter and all-gather (`node_link_bytes`; the baseline as NCCL runs it,
+    rings, the least an uncompressed collective sends between nodes)."""
+    b, _ = step_bytes(preset, elements, nodes * per_node, per_node)
+    return node_link_bytes(b, per_node, preset != "baseline") * 8 / (rate_mbit * 1e6) * 1e3
+
+
 def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbps: float,
             compressed: bool, transport: Transport = Transport()) -> float:
     """Milliseconds of one step's gradient reduce-scatter and parameter all-gather: the codec
@@ -140,7 +164,7 @@ def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbp
     dp, per_node = cluster.dp_layout()
     nodes = dp // per_node
     intra = (b.grad[0] + b.weight[0]) / (cluster.intra_gbps * 1e9 / 8)
-    inter = per_node * (b.grad[1] + b.weight[1]) / (cluster.inter_gbps * 1e9 / 8)
+    inter = node_link_bytes(b, per_node, compressed) / (cluster.inter_gbps * 1e9 / 8)
     messages = 2 * buckets  # one reduce-scatter and one all-gather per bucket
     latency = messages * ((per_node - 1) * cluster.intra_latency_us
                           + (nodes - 1) * cluster.inter_latency_us) * 1e-6

@@ -28,6 +28,38 @@ def test_bytes_come_from_the_core_and_scale_linearly():
     assert mine.grad[1] < base.grad[1] / 7
 
 
+def test_node_link_bytes_add_up_all_to_alls_and_count_rings_once():
+    mine, base = plan.step_bytes("sdp4bit", 4 * (1 << 18), dp=4, per_node=2)
+    # The reduce-scatter's inter-node all-to-all: both ranks of a node send on its link.
+    # The all-gather's ring: every shard but one crosses, what one rank sends in all.
+    assert plan.node_link_bytes(mine, 2, True) == 2 * mine.grad[1] + sum(mine.weight)
+    assert plan.node_link_bytes(base, 2, False) == sum(base.grad) + sum(base.weight)
+    # One rank per node: a ring and direct sends put the same bytes on the link.
+    mine, base = plan.step_bytes("qsdp", 4 * (1 << 18), dp=4, per_node=1)
+    assert plan.node_link_bytes(mine, 1, True) == mine.grad[1] + mine.weight[1]
+    assert plan.node_link_bytes(base, 1, False) == base.grad[1] + base.weight[1]
+    # One node: nothing crosses.
+    mine, base = plan.step_bytes("sdp4bit", 4 * (1 << 18), dp=4, per_node=4)
+    assert plan.node_link_bytes(mine, 4, True) == plan.node_link_bytes(base, 4, False) == 0
+
+
+def test_node_link_bytes_match_the_emulated_links_counts():
+    """The plan's busiest-link bytes against what the emulated cluster's link interfaces
+    counted (bench/results/cluster_cpu.json; headers included, so the count is a little
+    higher): every compressed preset within 2% at every topology and rate."""
+    rows = json.loads((ROOT / "bench/results/cluster_cpu.json").read_text())["rows"]
+    checked = 0
+    for r in rows:
+        if r["preset"] == "baseline":
+            continue  # gloo's reduce-scatter is no ring (docs/performance.md)
+        nodes, per_node = (int(x) for x in r["topology"].split("x"))
+        planned = plan.bucket_link_ms(r["preset"], r["bucket_numel"], nodes, per_node,
+                                      r["rate_mbit"]) * r["rate_mbit"] / 8e-3
+        assert planned <= r["wire_bytes"] <= 1.02 * planned, r
+        checked += 1
+    assert checked >= 16
+
+
 def test_speedups_follow_the_links():
     slow = plan.Cluster(4, 8, tp=2, inter_gbps=25)
     fast = plan.Cluster(4, 8, tp=2, inter_gbps=3200, intra_gbps=3200)
