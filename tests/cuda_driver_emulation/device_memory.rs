@@ -18,7 +18,7 @@ use sdp4bit::backend::cuda::{
     Allocator, Cuda, DeviceAllocator, DeviceBlock, DeviceBuffer, DeviceSpan, Kernels, Stream,
 };
 use sdp4bit::collective::local::LocalCluster;
-use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather};
+use sdp4bit::collective::{BucketElement, Comm, GradReduceScatter, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset, Result};
 use sdp4bit_test_support::random::SplitMix64;
@@ -422,6 +422,38 @@ fn plan_sdp4bit(
 /// same per parameter; and what a Megatron job with bf16 gradient buffers holds besides its
 /// own buffers, its bf16 buckets reduce-scattered straight from bf16 (one bf16 step). Printed
 /// for the docs (docs/cuda.md).
+/// The device bytes one gradient reduce-scatter of `values` (as a bucket of `G`) takes from
+/// `pool` beyond the `kept` bytes of the buckets, asserting that it gives all of them back.
+fn gradient_call_bytes<G: BucketElement + Default>(
+    rank: &Rank<'_>,
+    backend: &Cuda,
+    pool: &StreamOrderedPool,
+    kept: usize,
+    grads: &mut GradReduceScatter<Cuda>,
+    values: &[f32],
+    step: u64,
+) -> usize {
+    let bucket = upload(
+        rank,
+        &values.iter().map(|&v| G::from_f32(v)).collect::<Vec<_>>(),
+    );
+    let mut shard = upload(rank, &vec![G::default(); grads.plan().shard_len]);
+    pool.reset_peak();
+    grads
+        .run_on(
+            backend,
+            &rank.comms,
+            Cuda::src(&bucket),
+            Cuda::dst(&mut shard),
+            step,
+        )
+        .expect("the gradient step");
+    let taken = pool.peak() - kept;
+    assert_eq!(pool.live(), kept, "the gradient call kept memory");
+    download(rank, &shard);
+    taken
+}
+
 #[test]
 fn device_bytes_per_parameter_of_the_sdp4bit_preset() {
     let topology = Topology::uniform(2, 8).expect("two nodes of eight");
@@ -454,46 +486,30 @@ fn device_bytes_per_parameter_of_the_sdp4bit_preset() {
         let (mut grads, mut weights, held) =
             plan_sdp4bit(&backend, pool, &topology, me, Cuda::src(&params));
         let kept = pool.live();
-        let bucket = upload(rank, &gradients(seed, me, 3, 0, run_numel));
-        let mut shard = upload(rank, &vec![0.0f32; grads.plan().shard_len]);
-        pool.reset_peak();
-        grads
-            .run_on(
-                &backend,
-                &rank.comms,
-                Cuda::src(&bucket),
-                Cuda::dst(&mut shard),
-                0,
-            )
-            .expect("the gradient step");
-        let grad_call = pool.peak() - kept;
-        assert_eq!(pool.live(), kept, "the gradient call kept memory");
+        let grad_call = gradient_call_bytes::<f32>(
+            rank,
+            &backend,
+            pool,
+            kept,
+            &mut grads,
+            &gradients(seed, me, 3, 0, run_numel),
+            0,
+        );
         pool.reset_peak();
         weights
             .run_on(&backend, rank.comms.world, Cuda::dst(&mut params), 0)
             .expect("the weight step");
         let weight_call = pool.peak() - kept;
         assert_eq!(pool.live(), kept, "the weight call kept memory");
-        download(rank, &shard);
-        let values = gradients(seed, me, 3, 1, run_numel);
-        let bucket = upload(
+        let grad_call_bf16 = gradient_call_bytes::<bf16>(
             rank,
-            &values.into_iter().map(bf16::from_f32).collect::<Vec<_>>(),
+            &backend,
+            pool,
+            kept,
+            &mut grads,
+            &gradients(seed, me, 3, 1, run_numel),
+            1,
         );
-        let mut shard = upload(rank, &vec![bf16::ZERO; grads.plan().shard_len]);
-        pool.reset_peak();
-        grads
-            .run_on(
-                &backend,
-                &rank.comms,
-                Cuda::src(&bucket),
-                Cuda::dst(&mut shard),
-                1,
-            )
-            .expect("the bf16 gradient step");
-        let grad_call_bf16 = pool.peak() - kept;
-        assert_eq!(pool.live(), kept, "the bf16 gradient call kept memory");
-        download(rank, &shard);
         Held {
             grad_call,
             weight_call,

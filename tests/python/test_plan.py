@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -234,89 +235,86 @@ def _netns_unavailable() -> str | None:
     return None
 
 
-def test_emulated_cluster_smoke(tmp_path):
+@contextlib.contextmanager
+def _emulated_cluster_bench(tmp_path, name: str, *args: str):
+    """Runs `bash scripts/bench.sh NAME ARGS` on an emulated cluster (skipping where network
+    namespaces are unavailable), yields its finished process, and checks afterwards that it
+    left no namespace behind."""
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts/bench.sh"), "cluster", "--topologies", "2x1",
-         "--rates-mbit", "1000", "--numel", "65536", "--reps", "1", "--steps", "2",
-         "--warmup-steps", "1", "--presets", "sdp4bit", "--model",
-         "--width 32 --layers 1 --batch 1 --context 8 --corpus-bytes 100000",
-         "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(["bash", str(ROOT / "scripts/bench.sh"), name, *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads((tmp_path / "cluster.json").read_text())["rows"]
-    assert [r["preset"] for r in rows] == ["baseline", "sdp4bit"]
-    assert rows[1]["bucket_bytes"] < rows[0]["bucket_bytes"] / 3
-    assert all(r["cpu_ms"] > 0 and r["predicted_ms"] > 0 for r in rows), rows
-    assert (tmp_path / "cluster.png").stat().st_size > 0
+    yield result
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"
+
+
+def test_emulated_cluster_smoke(tmp_path):
+    with _emulated_cluster_bench(
+            tmp_path, "cluster", "--topologies", "2x1", "--rates-mbit", "1000", "--numel",
+            "65536", "--reps", "1", "--steps", "2", "--warmup-steps", "1", "--presets", "sdp4bit",
+            "--model", "--width 32 --layers 1 --batch 1 --context 8 --corpus-bytes 100000",
+            "--out", str(tmp_path)):
+        rows = json.loads((tmp_path / "cluster.json").read_text())["rows"]
+        assert [r["preset"] for r in rows] == ["baseline", "sdp4bit"]
+        assert rows[1]["bucket_bytes"] < rows[0]["bucket_bytes"] / 3
+        assert all(r["cpu_ms"] > 0 and r["predicted_ms"] > 0 for r in rows), rows
+        assert (tmp_path / "cluster.png").stat().st_size > 0
 
 
 def test_emulated_cluster_phases_smoke(tmp_path):
-    reason = _netns_unavailable()
-    if reason:
-        pytest.skip(reason)
     out = tmp_path / "phases.json"
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts/bench.sh"), "cluster_phases", "--topologies", "2x1",
-         "--rates-mbit", "1000", "--numel", "1048576", "--reps", "1",
-         "--variants", ";pipeline_chunks=1,threads=1", "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    results = json.loads(out.read_text())
-    rows = results["phases"]
-    rs = [r for r in rows if r["collective"] == "reduce_scatter"]
-    assert sorted((r["variant"], r["rank"]) for r in rs) == [
-        ("defaults", 0), ("defaults", 1), ("pipeline_chunks=1,threads=1", 0),
-        ("pipeline_chunks=1,threads=1", 1)]
-    # 2 x 1: one inter-node level; the automatic P splits a 2^19-element shard in two.
-    assert {r["variant"]: r["chunks"] for r in rs} == {
-        "defaults": 2, "pipeline_chunks=1,threads=1": 1}
-    for r in rows:
-        phases = sum(r[k] for k in r if k.endswith("_ms") and k != "total_ms")
-        assert r["calls"] >= 3 and r["first_pass_ms"] > 0, r
-        assert phases <= r["total_ms"] * 1.5, r  # medians of parts vs the median total
-    assert "| 2x1 | 1 Gbit/s | defaults | reduce_scatter | 0 | 2 |" in result.stdout
-    cpu = results["cpu"]
-    assert sorted((r["variant"], r["rank"]) for r in cpu) == sorted(
-        (r["variant"], r["rank"]) for r in rs)
-    for r in cpu:
-        threads = r["groups"]
-        # The calling thread starts and waits; the passes and exchanges run on other threads.
-        assert threads["main"]["cpu_ms"] > 0 and threads["executor_gloo_other"]["cpu_ms"] > 0, r
-        assert sum(g["cpu_ms"] for g in threads.values()) < os.cpu_count() * r["wall_ms"] + 50, r
-        assert r["latency"]["a2a_world_ms"] > 0 and "a2a_intra_ms" not in r["latency"], r
-        assert 0 < r["latency"]["sdp4bit_rs_tiny_ms"] < r["wall_ms"], r
-    assert "| 2x1 | 1 Gbit/s | defaults | 0 |" in result.stdout
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"
+    with _emulated_cluster_bench(
+            tmp_path, "cluster_phases", "--topologies", "2x1", "--rates-mbit", "1000", "--numel",
+            "1048576", "--reps", "1", "--variants", ";pipeline_chunks=1,threads=1", "--out",
+            str(out)) as result:
+        results = json.loads(out.read_text())
+        rows = results["phases"]
+        rs = [r for r in rows if r["collective"] == "reduce_scatter"]
+        assert sorted((r["variant"], r["rank"]) for r in rs) == [
+            ("defaults", 0), ("defaults", 1), ("pipeline_chunks=1,threads=1", 0),
+            ("pipeline_chunks=1,threads=1", 1)]
+        # 2 x 1: one inter-node level; the automatic P splits a 2^19-element shard in two.
+        assert {r["variant"]: r["chunks"] for r in rs} == {
+            "defaults": 2, "pipeline_chunks=1,threads=1": 1}
+        for r in rows:
+            phases = sum(r[k] for k in r if k.endswith("_ms") and k != "total_ms")
+            assert r["calls"] >= 3 and r["first_pass_ms"] > 0, r
+            assert phases <= r["total_ms"] * 1.5, r  # medians of parts vs the median total
+        assert "| 2x1 | 1 Gbit/s | defaults | reduce_scatter | 0 | 2 |" in result.stdout
+        cpu = results["cpu"]
+        assert sorted((r["variant"], r["rank"]) for r in cpu) == sorted(
+            (r["variant"], r["rank"]) for r in rs)
+        for r in cpu:
+            threads = r["groups"]
+            # The calling thread starts and waits; the passes and exchanges run on other
+            # threads.
+            assert threads["main"]["cpu_ms"] > 0, r
+            assert threads["executor_gloo_other"]["cpu_ms"] > 0, r
+            busy = sum(g["cpu_ms"] for g in threads.values())
+            assert busy < os.cpu_count() * r["wall_ms"] + 50, r
+            assert r["latency"]["a2a_world_ms"] > 0 and "a2a_intra_ms" not in r["latency"], r
+            assert 0 < r["latency"]["sdp4bit_rs_tiny_ms"] < r["wall_ms"], r
+        assert "| 2x1 | 1 Gbit/s | defaults | 0 |" in result.stdout
 
 
 def test_emulated_cluster_cpu_smoke(tmp_path):
-    reason = _netns_unavailable()
-    if reason:
-        pytest.skip(reason)
     out = tmp_path / "cluster_cpu.json"
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts/bench.sh"), "cluster_cpu", "--topologies", "2x1",
-         "--rates-mbit", "1000", "--numel", "65536", "--reps", "1", "--sweeps", "2",
-         "--presets", "sdp4bit", "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["meta"]["cpus"] == os.cpu_count()
-    rows = data["rows"]
-    assert [r["preset"] for r in rows] == ["baseline", "sdp4bit"]
-    for r in rows:
-        assert len(r["runs"]) == 2 and all(len(x["rank_cpu_ms"]) == 2 for x in r["runs"])
-        assert r["cpu_ms"] > 0 and r["link_ms"] > 0, r
-        assert r["sweep_min_ms"] <= r["comm_ms"] <= r["sweep_max_ms"], r
-        assert r["comm_min_ms"] <= r["sweep_min_ms"] and r["sweep_max_ms"] <= r["comm_max_ms"]
-    assert rows[1]["link_ms"] < rows[0]["link_ms"] / 3
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "s4b" not in listed.replace("s4bprobe", ""), "namespaces left behind"
+    with _emulated_cluster_bench(
+            tmp_path, "cluster_cpu", "--topologies", "2x1", "--rates-mbit", "1000", "--numel",
+            "65536", "--reps", "1", "--sweeps", "2", "--presets", "sdp4bit", "--out", str(out)):
+        data = json.loads(out.read_text())
+        assert data["meta"]["cpus"] == os.cpu_count()
+        rows = data["rows"]
+        assert [r["preset"] for r in rows] == ["baseline", "sdp4bit"]
+        for r in rows:
+            assert len(r["runs"]) == 2 and all(len(x["rank_cpu_ms"]) == 2 for x in r["runs"])
+            assert r["cpu_ms"] > 0 and r["link_ms"] > 0, r
+            assert r["sweep_min_ms"] <= r["comm_ms"] <= r["sweep_max_ms"], r
+            assert r["comm_min_ms"] <= r["sweep_min_ms"] and r["sweep_max_ms"] <= r["comm_max_ms"]
+        assert rows[1]["link_ms"] < rows[0]["link_ms"] / 3
 
 
 def test_the_committed_cluster_table_has_the_current_model_columns(tmp_path):
