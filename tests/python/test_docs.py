@@ -47,6 +47,13 @@ def _contains(path: str, *needles: str) -> bool:
     return all(needle in text for needle in needles)
 
 
+def _bench_in_test_plan(arguments: str) -> bool:
+    """Whether tests/python/test_plan.py runs `bash scripts/bench.sh` (its emulated-cluster
+    helper) with these first arguments."""
+    return _contains("tests/python/test_plan.py", '"scripts/bench.sh"), name, *args]',
+                     f"tmp_path, {arguments}")
+
+
 def _run(*argv: str) -> bool:
     done = subprocess.run(list(argv), cwd="/tmp", capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{argv}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
@@ -97,13 +104,13 @@ EXERCISED = {
     "bash scripts/bench.sh convergence --out bench/results": lambda: _contains(
         TEST_SH, "bash scripts/bench.sh convergence --steps 3 --seeds 1,2"),
     "sudo bash scripts/bench.sh cluster --topologies 2x2,4x1 --rates-mbit 1000,10000": lambda: (
-        _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster", "--topologies"')),
+        _bench_in_test_plan('"cluster", "--topologies"')),
     "python bench/cluster.py --rescore bench/results/cluster.json": lambda: _contains(
         "tests/python/test_plan.py", '"--rescore"'),
     "sudo bash scripts/bench.sh cluster_phases": lambda: (
-        _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster_phases"')),
+        _bench_in_test_plan('"cluster_phases"')),
     "sudo bash scripts/bench.sh cluster_cpu": lambda: (
-        _contains("tests/python/test_plan.py", '"scripts/bench.sh"), "cluster_cpu"')),
+        _bench_in_test_plan('"cluster_cpu"')),
     # the cost model, run here
     "python -m sdp4bit.plan": lambda: _run(*PLAN, "--help"),
     "python -m sdp4bit.plan --paper": lambda: _run(*PLAN, "--paper"),
