@@ -31,8 +31,14 @@ def test_wait_blocks_until_completion_and_returns_promptly():
 def test_completion_descriptors_do_not_leak():
     for rank, counts in enumerate(
             run_ranks(2, wait_scenarios.completion_descriptors_do_not_leak, 200)):
-        assert counts["after"] == counts["before"], (rank, counts)
-        assert counts["while_in_flight"] == counts["before"] + counts["in_flight"], (rank, counts)
+        before = counts["before"]
+        # One per collective in flight.
+        assert counts["while_in_flight"] == before + counts["in_flight"], (rank, counts)
+        # After 600 collectives, at most the last one's: the executor thread lets go of a
+        # descriptor just after it signals it, so wait() can return a moment before.
+        assert counts["after_calls"] <= before + 1, (rank, counts)
+        # None once the executor thread has been joined.
+        assert counts["after_close"] == before, (rank, counts)
 
 
 def test_errors_of_the_collective_are_raised_by_wait():

@@ -20,8 +20,15 @@ from sdp4bit import Config, GradReduceScatter, ProcessGroups, Sdp4bitError, Weig
 _DESCRIPTORS_ABOVE_SELECT_LIMIT = 1100
 
 
-def _open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _eventfds() -> int:
+    """This process's open eventfds."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventfd]"
+        except FileNotFoundError:  # the listing's own descriptor, closed by now
+            pass
+    return count
 
 
 def _readable(fd: int) -> bool:
@@ -86,29 +93,30 @@ def wait_returns_when_the_collective_completes(rank, world, delay):
 
 
 def completion_descriptors_do_not_leak(rank, world, calls):
-    """Open descriptors before and after `calls` reduce-scatters and all-gathers (waited, and
-    as many reduce-scatters dropped unwaited), and while several are in flight."""
+    """Open eventfds after the set-up (before any collective), while 8 reduce-scatters are in
+    flight, after `calls` reduce-scatters and all-gathers (waited, and as many reduce-scatters
+    dropped unwaited) and after the groups are closed (their executor thread joined)."""
     groups = ProcessGroups.create(node_labels=list(range(world)))
     numel = world * 1024
     rs = GradReduceScatter(groups, Config(), numel, 0)
     ag = WeightAllGather(groups, Config(), torch.zeros(numel, dtype=torch.bfloat16), 1)
     bucket, shard = torch.randn(numel), torch.empty(rs.shard_len)
     params = torch.zeros(numel, dtype=torch.bfloat16)
-    rs.start(bucket, shard, 0).wait()
-    ag.start(params, 0).wait()
-    before = _open_descriptors()
+    before = _eventfds()
+    in_flight = [rs.start(bucket, shard, step) for step in range(8)]
+    while_in_flight = _eventfds()
+    for handle in in_flight:
+        handle.wait()
+    del in_flight, handle
     for step in range(calls):
         rs.start(bucket, shard, step).wait()
         ag.start(params, step).wait()
         rs.start(bucket, shard, step)  # dropped: its Work waits for it as it is freed
-    in_flight = [rs.start(bucket, shard, step) for step in range(8)]
-    while_in_flight = _open_descriptors()
-    for handle in in_flight:
-        handle.wait()
-    del in_flight, handle
-    after = _open_descriptors()
+    after_calls = _eventfds()
     groups.close()
-    return {"before": before, "while_in_flight": while_in_flight, "in_flight": 8, "after": after}
+    after_close = _eventfds()
+    return {"before": before, "while_in_flight": while_in_flight, "in_flight": 8,
+            "after_calls": after_calls, "after_close": after_close}
 
 
 def errors_from_the_collective_reach_wait(rank, world):
