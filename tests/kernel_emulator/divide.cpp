@@ -1,4 +1,5 @@
-// The kernels' division helpers (kernels/common.cuh) as plain C functions over arrays, built
+// The kernels' division helpers and their other exact arithmetic (kernels/common.cuh: the
+// packed bf16 rounding, the inverse of a power of two) as plain C functions over arrays, built
 // by tests/cuda_emulated/divide.rs into a shared library (with cuda_shim.h force-included, as
 // the emulator builds the kernels) and compared there with Rust's `/`.
 #include "common.cuh"
@@ -27,6 +28,44 @@ void sdp_test_divide_runs(const float* x, float s, float bound, float* q, size_t
     const sdp_divisor d = sdp_divisor_of(s, bound);
     for (size_t i = 0; i + 4 <= n; i += 4) {
         sdp_divide_run<4>(d, x + i, q + i);
+    }
+}
+
+// q[i] = x[i] / s[4 j] for the run j = i / 4 of x (n a multiple of 4), through sdp_divide_run<4,
+// true> with the divisor sdp_divisor_unbounded(s[4 j]): no bound on |x|.
+void sdp_test_divide_unbounded(const float* x, const float* s, float* q, size_t n)
+{
+    for (size_t i = 0; i + 4 <= n; i += 4) {
+        sdp_divide_run<4, true>(sdp_divisor_unbounded(s[i]), x + i, q + i);
+    }
+}
+
+// How many of the fp32 bit patterns first .. first + count - 1, paired with their neighbour
+// (pattern ^ 1 as the high value), round to other bf16 bits through sdp_f32x2_to_bf16x2 than
+// through sdp_f32_to_bf16.
+uint64_t sdp_test_bf16x2_mismatches(uint32_t first, uint64_t count)
+{
+    uint64_t mismatches = 0;
+    for (uint64_t i = 0; i < count; ++i) {
+        const uint32_t lo = (uint32_t)(first + i);
+        const uint32_t hi = lo ^ 1u;
+        float a;
+        float b;
+        std::memcpy(&a, &lo, 4);
+        std::memcpy(&b, &hi, 4);
+        const uint32_t want = (uint32_t)sdp_f32_to_bf16(a) | (uint32_t)sdp_f32_to_bf16(b) << 16;
+        if (sdp_f32x2_to_bf16x2(a, b) != want) {
+            ++mismatches;
+        }
+    }
+    return mismatches;
+}
+
+// inverse[i] = sdp_power_of_two_inverse(p[i]).
+void sdp_test_power_of_two_inverse(const uint32_t* p, float* inverse, size_t n)
+{
+    for (size_t i = 0; i < n; ++i) {
+        inverse[i] = sdp_power_of_two_inverse(p[i]);
     }
 }
 
