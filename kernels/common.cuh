@@ -1136,13 +1136,20 @@ __device__ __forceinline__ bool sdp_code_marks_found(uint32_t marks, uint32_t bi
     return (marks & tops & used) != 0;
 }
 
-// The nibble k of `word` as an exact fp32 integer, the nibble read as unsigned and then `bias`
-// subtracted: the nibble is placed in the mantissa of 2^23 (0x4b000000 | nibble is 2^23 +
-// nibble exactly) and 2^23 + bias subtracted, one exact addition instead of an integer to
-// float conversion.
+// The nibble k (< 8) of `word` as an exact fp32 integer, the nibble read as unsigned and then
+// `bias` (0 or 8) subtracted, without shifting the nibble down: nibble j = k % 4 of the low or
+// high half stays at bits [4 j, 4 j + 4), which lie in the mantissa of 2^e, e = 23 - 4 j, whose
+// last mantissa bit is worth 2^-4j, so (bits of 2^e) | (half & (15 << 4 j)) is exactly
+// 2^e + nibble. Subtracting 2^e + bias (exact: an integer plus 2^e, e >= 11) is exact by
+// Sterbenz's lemma (both lie in [2^e, 2^(e + 1))) and leaves nibble - bias: one mask, one OR
+// and one addition per nibble instead of a shift more; the high half costs one shift for its
+// four nibbles.
 __device__ __forceinline__ float sdp_nibble_as_float(uint32_t word, uint32_t k, float bias)
 {
-    return __fsub_rn(__uint_as_float(0x4b000000u | ((word >> (4 * k)) & 0xfu)), 8388608.0f + bias);
+    const uint32_t half = k < 4 ? word : word >> 16;
+    const uint32_t j = k % 4;
+    const uint32_t power = (150u - 4 * j) << 23;  // the bits of 2^(23 - 4 j)
+    return __fsub_rn(__uint_as_float(power | (half & (0xfu << (4 * j)))), __fadd_rn(__uint_as_float(power), bias));
 }
 
 // Byte k of `word` as an exact fp32 integer, signed (symmetric codes) or unsigned: one

@@ -7,10 +7,11 @@
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one run of 4 consecutive elements per thread (one Philox block for quantize),
-// grid-stride over ceil(numel / 4) runs; a run is moved with one 16-byte access of fp32 (and a
-// 4- or 8-byte access of the integers) when the buffers are aligned for it and the run is
-// whole, element by element otherwise (the dequantization takes those runs in a second loop). global_absmax reduces each warp's elements with
-// shuffles and issues one atomicMax per warp.
+// grid-stride over ceil(numel / 4) runs; a run is moved with one 16-byte access of fp32 (8 of
+// bf16, and a 4- or 8-byte access of the integers) when the buffers are aligned for it and the
+// run is whole, element by element otherwise (the rounding and the dequantization take those
+// runs in a second loop). global_absmax reduces each warp's elements with a warp reduction and
+// issues one atomicMax per warp.
 #include "common.cuh"
 
 // Runs of 4 elements of a bucket of numel elements.

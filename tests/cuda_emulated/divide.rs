@@ -18,10 +18,12 @@
 //! Global-QSGD's own quotients (x in [-absmax, absmax], s = absmax / K for K = 127 and 32767):
 //! 135 million quotients.
 //!
-//! Two more exact replacements are checked here exhaustively: the packed rounding of two fp32
-//! to bf16 (`sdp_f32x2_to_bf16x2`) against the one-value rounding the CPU reference's equals
-//! (`sdp_f32_to_bf16`) for every fp32 bit pattern, and `sdp_power_of_two_inverse` against
-//! Rust's `1.0 / p` for every power of two below 2^32.
+//! Three more exact replacements are checked here exhaustively: the packed rounding of two
+//! fp32 to bf16 (`sdp_f32x2_to_bf16x2`) against the CPU reference's rounding (`half`) for
+//! every fp32 bit pattern, `sdp_power_of_two_inverse` against
+//! Rust's `1.0 / p` for every power of two below 2^32, and the decoding of a nibble in place
+//! (`sdp_nibble_as_float`) against the nibble shifted down and converted, for every position,
+//! bias and half-word.
 //!
 //! The quantizer's metadata (`sdp_meta_of`) takes an inline fast path for symmetric groups of 4-
 //! or 8-bit codes whose absmax lies in [2^-24, 2^40): the scale as Markstein's quotient by the
@@ -39,8 +41,9 @@ use sdp4bit_test_support::random::SplitMix64;
 type DivideFn = unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, usize);
 type DivideRunsFn = unsafe extern "C" fn(*const f32, f32, f32, *mut f32, usize);
 type DivideUnboundedFn = unsafe extern "C" fn(*const f32, *const f32, *mut f32, usize);
-type Bf16x2MismatchesFn = unsafe extern "C" fn(u32, u64) -> u64;
+type Bf16x2Fn = unsafe extern "C" fn(u32, *mut u32, usize);
 type PowerOfTwoInverseFn = unsafe extern "C" fn(*const u32, *mut f32, usize);
+type NibbleMismatchesFn = unsafe extern "C" fn() -> u64;
 type MetaMismatchesFn = unsafe extern "C" fn(u32, u32, u64, u32) -> u64;
 type MetaScalesFn = unsafe extern "C" fn(u32, *const u32, *mut f32, usize);
 type MaxCodeInverseFn = unsafe extern "C" fn(*const i32, *mut f32, usize);
@@ -51,8 +54,9 @@ struct Helpers {
     divide: DivideFn,
     divide_runs: DivideRunsFn,
     divide_unbounded: DivideUnboundedFn,
-    bf16x2_mismatches: Bf16x2MismatchesFn,
+    bf16x2: Bf16x2Fn,
     power_of_two_inverse: PowerOfTwoInverseFn,
+    nibble_mismatches: NibbleMismatchesFn,
     meta_mismatches: MetaMismatchesFn,
     meta_scales: MetaScalesFn,
     max_code_inverse: MaxCodeInverseFn,
@@ -98,12 +102,15 @@ fn helpers() -> Helpers {
         let divide_unbounded = *lib
             .get::<DivideUnboundedFn>(b"sdp_test_divide_unbounded")
             .expect("sdp_test_divide_unbounded");
-        let bf16x2_mismatches = *lib
-            .get::<Bf16x2MismatchesFn>(b"sdp_test_bf16x2_mismatches")
-            .expect("sdp_test_bf16x2_mismatches");
+        let bf16x2 = *lib
+            .get::<Bf16x2Fn>(b"sdp_test_bf16x2")
+            .expect("sdp_test_bf16x2");
         let power_of_two_inverse = *lib
             .get::<PowerOfTwoInverseFn>(b"sdp_test_power_of_two_inverse")
             .expect("sdp_test_power_of_two_inverse");
+        let nibble_mismatches = *lib
+            .get::<NibbleMismatchesFn>(b"sdp_test_nibble_mismatches")
+            .expect("sdp_test_nibble_mismatches");
         let meta_mismatches = *lib
             .get::<MetaMismatchesFn>(b"sdp_test_meta_mismatches")
             .expect("sdp_test_meta_mismatches");
@@ -118,8 +125,9 @@ fn helpers() -> Helpers {
             divide,
             divide_runs,
             divide_unbounded,
-            bf16x2_mismatches,
+            bf16x2,
             power_of_two_inverse,
+            nibble_mismatches,
             meta_mismatches,
             meta_scales,
             max_code_inverse,
@@ -520,14 +528,27 @@ fn max_code_inverse_is_the_correctly_rounded_reciprocal_or_zero() {
 }
 
 #[test]
-fn packed_bf16_rounding_equals_the_one_value_rounding_for_every_pattern() {
+fn packed_bf16_rounding_is_the_cpu_rounding_for_every_pattern() {
     let h = helpers();
     // Every fp32 bit pattern (NaNs, Inf, subnormals, signed zeros and each rounding tie
-    // included) as the low value, with its neighbour pattern as the high one. The one-value
-    // rounding is the CPU's (the gradient_conversions family of the emulator checks it).
-    // SAFETY: plain values in, a count out.
-    let mismatches = unsafe { (h.bf16x2_mismatches)(0, 1 << 32) };
-    assert_eq!(mismatches, 0, "{mismatches} fp32 patterns round differently");
+    // included), in pairs of neighbours, against the CPU reference's rounding (the `half`
+    // crate's, bit for bit: a NaN keeps its high payload and comes out quiet).
+    let chunk = 1usize << 26;
+    let mut words = vec![0u32; chunk / 2];
+    for first in (0..1u64 << 32).step_by(chunk) {
+        // SAFETY: words holds chunk / 2 elements.
+        unsafe { (h.bf16x2)(first as u32, words.as_mut_ptr(), words.len()) };
+        for (i, &word) in words.iter().enumerate() {
+            for (half_index, got) in [(0u32, word as u16), (1, (word >> 16) as u16)] {
+                let bits = first as u32 + 2 * i as u32 + half_index;
+                let want = half::bf16::from_f32(f32::from_bits(bits)).to_bits();
+                assert_eq!(
+                    got, want,
+                    "sdp_f32x2_to_bf16x2 of [{bits:#010x}]: {got:#06x}, the CPU's {want:#06x}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
@@ -541,4 +562,12 @@ fn power_of_two_inverse_is_the_ieee_quotient() {
         let want = 1.0 / block as f32;
         assert_eq!(got.to_bits(), want.to_bits(), "1 / {block}");
     }
+}
+
+#[test]
+fn nibble_decoding_in_place_equals_the_shifted_conversion() {
+    let h = helpers();
+    // SAFETY: no arguments, a count out.
+    let mismatches = unsafe { (h.nibble_mismatches)() };
+    assert_eq!(mismatches, 0, "{mismatches} nibbles decode differently");
 }

@@ -40,22 +40,39 @@ void sdp_test_divide_unbounded(const float* x, const float* s, float* q, size_t 
     }
 }
 
-// How many of the fp32 bit patterns first .. first + count - 1, paired with their neighbour
-// (pattern ^ 1 as the high value), round to other bf16 bits through sdp_f32x2_to_bf16x2 than
-// through sdp_f32_to_bf16.
-uint64_t sdp_test_bf16x2_mismatches(uint32_t first, uint64_t count)
+// words[i] = sdp_f32x2_to_bf16x2 of the fp32 bit patterns first + 2 i (low) and first + 2 i + 1
+// (high), for i < n.
+void sdp_test_bf16x2(uint32_t first, uint32_t* words, size_t n)
 {
-    uint64_t mismatches = 0;
-    for (uint64_t i = 0; i < count; ++i) {
-        const uint32_t lo = (uint32_t)(first + i);
-        const uint32_t hi = lo ^ 1u;
+    for (size_t i = 0; i < n; ++i) {
+        const uint32_t lo = first + 2 * (uint32_t)i;
+        const uint32_t hi = lo + 1;
         float a;
         float b;
         std::memcpy(&a, &lo, 4);
         std::memcpy(&b, &hi, 4);
-        const uint32_t want = (uint32_t)sdp_f32_to_bf16(a) | (uint32_t)sdp_f32_to_bf16(b) << 16;
-        if (sdp_f32x2_to_bf16x2(a, b) != want) {
-            ++mismatches;
+        words[i] = sdp_f32x2_to_bf16x2(a, b);
+    }
+}
+
+// How many (k, bias, half-word) give another value through sdp_nibble_as_float than the nibble
+// shifted down and converted, minus bias: every nibble position k < 8, bias 0 and 8, and every
+// 16-bit value of the half holding nibble k (the other half a pattern of that value).
+uint64_t sdp_test_nibble_mismatches()
+{
+    const float biases[2] = {0.0f, 8.0f};
+    uint64_t mismatches = 0;
+    for (uint32_t k = 0; k < 8; ++k) {
+        for (const float bias : biases) {
+            for (uint32_t v = 0; v < 0x10000u; ++v) {
+                const uint32_t other = (v * 0x9e37u) & 0xffffu;
+                const uint32_t word = k < 4 ? v | other << 16 : other | v << 16;
+                const float want = (float)((word >> (4 * k)) & 0xfu) - bias;
+                const float got = sdp_nibble_as_float(word, k, bias);
+                if (std::memcmp(&want, &got, 4) != 0) {
+                    ++mismatches;
+                }
+            }
         }
     }
     return mismatches;
