@@ -374,7 +374,9 @@ fn unbounded_divide_equals_ieee_division_for_every_exponent_pair() {
             let divisor = f32::from_bits((es << 23) | (rng.next_u32() & 0x007f_ffff));
             for _ in 0..16 {
                 let r = rng.next_u32();
-                x.push(f32::from_bits((r & 0x8000_0000) | ex << 23 | (r & 0x007f_ffff)));
+                x.push(f32::from_bits(
+                    (r & 0x8000_0000) | ex << 23 | (r & 0x007f_ffff),
+                ));
                 s.push(divisor);
             }
         }
