@@ -181,7 +181,7 @@ fn check_divide(h: &Helpers, x: &[f32], s: &[f32], bound: &[f32]) -> usize {
 /// helper without a bound on |x| and checks each quotient against `x / s`; returns how many it
 /// checked.
 fn check_divide_unbounded(h: &Helpers, x: &[f32], s: &[f32]) -> usize {
-    assert!(s.len() == x.len() && x.len() % 4 == 0);
+    assert!(s.len() == x.len() && x.len().is_multiple_of(4));
     let mut q = vec![0.0f32; x.len()];
     // SAFETY: three arrays of x.len() elements, a multiple of 4 (checked above).
     unsafe { (h.divide_unbounded)(x.as_ptr(), s.as_ptr(), q.as_mut_ptr(), x.len()) };
