@@ -493,11 +493,17 @@ fn source_location(rest: &str) -> Option<(String, u32)> {
 const CATEGORIES: [(&str, &[&str]); 12] = [
     (
         "Philox rounds",
-        &["sdp_philox", "sdp_words4", "sdp_uniforms4"],
+        &["sdp_philox", "sdp_words4", "sdp_uniforms4", "global_words"],
     ),
     (
         "uniform add, rounding, clamp",
-        &["sdp_add_uniform", "sdp_word_to_uniform", "sdp_code_of"],
+        &[
+            "sdp_add_uniform",
+            "sdp_word_to_uniform",
+            "sdp_code_of",
+            "sdp_round_clamp",
+            "global_code",
+        ],
     ),
     (
         "division by the scale (fast path, fallback calls)",
@@ -506,6 +512,7 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
             "sdp_divide_markstein",
             "sdp_divide_fast",
             "sdp_divide_plain4",
+            "sdp_divisor_unbounded",
         ],
     ),
     (
@@ -539,6 +546,7 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
             "sdp_hadamard_inverse",
             "sdp_hadamard_lane_stage",
             "sdp_hadamard_register_stage",
+            "sdp_power_of_two_inverse",
         ],
     ),
     (
@@ -586,6 +594,9 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
             "sdp_bf16_low_to_f32_raw",
             "sdp_bf16_high_to_f32_raw",
             "sdp_f32_to_bf16",
+            "sdp_f32x2_to_bf16x2",
+            "sdp_grad_store4",
+            "sdp_grad_store1",
             "sdp_half",
             "sdp_word_of",
             "sdp_aligned",
@@ -594,6 +605,10 @@ const CATEGORIES: [(&str, &[&str]); 12] = [
             "load_four_of_part",
             "element_of",
             "store_tile",
+            "store_run_elements",
+            "store_group_nan",
+            "global_store_run",
+            "global_quantize_checked",
             "apply_run",
         ],
     ),
@@ -1010,9 +1025,10 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
 }
 
 /// What keeps a kernel below 80% without a change of its numerics (printed only while it is).
-const BOUND_NOTES: [(&str, &str); 1] = [(
-    "grad_quantize_first_bf16",
-    "It runs the same quantizer as `grad_quantize_first` over half the input bytes (3.03 per \
+const BOUND_NOTES: [(&str, &str); 2] = [
+    (
+        "grad_quantize_first_bf16",
+        "It runs the same quantizer as `grad_quantize_first` over half the input bytes (3.03 per \
      element instead of 5.03), so 80% of HBM allows 151 instructions per group of 128 where \
      the quantizer alone needs about 184, all fixed by the numerics (docs/numerics.md §1, \
      §7.5): one Philox block (52), the uniform add, rounding and clamp of 4 values (25), 4 \
@@ -1021,8 +1037,25 @@ const BOUND_NOTES: [(&str, &str); 1] = [(
      rounded reciprocal, with the call of the out-of-line general case (24), the \
      Hadamard block of 32 (36), the absmax (8) and the packing and store (8). No \
      rearrangement of the control reaches 80% by this model; the kernel is bound by issue, \
-     not by memory, at about half of HBM bandwidth.",
-)];
+     not by memory, at about half of HBM bandwidth. The floor's conversion to an integer is \
+     one instruction (`cvt.rmi`); a round-down addition of 1.5 x 2^23 instead takes two (the \
+     addition and the integer's extraction).",
+    ),
+    (
+        "grad_reduce_final_bf16",
+        "It decodes, sums and inverts the Hadamard transform exactly as `grad_reduce_final` \
+         (228 instructions per group, 100%) but writes half the bytes (4.12 per element instead \
+         of 6.12), so 80% of HBM allows 205 instructions per group of 128 where the arithmetic \
+         the numerics fix (docs/numerics.md §7.1, §7.5) takes about 195: the decoding of 4 \
+         peers (126; per peer the code word's load 4, the corrupt-code marks 3, 4 nibbles \
+         decoded in place 12, 4 multiplications by the scale and 4 additions to the sum 8, the \
+         scale's broadcast 2; the peers' scales loaded and checked once per group), the \
+         inverse Hadamard block of 32 with its scaling by 1/32 (45) and the rounding of 4 \
+         values to bf16 with their packed store (24). The group's index, range test, corrupt \
+         vote, loop and the calls of the out-of-line stores take the other 56; the kernel is \
+         bound by issue, not by memory, at two thirds of HBM bandwidth.",
+    ),
+];
 
 /// For a kernel below 80%: the loop body that 80% would allow and its largest categories.
 fn what_bounds(row: &Row<'_>) -> String {

@@ -266,6 +266,22 @@ __device__ __forceinline__ uint16_t sdp_f32_to_bf16(float v)
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+// f32 -> bf16 of two values packed in a word (lo in the low half), each exactly as
+// sdp_f32_to_bf16: the rounding addition leaves the bf16 in the high half of a 32-bit value
+// (or, for a NaN, the value with its quiet bit set: 0x00400000 is 0x40 in the high half), and
+// one byte permutation takes both high halves.
+__device__ __forceinline__ uint32_t sdp_f32x2_to_bf16x2(float lo, float hi)
+{
+    const float v[2] = {lo, hi};
+    uint32_t r[2];
+#pragma unroll
+    for (uint32_t k = 0; k < 2; ++k) {
+        const uint32_t x = __float_as_uint(v[k]);
+        r[k] = v[k] != v[k] ? x | 0x00400000u : x + 0x7fffu + ((x >> 16) & 1u);
+    }
+    return __byte_perm(r[0], r[1], 0x7632);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Gradient elements (backend::GradElement, docs/numerics.md §7.5): a bucket or shard holds fp32
 // or bf16 (sdp_bf16); the passes read each element as its fp32 value (sdp_bf16_to_f32) and
@@ -329,9 +345,7 @@ __device__ __forceinline__ void sdp_grad_store4(float* p, const float* x)
 
 __device__ __forceinline__ void sdp_grad_store4(sdp_bf16* p, const float* x)
 {
-    const uint32_t lo = (uint32_t)sdp_f32_to_bf16(x[0]) | (uint32_t)sdp_f32_to_bf16(x[1]) << 16;
-    const uint32_t hi = (uint32_t)sdp_f32_to_bf16(x[2]) | (uint32_t)sdp_f32_to_bf16(x[3]) << 16;
-    __stcs((uint2*)p, make_uint2(lo, hi));
+    __stcs((uint2*)p, make_uint2(sdp_f32x2_to_bf16x2(x[0], x[1]), sdp_f32x2_to_bf16x2(x[2], x[3])));
 }
 
 // One fp32 value rounded to the element type, to p.
@@ -461,10 +475,24 @@ __device__ __forceinline__ sdp_divisor sdp_divisor_of(float s, float bound)
     return d;
 }
 
-// Whether x meets the fast path's per-quotient condition (a NaN does not).
+// The divisor s for dividends without a known bound: sdp_divide_run<N, true> checks both limits
+// of |x| per quotient.
+__device__ __forceinline__ sdp_divisor sdp_divisor_unbounded(float s)
+{
+    sdp_divisor d;
+    d.s = s;
+    d.inverse = __frcp_rn(s);
+    const float a = fabsf(s);
+    d.fast = a >= 0x1p-40f && a < 0x1p40f;
+    return d;
+}
+
+// Whether x meets the fast path's per-quotient condition (a NaN does not): the lower limit of
+// |x|, and the upper one too for a divisor without a bound (sdp_divisor_unbounded).
+template <bool Unbounded>
 __device__ __forceinline__ bool sdp_divide_fast(float x)
 {
-    return fabsf(x) >= 0x1p-60f;
+    return fabsf(x) >= 0x1p-60f && (!Unbounded || fabsf(x) < 0x1p60f);
 }
 
 // The fast path: RN(x / s) when d.fast and sdp_divide_fast(x).
@@ -484,15 +512,15 @@ static __device__ SDP_NOINLINE float4 sdp_divide_plain4(float4 x, float s)
 
 // q[i] = RN(x[i] / s) for the N values of x (N a multiple of 4): the fast path, redone with the
 // plain division unless its conditions hold for all of them (one branch per run, no path to
-// duplicate code into).
-template <uint32_t N>
+// duplicate code into). `Unbounded` for a divisor of sdp_divisor_unbounded.
+template <uint32_t N, bool Unbounded = false>
 __device__ __forceinline__ void sdp_divide_run(const sdp_divisor& d, const float* x, float* q)
 {
     static_assert(N % 4 == 0, "runs of 4 values");
     bool fast = d.fast;
 #pragma unroll
     for (uint32_t i = 0; i < N; ++i) {
-        fast = fast && sdp_divide_fast(x[i]);
+        fast = fast && sdp_divide_fast<Unbounded>(x[i]);
     }
 #pragma unroll
     for (uint32_t i = 0; i < N; ++i) {
@@ -638,12 +666,20 @@ __device__ __forceinline__ void sdp_hadamard_forward(float (&v)[SDP_LANE_VALUES]
     }
 }
 
+// 1 / p for a power of two p = 2^n (n < 32), exact: made from the bits of p, whose exponent
+// field 127 + n becomes 127 - n (the bits subtracted from 254 << 23), the IEEE quotient 1 / p
+// without a division.
+__device__ __forceinline__ float sdp_power_of_two_inverse(uint32_t p)
+{
+    return __uint_as_float(0x7f000000u - __float_as_uint((float)p));
+}
+
 // The inverse: the same butterfly, then every element times 1 / block (exact: a power of two).
 __device__ __forceinline__ void sdp_hadamard_inverse(float (&v)[SDP_LANE_VALUES], uint32_t g, uint32_t t,
                                                      uint32_t block, uint32_t lane)
 {
     sdp_hadamard_forward(v, g, t, block, lane);
-    const float scale = __fdiv_rn(1.0f, (float)block);
+    const float scale = sdp_power_of_two_inverse(block);
 #pragma unroll
     for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
         v[i] = __fmul_rn(v[i], scale);
@@ -883,21 +919,28 @@ __device__ __forceinline__ sdp_group_meta sdp_meta_of(const sdp_quant& q, float 
     return m;
 }
 
-// The code of x in a coded group: R(x / s) (symmetric) or R((x - lo) / s) (asymmetric), with
-// R(v) = floor(v + u) (stochastic, u from the Philox word `word`, sdp_add_uniform) or round
-// half to even, clamped to [-L, L] or [0, 2^b - 1] (sdp_store_codes keeps its b bits). A NaN
-// code becomes 0 (quant::code_bits; never for a coded group), which gives a group that is not
-// coded its codes 0: its divisor is NaN (sdp_divisor_uncoded). The rounding converts
-// straight to an integer (cvt.rmi / cvt.rni: saturating, NaN to 0) and clamps the integer,
-// which equals rounding, clamping and converting in fp32 for every value, NaN and Inf included.
-// `t` is the quotient x / s or (x - lo) / s (sdp_quotients).
-__device__ __forceinline__ int32_t sdp_code_of(const sdp_quant& q, float t, uint32_t word)
+// R(t) clamped to the integers [bottom, top], where R(v) = floor(v + u) (stochastic, u from the
+// Philox word `word`, sdp_add_uniform) or round half to even, and a NaN gives 0. The rounding
+// converts straight to an integer (cvt.rmi / cvt.rni: saturating, NaN to 0) and clamps the
+// integer, which equals rounding, clamping and converting in fp32 for every value, NaN and Inf
+// included (bottom <= 0 <= top).
+__device__ __forceinline__ int32_t sdp_round_clamp(bool stochastic, float t, uint32_t word, int32_t bottom,
+                                                   int32_t top)
 {
-    const int32_t rounded = q.stochastic ? __float2int_rd(sdp_add_uniform(t, word)) : __float2int_rn(t);
-    const int32_t top = sdp_max_code(q);
-    const int32_t bottom = q.symmetric ? -top : 0;
+    const int32_t rounded = stochastic ? __float2int_rd(sdp_add_uniform(t, word)) : __float2int_rn(t);
     const int32_t low = rounded > bottom ? rounded : bottom;
     return low < top ? low : top;
+}
+
+// The code of x in a coded group: R(x / s) (symmetric) or R((x - lo) / s) (asymmetric),
+// sdp_round_clamp to [-L, L] or [0, 2^b - 1] (sdp_store_codes keeps its b bits). A NaN code
+// becomes 0 (quant::code_bits; never for a coded group), which gives a group that is not coded
+// its codes 0: its divisor is NaN (sdp_divisor_uncoded). `t` is the quotient x / s or
+// (x - lo) / s (sdp_quotients).
+__device__ __forceinline__ int32_t sdp_code_of(const sdp_quant& q, float t, uint32_t word)
+{
+    const int32_t top = sdp_max_code(q);
+    return sdp_round_clamp(q.stochastic, t, word, q.symmetric ? -top : 0, top);
 }
 
 // Stores the codes of this lane's run r of tile t (packed little-endian, b bits each: element
@@ -1093,13 +1136,20 @@ __device__ __forceinline__ bool sdp_code_marks_found(uint32_t marks, uint32_t bi
     return (marks & tops & used) != 0;
 }
 
-// The nibble k of `word` as an exact fp32 integer, the nibble read as unsigned and then `bias`
-// subtracted: the nibble is placed in the mantissa of 2^23 (0x4b000000 | nibble is 2^23 +
-// nibble exactly) and 2^23 + bias subtracted, one exact addition instead of an integer to
-// float conversion.
+// The nibble k (< 8) of `word` as an exact fp32 integer, the nibble read as unsigned and then
+// `bias` (0 or 8) subtracted, without shifting the nibble down: nibble j = k % 4 of the low or
+// high half stays at bits [4 j, 4 j + 4), which lie in the mantissa of 2^e, e = 23 - 4 j, whose
+// last mantissa bit is worth 2^-4j, so (bits of 2^e) | (half & (15 << 4 j)) is exactly
+// 2^e + nibble. Subtracting 2^e + bias (exact: an integer plus 2^e, e >= 11) is exact by
+// Sterbenz's lemma (both lie in [2^e, 2^(e + 1))) and leaves nibble - bias: one mask, one OR
+// and one addition per nibble instead of a shift more; the high half costs one shift for its
+// four nibbles.
 __device__ __forceinline__ float sdp_nibble_as_float(uint32_t word, uint32_t k, float bias)
 {
-    return __fsub_rn(__uint_as_float(0x4b000000u | ((word >> (4 * k)) & 0xfu)), 8388608.0f + bias);
+    const uint32_t half = k < 4 ? word : word >> 16;
+    const uint32_t j = k % 4;
+    const uint32_t power = (150u - 4 * j) << 23;  // the bits of 2^(23 - 4 j)
+    return __fsub_rn(__uint_as_float(power | (half & (0xfu << (4 * j)))), __fadd_rn(__uint_as_float(power), bias));
 }
 
 // Byte k of `word` as an exact fp32 integer, signed (symmetric codes) or unsigned: one

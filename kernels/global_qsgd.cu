@@ -7,10 +7,11 @@
 //
 // Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
 // Work unit: one run of 4 consecutive elements per thread (one Philox block for quantize),
-// grid-stride over ceil(numel / 4) runs; a run is moved with one 16-byte access of fp32 (and a
-// 4- or 8-byte access of the integers) when the buffers are aligned for it and the run is
-// whole, element by element otherwise (the dequantization takes those runs in a second loop). global_absmax reduces each warp's elements with
-// shuffles and issues one atomicMax per warp.
+// grid-stride over ceil(numel / 4) runs; a run is moved with one 16-byte access of fp32 (8 of
+// bf16, and a 4- or 8-byte access of the integers) when the buffers are aligned for it and the
+// run is whole, element by element otherwise (the rounding and the dequantization take those
+// runs in a second loop). global_absmax reduces each warp's elements with a warp reduction and
+// issues one atomicMax per warp.
 #include "common.cuh"
 
 // Runs of 4 elements of a bucket of numel elements.
@@ -97,81 +98,97 @@ __device__ __forceinline__ GlobalScale global_scale(const sdp_global& args)
     return s == 0.0f ? GlobalScale{0.0f, GLOBAL_ZEROS} : GlobalScale{s, GLOBAL_SCALED};
 }
 
-// The code of x: clamp(R(x / scale), -k, k) with R = floor(x / scale + u) (stochastic) or
-// round half to even; a NaN code becomes 0 (quantize_task and quant::code_bits).
-__device__ __forceinline__ int32_t global_code(const sdp_global& args, float scale, float x, float u)
+// The code of quotient t = x / scale: clamp(R(t), -k, k) with R = floor(t + u) (stochastic, u
+// from the Philox word `word`) or round half to even; a NaN code becomes 0 (quantize_task and
+// quant::code_bits).
+__device__ __forceinline__ int32_t global_code(const sdp_global& args, float t, uint32_t word)
 {
-    const float t = __fdiv_rn(x, scale);
-    float c = args.stochastic ? floorf(__fadd_rn(t, u)) : rintf(t);
-    if (c != c) {
-        return 0;
-    }
-    const float k = (float)args.k;
-    c = fminf(fmaxf(c, -k), k);
-    return (int32_t)c;
+    return sdp_round_clamp(args.stochastic != 0, t, word, -args.k, args.k);
 }
 
-// Stores the 4 codes of run b: one 4-byte (int8) or 8-byte (int16) store when `vector`.
-__device__ __forceinline__ void global_store_codes(int8_t* out, const sdp_global& args, uint64_t b, bool vector,
-                                                   const int32_t* c)
+// The Philox words of run b (zeros for round half to even).
+__device__ __forceinline__ void global_words(const sdp_global& args, uint64_t b, uint32_t* w)
 {
-    if (vector && 4 * b + 4 <= args.numel) {
-        uint32_t word = 0;
-#pragma unroll
-        for (uint32_t e = 0; e < 4; ++e) {
-            word |= ((uint32_t)c[e] & 0xffu) << (8 * e);
-        }
-        __stcs((unsigned int*)(out + 4 * b), word);
-        return;
-    }
-#pragma unroll
-    for (uint32_t e = 0; e < 4; ++e) {
-        if (4 * b + e < args.numel) {
-            out[4 * b + e] = (int8_t)c[e];
-        }
+    if (args.stochastic) {
+        sdp_words4(args.rng, 4 * b, w);
+    } else {
+        w[0] = w[1] = w[2] = w[3] = 0;
     }
 }
 
-__device__ __forceinline__ void global_store_codes(int16_t* out, const sdp_global& args, uint64_t b, bool vector,
-                                                   const int32_t* c)
+// The 4 codes of a whole run at `out` (4-aligned): one 4-byte (int8) or 8-byte (int16) store.
+__device__ __forceinline__ void global_store_run(int8_t* out, const int32_t* c)
 {
-    if (vector && 4 * b + 4 <= args.numel) {
-        const uint32_t lo = ((uint32_t)c[0] & 0xffffu) | ((uint32_t)c[1] << 16);
-        const uint32_t hi = ((uint32_t)c[2] & 0xffffu) | ((uint32_t)c[3] << 16);
-        __stcs((uint2*)(out + 4 * b), make_uint2(lo, hi));
-        return;
-    }
+    uint32_t word = 0;
 #pragma unroll
     for (uint32_t e = 0; e < 4; ++e) {
-        if (4 * b + e < args.numel) {
-            out[4 * b + e] = (int16_t)c[e];
+        word |= ((uint32_t)c[e] & 0xffu) << (8 * e);
+    }
+    __stcs((unsigned int*)out, word);
+}
+
+__device__ __forceinline__ void global_store_run(int16_t* out, const int32_t* c)
+{
+    const uint32_t lo = ((uint32_t)c[0] & 0xffffu) | ((uint32_t)c[1] << 16);
+    const uint32_t hi = ((uint32_t)c[2] & 0xffffu) | ((uint32_t)c[3] << 16);
+    __stcs((uint2*)out, make_uint2(lo, hi));
+}
+
+// Cold path: the codes of run b element by element (the run may be partial or unaligned):
+// every code 0 unless the launch scales (global_scale's outcome), else x / scale by the plain
+// division.
+template <class Code, class G>
+__device__ __forceinline__ void global_quantize_checked(const G* __restrict__ bucket, Code* __restrict__ out,
+                                                        const sdp_global& args, const GlobalScale& scale,
+                                                        uint64_t b)
+{
+    uint32_t w[4];
+    global_words(args, b, w);
+#pragma unroll 1
+    for (uint32_t e = 0; e < 4; ++e) {
+        const uint64_t i = 4 * b + e;
+        if (i >= args.numel) {
+            return;
         }
+        const float t = __fdiv_rn(sdp_grad_to_f32(bucket[i]), scale.s);
+        out[i] = (Code)(scale.outcome == GLOBAL_SCALED ? global_code(args, t, w[e]) : 0);
     }
 }
 
 // out[i] = the code of bucket[i] for every element of the bucket, one run of 4 (one Philox
-// block: its four uniforms) per thread and step.
+// block: its four uniforms) per thread and step. The main loop takes the whole runs of aligned
+// buffers of a launch that scales, dividing by the scale as sdp_divide_run does (a
+// multiplication by its reciprocal and two fused multiply-adds where that is the IEEE
+// quotient, docs/numerics.md §1.4; the scale bounds no value, so both limits of |x| are
+// checked per value); a second loop the rest.
 template <class Code, class G>
 __device__ __forceinline__ void global_quantize(const G* __restrict__ bucket, Code* __restrict__ out,
                                                 const sdp_global& args)
 {
-    const bool vector = sdp_grad_run_aligned(bucket) && sdp_aligned(out, 4 * sizeof(Code));
     const GlobalScale scale = global_scale(args);
-    for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
-        int32_t c[4] = {0, 0, 0, 0};
-        if (scale.outcome == GLOBAL_SCALED) {
-            float x[4];
-            global_load_run(bucket, args, b, vector, x);
-            float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (args.stochastic) {
-                sdp_uniforms4(args.rng, 4 * b, u);
-            }
+    const bool vector = sdp_grad_run_aligned(bucket) && sdp_aligned(out, 4 * sizeof(Code));
+    const uint64_t whole = vector && scale.outcome == GLOBAL_SCALED ? args.numel / 4 : 0;
+    const sdp_divisor divisor = sdp_divisor_unbounded(scale.s);
+    uint64_t b = sdp_thread_id();
+    for (; b < whole; b += sdp_thread_count()) {
+        // A NaN's payload never reaches a code: raw bf16 conversion.
+        float x[4];
+        sdp_grad_load4_raw(bucket + 4 * b, x);
+        float t[4];
+        sdp_divide_run<4, true>(divisor, x, t);
+        uint32_t w[4];
+        global_words(args, b, w);
+        int32_t c[4];
 #pragma unroll
-            for (uint32_t e = 0; e < 4; ++e) {
-                c[e] = global_code(args, scale.s, x[e], u[e]);
-            }
+        for (uint32_t e = 0; e < 4; ++e) {
+            c[e] = global_code(args, t[e], w[e]);
         }
-        global_store_codes(out, args, b, vector, c);
+        global_store_run(out + 4 * b, c);
+    }
+    // Cold path: the runs the main loop did not take (unaligned buffers, the last partial run,
+    // a launch whose outputs are zeros or NaN).
+    for (; b < global_runs(args); b += sdp_thread_count()) {
+        global_quantize_checked(bucket, out, args, scale, b);
     }
 }
 

@@ -20,8 +20,23 @@
 // the group is written: a corrupt group is then overwritten with NaN.
 #include "common.cuh"
 
+// Cold path, out of line: the first n (< 4, or 4 for an unaligned run) of the 4 values of a
+// run to `run`, element by element.
+template <class G>
+static __device__ SDP_NOINLINE void store_run_elements(G* run, uint32_t n, float4 v)
+{
+    const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+        if (e < n) {
+            sdp_grad_store1(run + e, x[e]);
+        }
+    }
+}
+
 // Writes this lane's values of tile t of the group starting at in-shard offset `first` to
-// the real elements of the shard (offset < S): a 16-byte store per wholly real, aligned run.
+// the real elements of the shard (offset < S): one 16-byte (fp32) or 8-byte (bf16) store per
+// wholly real, aligned run.
 template <class G>
 __device__ __forceinline__ void store_tile(G* shard, uint64_t shard_len, uint32_t g, uint64_t first,
                                            uint32_t t, uint32_t lane, const float (&v)[SDP_LANE_VALUES])
@@ -34,14 +49,26 @@ __device__ __forceinline__ void store_tile(G* shard, uint64_t shard_len, uint32_
         const uint64_t o = first + sdp_tile_element<4>(t, 4 * r, lane);
         if (o + 4 <= shard_len && sdp_grad_run_aligned(shard + o)) {
             sdp_grad_store4(shard + o, v + 4 * r);
-        } else {  // Cold path: an unaligned or partial run, element by element.
-#pragma unroll
-            for (uint32_t e = 0; e < 4; ++e) {
-                if (o + e < shard_len) {
-                    sdp_grad_store1(shard + o + e, v[4 * r + e]);
-                }
-            }
+        } else {  // Cold path: an unaligned or partial run.
+            const uint32_t n = o + 4 <= shard_len ? 4 : (uint32_t)(shard_len > o ? shard_len - o : 0);
+            store_run_elements(shard + o, n, make_float4(v[4 * r], v[4 * r + 1], v[4 * r + 2], v[4 * r + 3]));
         }
+    }
+}
+
+// Cold path, out of line: NaN to every real element of the group starting at in-shard offset
+// `first` (a corrupt group). All 32 lanes must call it together.
+template <class G>
+static __device__ SDP_NOINLINE void store_group_nan(G* shard, uint64_t shard_len, uint32_t g, uint64_t first,
+                                                    uint32_t lane)
+{
+    float v[SDP_LANE_VALUES];
+#pragma unroll
+    for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
+        v[i] = sdp_nan();
+    }
+    for (uint32_t t = 0; t < sdp_tiles(g); ++t) {
+        store_tile(shard, shard_len, g, first, t, lane, v);
     }
 }
 
@@ -54,8 +81,9 @@ __device__ __forceinline__ void grad_reduce_final_of(const uint8_t* __restrict__
     const sdp_shards& sh = args.shards;
     const uint32_t g = layout.quant.group_size;
     const uint32_t lane = sdp_lane();
+    const uint64_t step = sdp_warp_count();
 
-    for (uint64_t j = sdp_warp_id(); j < layout.groups; j += sdp_warp_count()) {
+    for (uint64_t j = sdp_warp_id(); j < layout.groups; j += step) {
         // In-shard offset of the group's first element.
         const uint64_t first = args.chunk * sh.chunk_len + j * g;
         if (first >= sh.shard_len) {
@@ -71,14 +99,7 @@ __device__ __forceinline__ void grad_reduce_final_of(const uint8_t* __restrict__
             store_tile(shard, sh.shard_len, g, first, t, lane, v);
         }
         if (__any_sync(SDP_FULL_MASK, corrupt)) {  // Cold path: a corrupt group.
-            float v[SDP_LANE_VALUES];
-#pragma unroll
-            for (uint32_t i = 0; i < SDP_LANE_VALUES; ++i) {
-                v[i] = sdp_nan();
-            }
-            for (uint32_t t = 0; t < sdp_tiles(g); ++t) {
-                store_tile(shard, sh.shard_len, g, first, t, lane, v);
-            }
+            store_group_nan(shard, sh.shard_len, g, first, lane);
         }
     }
 }

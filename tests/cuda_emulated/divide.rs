@@ -12,6 +12,19 @@
 //! quotients (x in [-absmax, absmax], s = absmax / L for every code limit L): 570 million
 //! quotients in all.
 //!
+//! Global-QSGD divides by a scale that bounds no value (`sdp_divisor_unbounded`), so its runs
+//! check both limits of |x| per value (`sdp_divide_run<N, true>`): the same kinds of inputs,
+//! with runs that mix values inside and outside the fast path's range and no bound, and
+//! Global-QSGD's own quotients (x in [-absmax, absmax], s = absmax / K for K = 127 and 32767):
+//! 135 million quotients.
+//!
+//! Three more exact replacements are checked here exhaustively: the packed rounding of two
+//! fp32 to bf16 (`sdp_f32x2_to_bf16x2`) against the CPU reference's rounding (`half`) for
+//! every fp32 bit pattern, `sdp_power_of_two_inverse` against
+//! Rust's `1.0 / p` for every power of two below 2^32, and the decoding of a nibble in place
+//! (`sdp_nibble_as_float`) against the nibble shifted down and converted, for every position,
+//! bias and half-word.
+//!
 //! The quantizer's metadata (`sdp_meta_of`) takes an inline fast path for symmetric groups of 4-
 //! or 8-bit codes whose absmax lies in [2^-24, 2^40): the scale as Markstein's quotient by the
 //! largest code L (its reciprocal a constant, `sdp_max_code_inverse`, which is 0 for any other
@@ -27,6 +40,10 @@ use sdp4bit_test_support::random::SplitMix64;
 
 type DivideFn = unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f32, usize);
 type DivideRunsFn = unsafe extern "C" fn(*const f32, f32, f32, *mut f32, usize);
+type DivideUnboundedFn = unsafe extern "C" fn(*const f32, *const f32, *mut f32, usize);
+type Bf16x2Fn = unsafe extern "C" fn(u32, *mut u32, usize);
+type PowerOfTwoInverseFn = unsafe extern "C" fn(*const u32, *mut f32, usize);
+type NibbleMismatchesFn = unsafe extern "C" fn() -> u64;
 type MetaMismatchesFn = unsafe extern "C" fn(u32, u32, u64, u32) -> u64;
 type MetaScalesFn = unsafe extern "C" fn(u32, *const u32, *mut f32, usize);
 type MaxCodeInverseFn = unsafe extern "C" fn(*const i32, *mut f32, usize);
@@ -36,6 +53,10 @@ struct Helpers {
     _library: libloading::Library,
     divide: DivideFn,
     divide_runs: DivideRunsFn,
+    divide_unbounded: DivideUnboundedFn,
+    bf16x2: Bf16x2Fn,
+    power_of_two_inverse: PowerOfTwoInverseFn,
+    nibble_mismatches: NibbleMismatchesFn,
     meta_mismatches: MetaMismatchesFn,
     meta_scales: MetaScalesFn,
     max_code_inverse: MaxCodeInverseFn,
@@ -78,6 +99,18 @@ fn helpers() -> Helpers {
         let divide_runs = *lib
             .get::<DivideRunsFn>(b"sdp_test_divide_runs")
             .expect("sdp_test_divide_runs");
+        let divide_unbounded = *lib
+            .get::<DivideUnboundedFn>(b"sdp_test_divide_unbounded")
+            .expect("sdp_test_divide_unbounded");
+        let bf16x2 = *lib
+            .get::<Bf16x2Fn>(b"sdp_test_bf16x2")
+            .expect("sdp_test_bf16x2");
+        let power_of_two_inverse = *lib
+            .get::<PowerOfTwoInverseFn>(b"sdp_test_power_of_two_inverse")
+            .expect("sdp_test_power_of_two_inverse");
+        let nibble_mismatches = *lib
+            .get::<NibbleMismatchesFn>(b"sdp_test_nibble_mismatches")
+            .expect("sdp_test_nibble_mismatches");
         let meta_mismatches = *lib
             .get::<MetaMismatchesFn>(b"sdp_test_meta_mismatches")
             .expect("sdp_test_meta_mismatches");
@@ -91,6 +124,10 @@ fn helpers() -> Helpers {
             _library: lib,
             divide,
             divide_runs,
+            divide_unbounded,
+            bf16x2,
+            power_of_two_inverse,
+            nibble_mismatches,
             meta_mismatches,
             meta_scales,
             max_code_inverse,
@@ -131,6 +168,34 @@ fn check_divide(h: &Helpers, x: &[f32], s: &[f32], bound: &[f32]) -> usize {
             s[i],
             s[i].to_bits(),
             bound[i],
+            q[i],
+            q[i].to_bits(),
+            want,
+            want.to_bits()
+        );
+    }
+    x.len()
+}
+
+/// Divides every run of 4 values of `x` by its divisor (`s` holds it 4 times per run) with the
+/// helper without a bound on |x| and checks each quotient against `x / s`; returns how many it
+/// checked.
+fn check_divide_unbounded(h: &Helpers, x: &[f32], s: &[f32]) -> usize {
+    assert!(s.len() == x.len() && x.len().is_multiple_of(4));
+    let mut q = vec![0.0f32; x.len()];
+    // SAFETY: three arrays of x.len() elements, a multiple of 4 (checked above).
+    unsafe { (h.divide_unbounded)(x.as_ptr(), s.as_ptr(), q.as_mut_ptr(), x.len()) };
+    for i in 0..x.len() {
+        let run = &x[i / 4 * 4..i / 4 * 4 + 4];
+        let want = x[i] / s[i];
+        assert!(
+            same(q[i], want),
+            "sdp_divide_run<4, true>({:e} [{:#010x}] in the run {run:?}, {:e} [{:#010x}]) = \
+             {:e} [{:#010x}], Rust's / gives {:e} [{:#010x}]",
+            x[i],
+            x[i].to_bits(),
+            s[i],
+            s[i].to_bits(),
             q[i],
             q[i].to_bits(),
             want,
@@ -276,6 +341,91 @@ fn divide_equals_ieee_division_on_random_and_quantizer_inputs() {
     assert_eq!(checked, 256 * batch);
 }
 
+#[test]
+fn unbounded_divide_equals_ieee_division_on_edge_values() {
+    let h = helpers();
+    let edges = edge_values();
+    let (mut x, mut s) = (Vec::new(), Vec::new());
+    for &a in &edges {
+        for &b in &edges {
+            // The value alone in its run (four copies), and beside each edge value, so a run
+            // with one value outside the fast path's range is redone whole.
+            x.extend([a; 4]);
+            s.extend([b; 4]);
+        }
+        for (i, &b) in edges.iter().enumerate() {
+            x.extend([a, edges[(i + 7) % edges.len()], a, edges[i]]);
+            s.extend([b; 4]);
+        }
+    }
+    let checked = check_divide_unbounded(&h, &x, &s);
+    assert_eq!(checked, edges.len() * edges.len() * 8);
+}
+
+#[test]
+fn unbounded_divide_equals_ieee_division_for_every_exponent_pair() {
+    let h = helpers();
+    let mut rng = SplitMix64::new(0xd1_0004);
+    let (mut x, mut s) = (Vec::new(), Vec::new());
+    for ex in 0..=255u32 {
+        for es in 0..=255u32 {
+            // Four runs of 4 values of exponent ex (random mantissas and signs) by one divisor of
+            // exponent es (random mantissa).
+            let divisor = f32::from_bits((es << 23) | (rng.next_u32() & 0x007f_ffff));
+            for _ in 0..16 {
+                let r = rng.next_u32();
+                x.push(f32::from_bits(
+                    (r & 0x8000_0000) | ex << 23 | (r & 0x007f_ffff),
+                ));
+                s.push(divisor);
+            }
+        }
+    }
+    let checked = check_divide_unbounded(&h, &x, &s);
+    assert_eq!(checked, 256 * 256 * 16);
+}
+
+#[test]
+fn unbounded_divide_equals_ieee_division_on_random_and_global_qsgd_inputs() {
+    let h = helpers();
+    let mut rng = SplitMix64::new(0xd1_0005);
+    let batch = 1usize << 20;
+    let (mut x, mut s) = (vec![0.0; batch], vec![0.0; batch]);
+    let mut checked = 0usize;
+    // Random bit patterns of values and divisors (every class of fp32, NaN and Inf included).
+    for _ in 0..64 {
+        for run in 0..batch / 4 {
+            let divisor = f32::from_bits(rng.next_u32());
+            for i in 4 * run..4 * run + 4 {
+                x[i] = f32::from_bits(rng.next_u32());
+                s[i] = divisor;
+            }
+        }
+        checked += check_divide_unbounded(&h, &x, &s);
+    }
+    // Global-QSGD's quotients: a global absmax (any positive finite value), the scale
+    // absmax / K for K = 127 or 32767, and elements in [-absmax, absmax] (their bits below
+    // absmax's, or absmax itself).
+    for _ in 0..64 {
+        for run in 0..batch / 4 {
+            let r = rng.next_u64();
+            let absmax = f32::from_bits(1 + (r as u32) % 0x7f7f_ffff);
+            let divisor = absmax / if r >> 63 == 1 { 127.0 } else { 32767.0 };
+            for i in 4 * run..4 * run + 4 {
+                let e = rng.next_u64();
+                let element = match e & 7 {
+                    0 => absmax,
+                    _ => f32::from_bits((e >> 32) as u32 % (absmax.to_bits() + 1)),
+                };
+                x[i] = if e >> 63 == 1 { -element } else { element };
+                s[i] = divisor;
+            }
+        }
+        checked += check_divide_unbounded(&h, &x, &s);
+    }
+    assert_eq!(checked, 128 * batch);
+}
+
 /// The bits of 2^e.
 fn power_of_two_bits(e: i32) -> u32 {
     ((e + 127) as u32) << 23
@@ -377,4 +527,49 @@ fn max_code_inverse_is_the_correctly_rounded_reciprocal_or_zero() {
         };
         assert!(same(got, want), "L = {l}: {got:e}, want {want:e}");
     }
+}
+
+#[test]
+fn packed_bf16_rounding_is_the_cpu_rounding_for_every_pattern() {
+    let h = helpers();
+    // Every fp32 bit pattern (NaNs, Inf, subnormals, signed zeros and each rounding tie
+    // included), in pairs of neighbours, against the CPU reference's rounding (the `half`
+    // crate's, bit for bit: a NaN keeps its high payload and comes out quiet).
+    let chunk = 1usize << 26;
+    let mut words = vec![0u32; chunk / 2];
+    for first in (0..1u64 << 32).step_by(chunk) {
+        // SAFETY: words holds chunk / 2 elements.
+        unsafe { (h.bf16x2)(first as u32, words.as_mut_ptr(), words.len()) };
+        for (i, &word) in words.iter().enumerate() {
+            for (half_index, got) in [(0u32, word as u16), (1, (word >> 16) as u16)] {
+                let bits = first as u32 + 2 * i as u32 + half_index;
+                let want = half::bf16::from_f32(f32::from_bits(bits)).to_bits();
+                assert_eq!(
+                    got, want,
+                    "sdp_f32x2_to_bf16x2 of [{bits:#010x}]: {got:#06x}, the CPU's {want:#06x}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn power_of_two_inverse_is_the_ieee_quotient() {
+    let h = helpers();
+    let p: Vec<u32> = (0..32).map(|n| 1u32 << n).collect();
+    let mut inverse = vec![0.0f32; p.len()];
+    // SAFETY: p and inverse hold p.len() elements.
+    unsafe { (h.power_of_two_inverse)(p.as_ptr(), inverse.as_mut_ptr(), p.len()) };
+    for (&block, &got) in p.iter().zip(&inverse) {
+        let want = 1.0 / block as f32;
+        assert_eq!(got.to_bits(), want.to_bits(), "1 / {block}");
+    }
+}
+
+#[test]
+fn nibble_decoding_in_place_equals_the_shifted_conversion() {
+    let h = helpers();
+    // SAFETY: no arguments, a count out.
+    let mismatches = unsafe { (h.nibble_mismatches)() };
+    assert_eq!(mismatches, 0, "{mismatches} nibbles decode differently");
 }

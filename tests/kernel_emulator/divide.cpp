@@ -1,4 +1,5 @@
-// The kernels' division helpers (kernels/common.cuh) as plain C functions over arrays, built
+// The kernels' division helpers and their other exact arithmetic (kernels/common.cuh: the
+// packed bf16 rounding, the inverse of a power of two) as plain C functions over arrays, built
 // by tests/cuda_emulated/divide.rs into a shared library (with cuda_shim.h force-included, as
 // the emulator builds the kernels) and compared there with Rust's `/`.
 #include "common.cuh"
@@ -27,6 +28,61 @@ void sdp_test_divide_runs(const float* x, float s, float bound, float* q, size_t
     const sdp_divisor d = sdp_divisor_of(s, bound);
     for (size_t i = 0; i + 4 <= n; i += 4) {
         sdp_divide_run<4>(d, x + i, q + i);
+    }
+}
+
+// q[i] = x[i] / s[4 j] for the run j = i / 4 of x (n a multiple of 4), through sdp_divide_run<4,
+// true> with the divisor sdp_divisor_unbounded(s[4 j]): no bound on |x|.
+void sdp_test_divide_unbounded(const float* x, const float* s, float* q, size_t n)
+{
+    for (size_t i = 0; i + 4 <= n; i += 4) {
+        sdp_divide_run<4, true>(sdp_divisor_unbounded(s[i]), x + i, q + i);
+    }
+}
+
+// words[i] = sdp_f32x2_to_bf16x2 of the fp32 bit patterns first + 2 i (low) and first + 2 i + 1
+// (high), for i < n.
+void sdp_test_bf16x2(uint32_t first, uint32_t* words, size_t n)
+{
+    for (size_t i = 0; i < n; ++i) {
+        const uint32_t lo = first + 2 * (uint32_t)i;
+        const uint32_t hi = lo + 1;
+        float a;
+        float b;
+        std::memcpy(&a, &lo, 4);
+        std::memcpy(&b, &hi, 4);
+        words[i] = sdp_f32x2_to_bf16x2(a, b);
+    }
+}
+
+// How many (k, bias, half-word) give another value through sdp_nibble_as_float than the nibble
+// shifted down and converted, minus bias: every nibble position k < 8, bias 0 and 8, and every
+// 16-bit value of the half holding nibble k (the other half a pattern of that value).
+uint64_t sdp_test_nibble_mismatches()
+{
+    const float biases[2] = {0.0f, 8.0f};
+    uint64_t mismatches = 0;
+    for (uint32_t k = 0; k < 8; ++k) {
+        for (const float bias : biases) {
+            for (uint32_t v = 0; v < 0x10000u; ++v) {
+                const uint32_t other = (v * 0x9e37u) & 0xffffu;
+                const uint32_t word = k < 4 ? v | other << 16 : other | v << 16;
+                const float want = (float)((word >> (4 * k)) & 0xfu) - bias;
+                const float got = sdp_nibble_as_float(word, k, bias);
+                if (std::memcmp(&want, &got, 4) != 0) {
+                    ++mismatches;
+                }
+            }
+        }
+    }
+    return mismatches;
+}
+
+// inverse[i] = sdp_power_of_two_inverse(p[i]).
+void sdp_test_power_of_two_inverse(const uint32_t* p, float* inverse, size_t n)
+{
+    for (size_t i = 0; i < n; ++i) {
+        inverse[i] = sdp_power_of_two_inverse(p[i]);
     }
 }
 
