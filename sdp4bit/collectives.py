@@ -43,6 +43,7 @@ class Handle:
 
     def __init__(self, work, on_device: bool) -> None:
         self._work = work  # None once wait() has completed a CPU collective
+        self._error: Exception | None = None  # what that wait() raised, raised again by later ones
         self._on_device = on_device
 
     def wait(self) -> None:
@@ -69,17 +70,27 @@ class Handle:
         The completed collective is released here, while this thread still counts as waiting
         (``counted_wait``, which the exit hook waits for): releasing it frees the tensors it
         kept alive, and torch may give up the GIL while it frees a tensor, so a thread that
-        freed it later, during interpreter shutdown, would abort the process as above."""
+        freed it later, during interpreter shutdown, would abort the process as above. It is
+        released when ``wait()`` raises too, and a later call raises the same error again, as
+        c10d's ``Work.wait`` does."""
         if self._work is None:
+            if self._error is not None:
+                raise self._error
             return
-        with counted_wait(), translated_errors():
-            if not self._work.is_completed():
-                completion = select.poll()
-                completion.register(self._work.completion_fd(), select.POLLIN)
-                while not self._work.is_completed():
-                    completion.poll(_COMPLETION_RECHECK_MS)
-            self._work.wait()
-            self._work = None
+        try:
+            with counted_wait(), translated_errors():
+                try:
+                    if not self._work.is_completed():
+                        completion = select.poll()
+                        completion.register(self._work.completion_fd(), select.POLLIN)
+                        while not self._work.is_completed():
+                            completion.poll(_COMPLETION_RECHECK_MS)
+                    self._work.wait()
+                finally:
+                    self._work = None
+        except Exception as error:
+            self._error = error
+            raise
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()

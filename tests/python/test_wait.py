@@ -50,3 +50,5 @@ def test_errors_of_the_collective_are_raised_by_wait():
     assert "Timed out" in rank0["message"], rank0
     # Raised when the exchange timed out (2 s), not at a later completion check.
     assert 1.5 < rank0["seconds"] < 10, rank0
+    # A second wait() raises the same error.
+    assert rank0["again"] == rank0["message"], rank0

@@ -127,7 +127,7 @@ def errors_from_the_collective_reach_wait(rank, world):
     numel = world * 1024
     rs = GradReduceScatter(groups, Config(), numel, 0)
     shard = torch.empty(rs.shard_len)
-    message, seconds = None, None
+    message, seconds, again = None, None, None
     if rank == 0:
         handle = rs.start(torch.ones(numel), shard, 0)
         started = time.monotonic()
@@ -136,6 +136,13 @@ def errors_from_the_collective_reach_wait(rank, world):
         except Sdp4bitError as error:
             message = str(error)
         seconds = time.monotonic() - started
+        # The failed collective was released by that wait(); a second one raises the same
+        # error again instead of returning as if it had succeeded.
+        try:
+            handle.wait()
+            again = None
+        except Sdp4bitError as error:
+            again = str(error)
     dist.barrier()
     groups.close()
-    return {"message": message, "seconds": seconds}
+    return {"message": message, "seconds": seconds, "again": again}
