@@ -3,10 +3,13 @@
 // the training thread goes on.
 #pragma once
 
+#include "completion_signal.h"
+
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -34,39 +37,49 @@ class Executor {
     if (worker_.joinable()) worker_.join();
   }
 
-  // Queues `job`; the future holds its exception, if it throws. Throws std::logic_error
-  // once shutdown() has begun.
-  std::shared_future<void> submit(std::function<void()> job) {
-    std::packaged_task<void()> task(std::move(job));
-    std::shared_future<void> done = task.get_future().share();
+  // Queues `job`; the future holds its exception, if it throws. `signal`, when given, is
+  // notified after the job has run and its future is ready (so a waiter woken by it finds the
+  // future ready), and is kept alive until then. Throws std::logic_error once shutdown() has
+  // begun.
+  std::shared_future<void> submit(std::function<void()> job,
+                                  std::shared_ptr<CompletionSignal> signal = nullptr) {
+    Queued queued{std::packaged_task<void()>(std::move(job)), std::move(signal)};
+    std::shared_future<void> done = queued.task.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopping_) throw std::logic_error("these process groups were closed (ProcessGroups.close())");
-      queue_.push_back(std::move(task));
+      queue_.push_back(std::move(queued));
     }
     ready_.notify_one();
     return done;
   }
 
  private:
+  // A job and the signal to notify once its future is ready.
+  struct Queued {
+    std::packaged_task<void()> task;
+    std::shared_ptr<CompletionSignal> signal;
+  };
+
   void loop() {
     for (;;) {
-      std::packaged_task<void()> task;
+      Queued queued;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) return;  // stopping, and every queued job has run
-        task = std::move(queue_.front());
+        queued = std::move(queue_.front());
         queue_.pop_front();
       }
-      task();
+      queued.task();  // makes the future ready, holding the job's exception if it threw
+      if (queued.signal) queued.signal->notify();
     }
   }
 
   std::mutex mutex_;
   std::mutex join_mutex_;  // serializes joins of concurrent shutdown() calls
   std::condition_variable ready_;
-  std::deque<std::packaged_task<void()>> queue_;
+  std::deque<Queued> queue_;
   bool stopping_ = false;
   std::thread worker_;  // last: starts after the members it uses exist
 };

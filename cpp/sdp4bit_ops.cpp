@@ -8,7 +8,7 @@
 //   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id,
 //                                         side_stream_handle)
 //       .start(params, step, side_stream_handle) -> Work
-//   torch.classes.sdp4bit.Work.wait() / .is_completed()
+//   torch.classes.sdp4bit.Work.wait() / .is_completed() / .completion_fd()
 //   torch.ops.sdp4bit.schema (presets, knobs, limits as JSON) / describe_config /
 //       config_knobs (JSON) / config_fingerprint / plan_wire_bytes /
 //       simulate_* (in-process reference)
@@ -16,7 +16,9 @@
 // A bucket lives on the CPU or on one CUDA device, and the two run differently:
 // - CPU buckets (the Rust core's CPU backend, host exchanges): start() queues the collective
 //   on the ProcessGroups' executor thread, which runs them in submission order; wait() blocks
-//   until it has run; a Work keeps its tensors alive until it is destroyed.
+//   until it has run; completion_fd() is a descriptor that becomes readable once it has run
+//   (completion_signal.h), for Python to block on without a call into the extension; a Work
+//   keeps its tensors alive until it is destroyed.
 // - CUDA buckets (the CUDA backend): start() enqueues everything on the calling thread, in
 //   program order, and returns without waiting for the device (the order of stream_order.h):
 //   the groups' side stream of the device (one per device, from torch's stream pool) waits for
@@ -42,6 +44,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -49,6 +52,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "completion_signal.h"
 #include "executor.h"
 #include "stream_order.h"
 #include "torch_comms_groups.h"
@@ -265,6 +269,12 @@ class WithoutGil {
   bool finalizing_thread_ = false;
 };
 
+// The completion signal of a CPU collective about to be queued (a torch error when the process
+// has no descriptor left).
+std::shared_ptr<CompletionSignal> new_completion_signal() {
+  return rethrow_as_torch_error([] { return std::make_shared<CompletionSignal>(); });
+}
+
 // Blocks until `done` is ready, without the GIL only when it has to wait: a collective that
 // already completed returns without giving up and retaking the GIL.
 void wait_for(const std::shared_future<void>& done) {
@@ -419,8 +429,11 @@ class ProcessGroups : public torch::CustomClassHolder {
     return std::move(*result);
   }
 
-  std::shared_future<void> submit(std::function<void()> job) {
-    return rethrow_as_torch_error([&] { return executor_.submit(std::move(job)); });
+  // Queues `job` on the executor; `signal`, when given, is notified once it has run.
+  std::shared_future<void> submit(std::function<void()> job,
+                                  std::shared_ptr<CompletionSignal> signal = nullptr) {
+    return rethrow_as_torch_error(
+        [&] { return executor_.submit(std::move(job), std::move(signal)); });
   }
 
  private:
@@ -450,9 +463,11 @@ uint64_t checked_side_stream_handle(const c10::Stream& side, int64_t handle) {
 }
 
 // A collective in flight, with c10d's Work semantics (torch/csrc/distributed/c10d/Work.hpp).
-// A CPU collective: wait() blocks until the executor has run it and rethrows its error; the
-// Work keeps its tensors and the collective object alive and waits for the collective if it
-// is dropped before completing, so nothing it uses is freed under the executor thread.
+// A CPU collective: wait() blocks until the executor has run it and rethrows its error;
+// completion_fd() becomes readable once it has run (is_completed() is then true), and stays
+// open while the Work lives; the Work keeps its tensors and the collective object alive and
+// waits for the collective if it is dropped before completing, so nothing it uses is freed
+// under the executor thread.
 // A CUDA collective (already enqueued, its errors raised by start()): wait() makes the current
 // stream of the bucket's device wait for its done event and returns at once, then runs the
 // collective's check that needs no device wait (Global-QSGD's integer-sum status, which may
@@ -460,9 +475,12 @@ uint64_t checked_side_stream_handle(const c10::Stream& side, int64_t handle) {
 // collective object (whose buffers the side stream uses) is kept alive.
 class Work : public torch::CustomClassHolder {
  public:
-  Work(std::shared_future<void> done, std::vector<at::Tensor> keep_alive,
-       c10::intrusive_ptr<torch::CustomClassHolder> owner)
-      : done_(std::move(done)), keep_alive_(std::move(keep_alive)), owner_(std::move(owner)) {}
+  Work(std::shared_future<void> done, std::shared_ptr<CompletionSignal> signal,
+       std::vector<at::Tensor> keep_alive, c10::intrusive_ptr<torch::CustomClassHolder> owner)
+      : done_(std::move(done)),
+        signal_(std::move(signal)),
+        keep_alive_(std::move(keep_alive)),
+        owner_(std::move(owner)) {}
 
   Work(DeviceCompletion completion, c10::intrusive_ptr<torch::CustomClassHolder> owner,
        std::function<void()> after_wait = {})
@@ -489,8 +507,17 @@ class Work : public torch::CustomClassHolder {
     return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
   }
 
+  // A CPU collective's completion descriptor: readable once the executor has run it. Only a
+  // CPU collective blocks in wait(), so a CUDA one has none.
+  int64_t completion_fd() {
+    TORCH_CHECK(signal_, "sdp4bit: a CUDA collective has no completion descriptor (its wait() "
+                "orders the current stream and returns at once)");
+    return signal_->fd();
+  }
+
  private:
   std::shared_future<void> done_;                 // CPU collectives
+  std::shared_ptr<CompletionSignal> signal_;      // CPU collectives
   std::optional<DeviceCompletion> completion_;    // CUDA collectives
   std::function<void()> after_wait_;              // CUDA collectives: owner_ keeps it valid
   std::vector<at::Tensor> keep_alive_;
@@ -598,10 +625,11 @@ class GradReduceScatter : public torch::CustomClassHolder {
         raise_integer_sum_overflow();
       });
     }
+    auto signal = new_completion_signal();
     std::shared_future<void> done =
-        groups_->submit([this, in, out, at_step] { run(in, out, at_step); });
-    return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{bucket, shard},
-                                     std::move(owner));
+        groups_->submit([this, in, out, at_step] { run(in, out, at_step); }, signal);
+    return c10::make_intrusive<Work>(std::move(done), std::move(signal),
+                                     std::vector<at::Tensor>{bucket, shard}, std::move(owner));
   }
 
   // The core reads the bucket while it writes the shard: when the shard is a view into the
@@ -762,12 +790,15 @@ class WeightAllGather : public torch::CustomClassHolder {
       });
       return c10::make_intrusive<Work>(std::move(done), std::move(owner));
     }
-    std::shared_future<void> done = groups_->submit([this, bits, at_step] {
-      std::lock_guard<std::mutex> lock(mutex_);
-      (*bucket_)->run(groups_->comms(), bits.out(), at_step);
-    });
-    return c10::make_intrusive<Work>(std::move(done), std::vector<at::Tensor>{params},
-                                     std::move(owner));
+    auto signal = new_completion_signal();
+    std::shared_future<void> done = groups_->submit(
+        [this, bits, at_step] {
+          std::lock_guard<std::mutex> lock(mutex_);
+          (*bucket_)->run(groups_->comms(), bits.out(), at_step);
+        },
+        signal);
+    return c10::make_intrusive<Work>(std::move(done), std::move(signal),
+                                     std::vector<at::Tensor>{params}, std::move(owner));
   }
 
  private:
@@ -904,7 +935,10 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def("size", &ProcessGroups::size)
       .def("side_stream", &ProcessGroups::side_stream_ids)
       .def("close", &ProcessGroups::close);
-  m.class_<Work>("Work").def("wait", &Work::wait).def("is_completed", &Work::is_completed);
+  m.class_<Work>("Work")
+      .def("wait", &Work::wait)
+      .def("is_completed", &Work::is_completed)
+      .def("completion_fd", &Work::completion_fd);
   m.class_<GradReduceScatter>("GradReduceScatter")
       .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,
                        int64_t, int64_t, std::string, int64_t>())

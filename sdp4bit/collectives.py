@@ -4,7 +4,7 @@ buckets, enqueued on the groups' side stream for CUDA buckets) and completed by 
 
 from __future__ import annotations
 
-import time
+import select
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +27,10 @@ class WireBytes:
         return self.intra_node + self.inter_node
 
 
-# Handle.wait's pauses between completion checks, seconds.
-_FIRST_PAUSE_S = 20e-6
-_LONGEST_PAUSE_S = 1e-3
+# The longest Handle.wait blocks on a CPU collective's completion descriptor before it checks
+# completion again, milliseconds: the descriptor becomes readable only after the collective
+# has completed, so the check is a safeguard, not how completion is seen.
+_COMPLETION_RECHECK_MS = 1000
 
 
 class Handle:
@@ -41,7 +42,8 @@ class Handle:
     finished it."""
 
     def __init__(self, work, on_device: bool) -> None:
-        self._work = work
+        self._work = work  # None once wait() has completed a CPU collective
+        self._error: Exception | None = None  # what that wait() raised, raised again by later ones
         self._on_device = on_device
 
     def wait(self) -> None:
@@ -54,22 +56,44 @@ class Handle:
         self._wait_for_host()
 
     def _wait_for_host(self) -> None:
-        """Blocks until the CPU collective completes. The waiting is done in Python's
-        ``time.sleep`` between short completion checks, never inside a blocking call into
-        the extension: torch gives up the GIL around every call into a TorchScript class
-        and takes it back after it, and a thread taking it back after the interpreter began
-        shutting down is ended by an unwinding that aborts the process ("terminate called
-        without an active exception"). A sleeping thread is ended cleanly instead. The
-        checks back off from 20 us to 1 ms, so completion is seen at most 1 ms late."""
-        with counted_wait(), translated_errors():
-            pause = _FIRST_PAUSE_S
-            while not self._work.is_completed():
-                time.sleep(pause)
-                pause = min(pause * 2, _LONGEST_PAUSE_S)
-            self._work.wait()
+        """Blocks until the CPU collective completes. The blocking is done in Python's own
+        ``select.poll`` on the collective's completion descriptor (an eventfd the extension's
+        background thread makes readable once the collective has run), never inside a
+        blocking call into the extension: torch gives up the GIL around every call into a
+        TorchScript class and takes it back after it, and a thread taking it back after the
+        interpreter began shutting down is ended by an unwinding that aborts the process
+        ("terminate called without an active exception"). A thread blocked in ``poll`` is
+        ended cleanly instead, as a sleeping one is. ``poll`` (not ``select``) takes
+        descriptors of any number. The final ``wait()`` returns at once and raises the
+        collective's error, if any.
+
+        The completed collective is released here, while this thread still counts as waiting
+        (``counted_wait``, which the exit hook waits for): releasing it frees the tensors it
+        kept alive, and torch may give up the GIL while it frees a tensor, so a thread that
+        freed it later, during interpreter shutdown, would abort the process as above. It is
+        released when ``wait()`` raises too, and a later call raises the same error again, as
+        c10d's ``Work.wait`` does."""
+        if self._work is None:
+            if self._error is not None:
+                raise self._error
+            return
+        try:
+            with counted_wait(), translated_errors():
+                try:
+                    if not self._work.is_completed():
+                        completion = select.poll()
+                        completion.register(self._work.completion_fd(), select.POLLIN)
+                        while not self._work.is_completed():
+                            completion.poll(_COMPLETION_RECHECK_MS)
+                    self._work.wait()
+                finally:
+                    self._work = None
+        except Exception as error:
+            self._error = error
+            raise
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._work is None or self._work.is_completed()
 
 
 def _check_tensor(what: str, tensor: torch.Tensor, dtype: torch.dtype, numel: int,

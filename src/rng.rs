@@ -118,8 +118,8 @@ impl UniformStream {
     /// Writes the uniforms of elements `first .. first + out.len()`; `first` and `out.len()`
     /// must be multiples of 4 (group sizes are multiples of 32, so every group qualifies).
     ///
-    /// Whole batches of 64 uniforms run on AVX-512 when the CPU has it (detected at run time),
-    /// the rest on the portable path; both produce the same bits.
+    /// Whole batches of 64 uniforms (128 where they fit) run on AVX-512 when the CPU has it
+    /// (detected at run time), the rest on the portable path; both produce the same bits.
     #[inline]
     pub fn fill(&self, first: u64, out: &mut [f32]) {
         debug_assert!(first.is_multiple_of(4) && out.len().is_multiple_of(4));
@@ -200,11 +200,13 @@ impl UniformStream {
     }
 }
 
-/// Philox on AVX-512F, used when the running CPU has it: 16 blocks (64 uniforms) per batch as
-/// four vectors of eight 64-bit lanes, `q0 = c0 | c1 << 32` and `q1 = c2 | c3 << 32` per block
-/// exactly as in [`UniformStream::rounds`]. A round is one 32x32->64 multiply
-/// (`vpmuludq`), one half swap (`vpshufd`), one shift and one three-way xor (`vpternlogq`) per
-/// vector. Integer operations only, so the uniforms are bit-identical to the portable path.
+/// Philox on AVX-512F, used when the running CPU has it: `C` chains of eight blocks, each chain
+/// two vectors of eight 64-bit lanes, `q0 = c0 | c1 << 32` and `q1 = c2 | c3 << 32` per block
+/// exactly as in [`UniformStream::rounds`]. A round is one 32x32->64 multiply (`vpmuludq`), one
+/// half swap (`vpshufd`), one shift and one three-way xor (`vpternlogq`) per vector, a chain of
+/// dependent instructions: the chains are independent, so the CPU overlaps them. Batches of
+/// [`WIDE_CHAINS`] chains, then one of [`CHAINS`] for the rest. Integer operations only, so the
+/// uniforms are bit-identical to the portable path.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
@@ -216,8 +218,14 @@ mod avx512 {
 
     use super::{M0, M1, UniformStream, W0, W1};
 
-    /// Uniforms per batch (16 Philox blocks).
-    pub(super) const BATCH: usize = 64;
+    /// Chains of the smallest batch (16 Philox blocks).
+    const CHAINS: usize = 2;
+    /// Chains of the main batches (32 Philox blocks).
+    const WIDE_CHAINS: usize = 4;
+    /// Uniforms per chain (eight Philox blocks).
+    const PER_CHAIN: usize = 32;
+    /// Uniforms of the smallest batch: `fill` takes multiples of it.
+    pub(super) const BATCH: usize = CHAINS * PER_CHAIN;
 
     /// Whether the running CPU (and OS) supports AVX-512F; cached by the standard library.
     #[inline]
@@ -239,29 +247,40 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     fn fill_avx512(stream: &UniformStream, first_block: u64, out: &mut [f32]) {
         let mut block = first_block;
-        for batch in out.chunks_exact_mut(BATCH) {
-            let words = batch_words(stream, block);
-            for (w, o) in words.iter().zip(batch.chunks_exact_mut(16)) {
-                o.copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(*w));
-            }
+        let mut wide = out.chunks_exact_mut(WIDE_CHAINS * PER_CHAIN);
+        for batch in &mut wide {
+            write_batch::<WIDE_CHAINS>(stream, block, batch);
+            block += (WIDE_CHAINS * PER_CHAIN / 4) as u64;
+        }
+        for batch in wide.into_remainder().chunks_exact_mut(BATCH) {
+            write_batch::<CHAINS>(stream, block, batch);
             block += (BATCH / 4) as u64;
         }
     }
 
-    /// The 64 uniforms of blocks `first_block .. first_block + 16`, in element order.
+    /// Writes the `C * 32` uniforms of blocks `first_block .. first_block + 8 * C` to `out`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    fn batch_words(stream: &UniformStream, first_block: u64) -> [__m512; 4] {
-        let base = _mm512_add_epi64(
-            _mm512_set1_epi64(first_block as i64),
-            _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0),
-        );
+    fn write_batch<const C: usize>(stream: &UniformStream, first_block: u64, out: &mut [f32]) {
+        let words = batch_words::<C>(stream, first_block);
+        for (w, o) in words.iter().flatten().zip(out.chunks_exact_mut(16)) {
+            o.copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(*w));
+        }
+    }
+
+    /// The uniforms of blocks `first_block .. first_block + 8 * C`, in element order (chain
+    /// `c` holds blocks `8c .. 8c + 8`, as two vectors of sixteen).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn batch_words<const C: usize>(stream: &UniformStream, first_block: u64) -> [[__m512; 2]; C] {
+        let lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
         let upper = u64::from(stream.step) | u64::from(stream.stream) << 32;
-        let mut a = [base, _mm512_set1_epi64(upper as i64)];
-        let mut b = [
-            _mm512_add_epi64(base, _mm512_set1_epi64(8)),
-            _mm512_set1_epi64(upper as i64),
-        ];
+        let upper = _mm512_set1_epi64(upper as i64);
+        let mut chains = [[upper; 2]; C];
+        for (c, chain) in chains.iter_mut().enumerate() {
+            let first = first_block.wrapping_add(8 * c as u64);
+            chain[0] = _mm512_add_epi64(_mm512_set1_epi64(first as i64), lanes);
+        }
         let [mut k0, mut k1] = stream.key;
         for round in 0..10 {
             if round > 0 {
@@ -272,15 +291,16 @@ mod avx512 {
                 _mm512_set1_epi64(i64::from(k0)),
                 _mm512_set1_epi64(i64::from(k1)),
             ];
-            a = round_of(a, keys);
-            b = round_of(b, keys);
+            for chain in chains.iter_mut() {
+                *chain = round_of(*chain, keys);
+            }
         }
         let (lo, hi) = (
             _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
             _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4),
         );
-        let mut words = [_mm512_set1_ps(0.0); 4];
-        for (pair, [q0, q1]) in words.chunks_exact_mut(2).zip([a, b]) {
+        let mut words = [[_mm512_set1_ps(0.0); 2]; C];
+        for (pair, [q0, q1]) in words.iter_mut().zip(chains) {
             // Blocks 0, 2, 4, 6 and 1, 3, 5, 7 as (c0 c1 c2 c3), then back in block order.
             let even = _mm512_unpacklo_epi64(q0, q1);
             let odd = _mm512_unpackhi_epi64(q0, q1);
@@ -343,7 +363,7 @@ mod tests {
         let starts = [0u64, 4, 1 << 20, (1u64 << 34) - 64, u64::MAX / 4 * 4 - 1024];
         for s in &streams {
             for &first in &starts {
-                for len in [4usize, 32, 36, 64, 68, 128, 256, 1028] {
+                for len in [4usize, 32, 36, 64, 68, 128, 192, 196, 256, 1028] {
                     let want: Vec<u32> = (0..len as u64)
                         .map(|i| s.uniform(first.wrapping_add(i)).to_bits())
                         .collect();
