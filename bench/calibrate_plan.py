@@ -6,7 +6,7 @@ well it predicts what it was not calibrated on.
         [--out bench/results]
 
 The model of one bucket's reduce-scatter plus all-gather (docs/performance.md "The cost
-model", `sdp4bit.plan.collective_ms`) has two measured inputs per row and five constants:
+model", `sdp4bit.plan.collective_ms`) has two measured inputs per row and six constants:
 - `cpu_ms`, the CPU one rank spends per call (its threads' scheduler accounting, by
   bench/cluster_cpu.py), which takes `cpu_ms x (1 + (R / c - 1) / kappa)` of wall time when R
   ranks share c cores (R > c): the rank's own work plus the others' it queues behind, at the
@@ -17,7 +17,12 @@ model", `sdp4bit.plan.collective_ms`) has two measured inputs per row and five c
   (compressed presets' exchanges) or `eta_gloo` (gloo's uncompressed collectives) of that
   rate;
 - CPU and link overlap: the longer of the two plus the fraction `beta` (`beta_gloo`) of the
-  shorter.
+  shorter;
+- part of a rank's CPU grows with the time its bytes spend on the wire (TCP wake-ups while a
+  shaped link drains): `gamma` ms of CPU per ms of link time, the slope of each preset's CPU
+  per call between the two rates against its link time's change (least squares through the
+  origin over every preset and topology measured at both rates), so a row's CPU measured at
+  one rate is carried to another as `cpu + gamma x (link there - link here)`.
 
 Held out: each row is predicted from its preset's CPU accounting and link bytes at the other
 link rate (same topology) with the constants fitted on every other row (least squares of the relative error
@@ -38,7 +43,7 @@ from sdp4bit.plan import Transport, bucket_link_ms, collective_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 UNCOMPRESSED = "baseline"
-CONSTANTS = ("kappa", "eta", "beta", "eta_gloo", "beta_gloo")
+CONSTANTS = ("kappa", "eta", "beta", "eta_gloo", "beta_gloo", "gamma")
 #: The grids the constants are searched on.
 KAPPA_GRID = np.round(np.arange(0.40, 1.2001, 0.02), 2)
 ETA_GRID = np.round(np.arange(0.30, 1.2001, 0.01), 2)
@@ -51,7 +56,7 @@ def transport(constants: dict) -> Transport:
                      uncompressed_link_fraction=constants["eta_gloo"],
                      unhidden_codec=constants["beta"],
                      uncompressed_unhidden=constants["beta_gloo"],
-                     core_share=constants["kappa"])
+                     core_share=constants["kappa"], wire_cpu=constants["gamma"])
 
 
 def default_constants() -> dict:
@@ -59,7 +64,7 @@ def default_constants() -> dict:
     t = Transport()
     return {"kappa": t.core_share, "eta": t.link_fraction,
             "beta": t.unhidden_codec, "eta_gloo": t.uncompressed_link_fraction,
-            "beta_gloo": t.uncompressed_unhidden}
+            "beta_gloo": t.uncompressed_unhidden, "gamma": t.wire_cpu}
 
 
 def ranks_per_core(row: dict, cores: int) -> float:
@@ -80,11 +85,15 @@ def wire_ms(row: dict, rate_mbit: float | None = None) -> float:
 
 
 def predict_ms(row: dict, cpu: float, constants: dict, cores: int,
-               link_ms: float | None = None) -> float:
-    """The model's time of `row`'s collectives from a rank's CPU per call `cpu` and the link
-    time `link_ms` (default: the row's, `wire_ms`)."""
+               link_ms: float | None = None, cpu_link_ms: float | None = None) -> float:
+    """The model's time of `row`'s collectives from a rank's CPU per call `cpu`, measured where
+    the link time was `cpu_link_ms` (default: `link_ms`), and the link time `link_ms` (default:
+    the row's, `wire_ms`): the CPU's part that grows with the time on the wire (gamma) is
+    carried from the one link time to the other."""
     link = wire_ms(row) if link_ms is None else link_ms
-    return collective_ms(cpu, link, row["preset"] != UNCOMPRESSED, transport(constants),
+    measured_at = link if cpu_link_ms is None else cpu_link_ms
+    work = cpu - constants["gamma"] * measured_at
+    return collective_ms(work, link, row["preset"] != UNCOMPRESSED, transport(constants),
                          ranks_per_core(row, cores))
 
 
@@ -101,6 +110,25 @@ def _errors(rows: list[dict], cpu: list[float], kappa: float, cores: int) -> np.
     longer, shorter = np.maximum(busy, wire), np.minimum(busy, wire)
     t = longer[None] + BETA_GRID[:, None, None] * shorter[None]  # (beta, eta, rows)
     return ((t / measured - 1.0) ** 2).sum(axis=-1)
+
+
+def fit_gamma(rows: list[dict]) -> float:
+    """The CPU per ms of link time: the least-squares slope through the origin of each
+    preset's CPU per call between two rates against its link time's change, over every
+    (topology, preset) of `rows` measured at two rates (0 when there is none, never
+    negative), rounded to 0.001."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["topology"], r["preset"]), []).append(r)
+    num = den = 0.0
+    for pair in by.values():
+        if len(pair) != 2:
+            continue
+        a, b = pair
+        d_link = wire_ms(a) - wire_ms(b)
+        num += (a["cpu_ms"] - b["cpu_ms"]) * d_link
+        den += d_link * d_link
+    return round(max(0.0, num / den), 3) if den > 0 else 0.0
 
 
 def fit(rows: list[dict], cpu: list[float], cores: int) -> dict:
@@ -122,7 +150,7 @@ def fit(rows: list[dict], cpu: list[float], cores: int) -> dict:
             best = (sse, {"kappa": float(kappa), "eta": float(ETA_GRID[e]),
                           "beta": float(BETA_GRID[bc]), "eta_gloo": float(ETA_GRID[eg]),
                           "beta_gloo": float(BETA_GRID[bb])})
-    return best[1]
+    return {**best[1], "gamma": fit_gamma(rows)}
 
 
 def _key(row: dict) -> tuple:
@@ -132,7 +160,7 @@ def _key(row: dict) -> tuple:
 def _prediction(row: dict, cpu_row: dict, constants: dict, cores: int, scheme: str,
                 calibrated: str) -> dict:
     link = wire_ms(cpu_row, row["rate_mbit"])
-    ms = predict_ms(row, cpu_row["cpu_ms"], constants, cores, link)
+    ms = predict_ms(row, cpu_row["cpu_ms"], constants, cores, link, wire_ms(cpu_row))
     return {"scheme": scheme, "topology": row["topology"], "preset": row["preset"],
             "rate_mbit": row["rate_mbit"], "calibrated": calibrated,
             "measured_ms": row["comm_ms"], "min_ms": row["sweep_min_ms"],

@@ -87,7 +87,8 @@ sdp4bit_install_current() {
   # installed, so the next call builds again.
   local before
   before=$(sdp4bit_source_hash)
-  (cd "$SDP4BIT_ROOT" && rm -rf build && pip install --quiet --no-deps --force-reinstall .)
+  (cd "$SDP4BIT_ROOT" && rm -rf build && pip install --quiet --no-deps --force-reinstall .) \
+    || return 1
   sdp4bit_record_install "$VIRTUAL_ENV" "$before"
 }
 

@@ -16,7 +16,8 @@ transport achieves (``--link-fraction`` compressed, ``--uncompressed-link-fracti
 uncompressed). The CPU time is each rank's codec work (``--codec-gbps``: bytes of fp32 gradient
 / bf16 parameter input per second per rank; 0: not modelled), stretched where ranks outnumber
 cores (``--ranks-per-core`` above 1) by the other ranks' work they queue behind at the fraction
-``--core-share`` of the cores' time the ranks get. Pipelined chunks overlap CPU and link: a
+``--core-share`` of the cores' time the ranks get, plus the transport's CPU per ms of link time
+(``--wire-cpu``; 0 where a NIC or NCCL moves the bytes). Pipelined chunks overlap CPU and link: a
 collective takes the longer of the two plus the fraction ``--unhidden-codec`` of the shorter
 (``--uncompressed-unhidden`` for the uncompressed collectives), and every message adds a
 latency (an all-to-all among k peers sends k - 1 per bucket). The fractions default to the
@@ -43,16 +44,21 @@ class Transport:
     """How the collectives use links and cores; the defaults are bench/calibrate_plan.py's fit
     on the emulated cluster (bench/results/plan_calibration.json)."""
 
-    link_fraction: float = 0.89  # eta: of a link's rate the compressed presets' exchanges get
-    uncompressed_link_fraction: float = 0.94  # eta_gloo: the same for the uncompressed ones
-    unhidden_codec: float = 0.18  # beta: of the shorter of CPU and link time not overlapped
-    uncompressed_unhidden: float = 0.26  # beta_gloo: the same for the uncompressed collectives
-    core_share: float = 0.92  # kappa: of shared cores' time the ranks' work gets
+    link_fraction: float = 0.95  # eta: of a link's rate the compressed presets' exchanges get
+    uncompressed_link_fraction: float = 0.88  # eta_gloo: the same for the uncompressed ones
+    unhidden_codec: float = 0.4  # beta: of the shorter of CPU and link time not overlapped
+    uncompressed_unhidden: float = 0.0  # beta_gloo: the same for the uncompressed collectives
+    core_share: float = 0.98  # kappa: of shared cores' time the ranks' work gets
+    # gamma: CPU ms a rank's host transport spends per ms of link time (TCP wake-ups while a
+    # slow link drains); 0 where a NIC or NCCL moves the bytes
+    wire_cpu: float = 0.006
 
     def __post_init__(self):
         for name in ("link_fraction", "uncompressed_link_fraction", "core_share"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.wire_cpu >= 0:
+            raise ValueError(f"wire_cpu must be non-negative, got {self.wire_cpu}")
         for name in ("unhidden_codec", "uncompressed_unhidden"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -75,9 +81,10 @@ def overlapped_ms(cpu: float, link: float, unhidden: float) -> float:
 def collective_ms(work_ms: float, link_ms: float, compressed: bool, transport: Transport,
                   ranks_per_core: float = 1.0) -> float:
     """The model of a reduce-scatter plus all-gather: `work_ms` of CPU per rank (codec passes,
-    copies, the transport's own CPU) and `link_ms`, the bytes over the busiest link at the
+    copies, the transport's fixed CPU) plus the transport's CPU that grows with the time on the
+    wire (`wire_cpu` x `link_ms`), and `link_ms`, the bytes over the busiest link at the
     link's full rate, which the transport runs at its fraction of the rate."""
-    cpu = cpu_ms(work_ms, ranks_per_core, transport.core_share)
+    cpu = cpu_ms(work_ms + transport.wire_cpu * link_ms, ranks_per_core, transport.core_share)
     if compressed:
         return overlapped_ms(cpu, link_ms / transport.link_fraction, transport.unhidden_codec)
     return overlapped_ms(cpu, link_ms / transport.uncompressed_link_fraction,
@@ -210,7 +217,8 @@ PAPER = (
 #: The paper's clusters' transport: NCCL-class collectives, every preset at the same fraction
 #: of the link (the rate itself); the overlap as calibrated. The emulated cluster's fractions
 #: (the defaults) are TCP's through a shaped queue and gloo's.
-PAPER_TRANSPORT = Transport(link_fraction=1.0, uncompressed_link_fraction=1.0, core_share=1.0)
+PAPER_TRANSPORT = Transport(link_fraction=1.0, uncompressed_link_fraction=1.0, core_share=1.0,
+                            wire_cpu=0.0)
 
 
 def _print(rows: list[dict]) -> None:
@@ -253,6 +261,8 @@ def main(argv=None) -> None:
                    help="the same for the uncompressed collectives")
     p.add_argument("--core-share", type=float, default=default.core_share,
                    help="fraction of shared cores' time the ranks' work gets")
+    p.add_argument("--wire-cpu", type=float, default=default.wire_cpu,
+                   help="CPU ms a rank's transport spends per ms of link time (0: NIC/NCCL)")
     p.add_argument("--presets", default=",".join(preset_names()))
     p.add_argument("--paper", action="store_true",
                    help="predict the paper's clusters (1.3B-18B) beside its measured speedups, "
@@ -261,7 +271,8 @@ def main(argv=None) -> None:
     presets = args.presets.split(",")
     try:
         transport = Transport(args.link_fraction, args.uncompressed_link_fraction,
-                              args.unhidden_codec, args.uncompressed_unhidden, args.core_share)
+                              args.unhidden_codec, args.uncompressed_unhidden, args.core_share,
+                              args.wire_cpu)
     except ValueError as error:
         p.error(str(error))
     if args.paper:

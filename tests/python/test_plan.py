@@ -121,7 +121,8 @@ def test_cpu_sharing_term_vanishes_at_one_rank_per_core():
 
 def test_each_constant_moves_the_model_the_documented_way():
     base = plan.Transport(link_fraction=0.8, uncompressed_link_fraction=0.6,
-                          unhidden_codec=0.2, uncompressed_unhidden=0.5, core_share=0.7)
+                          unhidden_codec=0.2, uncompressed_unhidden=0.5, core_share=0.7,
+                          wire_cpu=0.0)
 
     def t(work, link, compressed=True, ranks_per_core=2.0, **change):
         transport = plan.Transport(**{**base.__dict__, **change})
@@ -145,6 +146,12 @@ def test_each_constant_moves_the_model_the_documented_way():
     # beta_gloo: gloo's collectives, one part after the other at 1.
     assert t(*link_bound, compressed=False, uncompressed_unhidden=1.0) == pytest.approx(
         100.0 / 0.6 + shorter)
+    # gamma: the transport's CPU per ms on the wire adds gamma x link time to a rank's work,
+    # which a CPU-bound collective pays in full (stretched by the ranks sharing cores).
+    assert t(*cpu_bound, wire_cpu=0.1) == pytest.approx(t(20.0 + 0.1 * 5.0, 5.0))
+    assert t(*cpu_bound, wire_cpu=0.1) > t(*cpu_bound)
+    with pytest.raises(ValueError, match="wire_cpu"):
+        plan.Transport(wire_cpu=-0.1)
 
 
 CORES = 2
@@ -152,9 +159,9 @@ CORES = 2
 
 def _fixture_rows(constants):
     """cluster_cpu.json rows made by the model itself: two topologies, a link-bound and a
-    CPU-bound rate, presets whose CPU and link times differ, a CPU per call that does not
-    depend on the rate, the baseline's link bytes counted on the link (the others' planned),
-    the runs' spread 10%."""
+    CPU-bound rate, presets whose CPU and link times differ, a CPU per call that grows by
+    gamma per ms of link time, the baseline's link bytes counted on the link (the others'
+    planned), the runs' spread 10%."""
     cal = _calibrate_plan()
     rows = []
     for topology, scale in (("2x2", 1.0), ("4x1", 0.75)):
@@ -163,10 +170,11 @@ def _fixture_rows(constants):
                                   ("zeropp", 12.0, 42.0)):
             for rate in (1000.0, 10000.0):
                 row = {"topology": topology, "rate_mbit": rate, "preset": preset,
-                       "link_ms": scale * link * 1000.0 / rate,
-                       "cpu_ms": cpu * (1.1 if topology == "4x1" else 1.0)}
+                       "link_ms": scale * link * 1000.0 / rate}
                 if preset == "baseline":  # counted on the link: its algorithm's own bytes
                     row["wire_bytes"] = 0.8 * row["link_ms"] * rate / 8e-3
+                row["cpu_ms"] = (cpu * (1.1 if topology == "4x1" else 1.0)
+                                 + constants["gamma"] * cal.wire_ms(row))
                 ms = cal.predict_ms(row, row["cpu_ms"], constants, CORES)
                 row.update(comm_ms=ms, comm_min_ms=0.9 * ms, comm_max_ms=1.1 * ms,
                            sweep_min_ms=0.95 * ms, sweep_max_ms=1.05 * ms)
@@ -174,7 +182,8 @@ def _fixture_rows(constants):
     return rows
 
 
-FIXTURE = {"kappa": 0.8, "eta": 0.9, "beta": 0.2, "eta_gloo": 0.6, "beta_gloo": 0.4}
+FIXTURE = {"kappa": 0.8, "eta": 0.9, "beta": 0.2, "eta_gloo": 0.6, "beta_gloo": 0.4,
+           "gamma": 0.03}
 
 
 def test_calibration_recovers_the_constants_of_a_fixture(tmp_path):
