@@ -62,6 +62,15 @@ struct Helpers {
     max_code_inverse: MaxCodeInverseFn,
 }
 
+/// The function `name` of `lib`, as the type `F` its declaration above gives it.
+///
+/// # Safety
+/// `F` must be the symbol's real signature (extern "C" in divide.cpp).
+unsafe fn symbol<F: Copy>(lib: &libloading::Library, name: &str) -> F {
+    // SAFETY: the caller vouches for the signature.
+    *unsafe { lib.get::<F>(name.as_bytes()) }.unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
 /// Builds `divide.cpp` into a shared library in a fresh directory and loads it.
 fn helpers() -> Helpers {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -93,33 +102,16 @@ fn helpers() -> Helpers {
     // and the symbols have the signatures declared above (extern "C" in divide.cpp).
     let loaded = unsafe {
         let lib = libloading::Library::new(&library).expect("load the division helpers");
-        let divide = *lib
-            .get::<DivideFn>(b"sdp_test_divide")
-            .expect("sdp_test_divide");
-        let divide_runs = *lib
-            .get::<DivideRunsFn>(b"sdp_test_divide_runs")
-            .expect("sdp_test_divide_runs");
-        let divide_unbounded = *lib
-            .get::<DivideUnboundedFn>(b"sdp_test_divide_unbounded")
-            .expect("sdp_test_divide_unbounded");
-        let bf16x2 = *lib
-            .get::<Bf16x2Fn>(b"sdp_test_bf16x2")
-            .expect("sdp_test_bf16x2");
-        let power_of_two_inverse = *lib
-            .get::<PowerOfTwoInverseFn>(b"sdp_test_power_of_two_inverse")
-            .expect("sdp_test_power_of_two_inverse");
-        let nibble_mismatches = *lib
-            .get::<NibbleMismatchesFn>(b"sdp_test_nibble_mismatches")
-            .expect("sdp_test_nibble_mismatches");
-        let meta_mismatches = *lib
-            .get::<MetaMismatchesFn>(b"sdp_test_meta_mismatches")
-            .expect("sdp_test_meta_mismatches");
-        let meta_scales = *lib
-            .get::<MetaScalesFn>(b"sdp_test_meta_scales")
-            .expect("sdp_test_meta_scales");
-        let max_code_inverse = *lib
-            .get::<MaxCodeInverseFn>(b"sdp_test_max_code_inverse")
-            .expect("sdp_test_max_code_inverse");
+        let divide: DivideFn = symbol(&lib, "sdp_test_divide");
+        let divide_runs: DivideRunsFn = symbol(&lib, "sdp_test_divide_runs");
+        let divide_unbounded: DivideUnboundedFn = symbol(&lib, "sdp_test_divide_unbounded");
+        let bf16x2: Bf16x2Fn = symbol(&lib, "sdp_test_bf16x2");
+        let power_of_two_inverse: PowerOfTwoInverseFn =
+            symbol(&lib, "sdp_test_power_of_two_inverse");
+        let nibble_mismatches: NibbleMismatchesFn = symbol(&lib, "sdp_test_nibble_mismatches");
+        let meta_mismatches: MetaMismatchesFn = symbol(&lib, "sdp_test_meta_mismatches");
+        let meta_scales: MetaScalesFn = symbol(&lib, "sdp_test_meta_scales");
+        let max_code_inverse: MaxCodeInverseFn = symbol(&lib, "sdp_test_max_code_inverse");
         Helpers {
             _library: lib,
             divide,
