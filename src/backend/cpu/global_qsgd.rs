@@ -9,6 +9,8 @@ use crate::codec::quant::{abs_bits_max, bits_non_finite, code_bits};
 use crate::config::Rounding;
 use crate::rng::UniformStream;
 
+use super::prefetch::Stream;
+
 /// Elements per parallel task (a multiple of 4, so every task starts a Philox block).
 const TASK: usize = 1 << 14;
 
@@ -45,40 +47,60 @@ pub fn quantize<G: GradElement, T: IntCode>(
     rng: &UniformStream,
     out: &mut [T],
 ) {
+    let stream = Stream::new(bucket);
     out.par_chunks_mut(TASK)
         .zip(bucket.par_chunks(TASK))
         .enumerate()
         .for_each(|(t, (codes, x))| {
-            let first = (t * TASK) as u64;
-            quantize_task(first, x, scale, k as f32, rounding, rng, codes);
+            let rule = Rule {
+                scale,
+                kf: k as f32,
+                rounding,
+            };
+            quantize_task(t * TASK, x, rule, rng, stream, codes);
         });
 }
 
-/// One task of [`quantize`]: elements `first .. first + x.len()` of the bucket.
-fn quantize_task<G: GradElement, T: IntCode>(
-    first: u64,
-    x: &[G],
+/// How [`quantize`] maps a value to its integer: `R(x / scale)` clamped to `[-kf, kf]`.
+#[derive(Clone, Copy)]
+struct Rule {
     scale: f32,
     kf: f32,
     rounding: Rounding,
+}
+
+/// One task of [`quantize`]: elements `first .. first + x.len()` of the bucket (`stream`),
+/// in batches of `BATCH`, each prefetching the bucket ahead of itself.
+fn quantize_task<G: GradElement, T: IntCode>(
+    first: usize,
+    x: &[G],
+    rule: Rule,
     rng: &UniformStream,
+    stream: Stream,
     codes: &mut [T],
 ) {
+    let Rule {
+        scale,
+        kf,
+        rounding,
+    } = rule;
     let code = |c: f32| T::from_low_bits(code_bits(c));
-    match rounding {
-        Rounding::Stochastic => {
-            let mut u = [0f32; BATCH];
-            for (c, (codes, x)) in codes.chunks_mut(BATCH).zip(x.chunks(BATCH)).enumerate() {
+    let mut u = [0f32; BATCH];
+    for (c, (codes, x)) in codes.chunks_mut(BATCH).zip(x.chunks(BATCH)).enumerate() {
+        let start = first + c * BATCH;
+        stream.prefetch_ahead(start..start + x.len());
+        match rounding {
+            Rounding::Stochastic => {
                 let u = &mut u[..x.len()];
-                fill_uniforms(rng, first + (c * BATCH) as u64, u);
+                fill_uniforms(rng, start as u64, u);
                 for ((q, &v), &r) in codes.iter_mut().zip(x).zip(&*u) {
                     *q = code((v.to_f32() / scale + r).floor().clamp(-kf, kf));
                 }
             }
-        }
-        Rounding::Nearest => {
-            for (q, &v) in codes.iter_mut().zip(x) {
-                *q = code((v.to_f32() / scale).round_ties_even().clamp(-kf, kf));
+            Rounding::Nearest => {
+                for (q, &v) in codes.iter_mut().zip(x) {
+                    *q = code((v.to_f32() / scale).round_ties_even().clamp(-kf, kf));
+                }
             }
         }
     }

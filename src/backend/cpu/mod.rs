@@ -12,6 +12,7 @@ pub mod global_qsgd;
 pub mod gradient;
 mod host;
 pub mod pool;
+mod prefetch;
 pub mod weight;
 
 pub use host::Host;

@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::plan::BucketPlan;
 use crate::rng::UniformStream;
 
+use super::prefetch::Stream;
 use super::{run_groups, with_scratch};
 
 /// Encodes one shard: quantizes `new - reference` (difference) or `new` (direct) computed in
@@ -44,12 +45,17 @@ fn encode_run(
     mut run: GroupRun<'_>,
 ) {
     let g = spec.group_size;
+    let (new_stream, reference_stream) = (Stream::new(new), Stream::new(reference));
     with_scratch(g, g, |x, u| {
         for i in 0..run.len() {
             let j = run.first + i;
             let start = (j * g).min(new.len());
             let end = ((j + 1) * g).min(new.len());
             let n = end - start;
+            new_stream.prefetch_ahead(start..end);
+            if encoding == WeightEncoding::Difference {
+                reference_stream.prefetch_ahead(start..end);
+            }
             match encoding {
                 WeightEncoding::Difference => {
                     let pairs = new[start..end].iter().zip(&reference[start..end]);
@@ -96,6 +102,10 @@ pub fn apply_shards(
     }
     let g = layout.spec.group_size;
     let run = run_groups(g);
+    let streams = ApplyStreams {
+        params: Stream::new(params),
+        own_reference: Stream::new(own_reference),
+    };
     params
         .par_chunks_mut(plan.shard_len)
         .zip(recv.par_chunks_exact(layout.byte_len()))
@@ -107,23 +117,43 @@ pub fn apply_shards(
             shard
                 .par_chunks_mut(run * g)
                 .enumerate()
-                .try_for_each(|(r, dst)| apply_run(&view, encoding, r * run, reference, dst))
+                .try_for_each(|(r, dst)| {
+                    let first = z * plan.shard_len + r * run * g;
+                    apply_run(&view, encoding, r * run, reference, dst, streams, first)
+                })
         })
 }
 
-/// Applies groups `k0 ..` of one received slab to `dst` (their elements of the shard);
-/// `reference` is this rank's own previous shard when `dst` lies in it.
+/// The streams [`apply_shards`] prefetches: the param bucket and this rank's own reference.
+#[derive(Clone, Copy)]
+struct ApplyStreams {
+    params: Stream,
+    own_reference: Stream,
+}
+
+/// Applies groups `k0 ..` of one received slab to `dst` (their elements of the shard, from
+/// element `first` of the param bucket on); `reference` is this rank's own previous shard
+/// when `dst` lies in it.
 fn apply_run(
     view: &SlabView<'_>,
     encoding: WeightEncoding,
     k0: usize,
     reference: Option<&[bf16]>,
     dst: &mut [bf16],
+    streams: ApplyStreams,
+    first: usize,
 ) -> Result<()> {
     let g = view.layout().spec.group_size;
     with_scratch(g, 0, |d, _| {
         for (i, dst) in dst.chunks_mut(g).enumerate() {
             let j = k0 + i;
+            let at = first + i * g;
+            streams.params.prefetch_ahead(at..at + dst.len());
+            if reference.is_some() {
+                streams
+                    .own_reference
+                    .prefetch_ahead(j * g..j * g + dst.len());
+            }
             view.decode_group(j, d, |_, v| v)?;
             match (encoding, reference) {
                 (WeightEncoding::Difference, Some(reference)) => {
