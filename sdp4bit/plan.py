@@ -44,14 +44,14 @@ class Transport:
     """How the collectives use links and cores; the defaults are bench/calibrate_plan.py's fit
     on the emulated cluster (bench/results/plan_calibration.json)."""
 
-    link_fraction: float = 0.95  # eta: of a link's rate the compressed presets' exchanges get
-    uncompressed_link_fraction: float = 0.88  # eta_gloo: the same for the uncompressed ones
-    unhidden_codec: float = 0.4  # beta: of the shorter of CPU and link time not overlapped
-    uncompressed_unhidden: float = 0.0  # beta_gloo: the same for the uncompressed collectives
-    core_share: float = 0.98  # kappa: of shared cores' time the ranks' work gets
+    link_fraction: float = 0.89  # eta: of a link's rate the compressed presets' exchanges get
+    uncompressed_link_fraction: float = 0.91  # eta_gloo: the same for the uncompressed ones
+    unhidden_codec: float = 0.3  # beta: of the shorter of CPU and link time not overlapped
+    uncompressed_unhidden: float = 0.06  # beta_gloo: the same for the uncompressed collectives
+    core_share: float = 0.94  # kappa: of shared cores' time the ranks' work gets
     # gamma: CPU ms a rank's host transport spends per ms of link time (TCP wake-ups while a
     # slow link drains); 0 where a NIC or NCCL moves the bytes
-    wire_cpu: float = 0.006
+    wire_cpu: float = 0.018
 
     def __post_init__(self):
         for name in ("link_fraction", "uncompressed_link_fraction", "core_share"):
