@@ -48,17 +48,15 @@ pub fn quantize<G: GradElement, T: IntCode>(
     out: &mut [T],
 ) {
     let stream = Stream::new(bucket);
+    let rule = Rule {
+        scale,
+        kf: k as f32,
+        rounding,
+    };
     out.par_chunks_mut(TASK)
         .zip(bucket.par_chunks(TASK))
         .enumerate()
-        .for_each(|(t, (codes, x))| {
-            let rule = Rule {
-                scale,
-                kf: k as f32,
-                rounding,
-            };
-            quantize_task(t * TASK, x, rule, rng, stream, codes);
-        });
+        .for_each(|(t, (codes, x))| quantize_task(t * TASK, x, rule, rng, stream, codes));
 }
 
 /// How [`quantize`] maps a value to its integer: `R(x / scale)` clamped to `[-kf, kf]`.

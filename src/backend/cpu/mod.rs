@@ -5,7 +5,7 @@
 //! that stays in L1/L2. A parallel task covers about `TASK_ELEMS` elements, so scheduling and
 //! per-task set-up are paid once per run rather than once per group. Scratch buffers grow to
 //! the largest run once per thread and are reused, so the passes do not allocate in steady
-//! state. `benches/cpu.rs` measures every pass against memcpy.
+//! state. `bench/cpu.rs` measures every pass against memcpy.
 
 pub mod buffers;
 pub mod global_qsgd;

@@ -37,6 +37,16 @@ impl Stream {
         }
     }
 
+    /// The stream from its element `elements` on (empty past its end).
+    pub(super) fn skip(self, elements: usize) -> Self {
+        let offset = (elements * self.elem_bytes).min(self.bytes);
+        Self {
+            addr: self.addr + offset,
+            bytes: self.bytes - offset,
+            ..self
+        }
+    }
+
     /// Prefetches the elements `AHEAD_BYTES` past `range` (element indices of the stream, the
     /// part about to be processed), clamped to the stream.
     #[inline]
@@ -79,6 +89,8 @@ mod tests {
             stream.prefetch_ahead(start..start + 128);
         }
         Stream::new::<u8>(&[]).prefetch_ahead(0..64);
+        stream.skip(4990).prefetch_ahead(0..128);
+        stream.skip(9000).prefetch_ahead(0..128);
         assert!(data.iter().all(|&x| x == 1.0));
     }
 }

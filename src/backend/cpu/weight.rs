@@ -102,10 +102,7 @@ pub fn apply_shards(
     }
     let g = layout.spec.group_size;
     let run = run_groups(g);
-    let streams = ApplyStreams {
-        params: Stream::new(params),
-        own_reference: Stream::new(own_reference),
-    };
+    let (params_stream, reference_stream) = (Stream::new(params), Stream::new(own_reference));
     params
         .par_chunks_mut(plan.shard_len)
         .zip(recv.par_chunks_exact(layout.byte_len()))
@@ -114,46 +111,35 @@ pub fn apply_shards(
             let view = layout.view(bytes)?;
             let reference =
                 (encoding == WeightEncoding::Difference && z == me).then_some(own_reference);
+            // What the groups read besides their codes, prefetched ahead of them: the reference,
+            // else the shard's params.
+            let ahead = match reference {
+                Some(_) => reference_stream,
+                None => params_stream.skip(z * plan.shard_len),
+            };
             shard
                 .par_chunks_mut(run * g)
                 .enumerate()
-                .try_for_each(|(r, dst)| {
-                    let first = z * plan.shard_len + r * run * g;
-                    apply_run(&view, encoding, r * run, reference, dst, streams, first)
-                })
+                .try_for_each(|(r, dst)| apply_run(&view, encoding, r * run, reference, ahead, dst))
         })
 }
 
-/// The streams [`apply_shards`] prefetches: the param bucket and this rank's own reference.
-#[derive(Clone, Copy)]
-struct ApplyStreams {
-    params: Stream,
-    own_reference: Stream,
-}
-
-/// Applies groups `k0 ..` of one received slab to `dst` (their elements of the shard, from
-/// element `first` of the param bucket on); `reference` is this rank's own previous shard
-/// when `dst` lies in it.
+/// Applies groups `k0 ..` of one received slab to `dst` (their elements of the shard);
+/// `reference` is this rank's own previous shard when `dst` lies in it; `ahead` is the stream,
+/// indexed like the shard, that each group prefetches ahead of itself.
 fn apply_run(
     view: &SlabView<'_>,
     encoding: WeightEncoding,
     k0: usize,
     reference: Option<&[bf16]>,
+    ahead: Stream,
     dst: &mut [bf16],
-    streams: ApplyStreams,
-    first: usize,
 ) -> Result<()> {
     let g = view.layout().spec.group_size;
     with_scratch(g, 0, |d, _| {
         for (i, dst) in dst.chunks_mut(g).enumerate() {
             let j = k0 + i;
-            let at = first + i * g;
-            streams.params.prefetch_ahead(at..at + dst.len());
-            if reference.is_some() {
-                streams
-                    .own_reference
-                    .prefetch_ahead(j * g..j * g + dst.len());
-            }
+            ahead.prefetch_ahead(j * g..j * g + dst.len());
             view.decode_group(j, d, |_, v| v)?;
             match (encoding, reference) {
                 (WeightEncoding::Difference, Some(reference)) => {
