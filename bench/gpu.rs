@@ -4,7 +4,8 @@
 //! NVRTC on the loader's path (`scripts/test.sh` installs NVRTC into `.cache/`; put its `lib`
 //! directory on `LD_LIBRARY_PATH`). `SDP4BIT_BENCH_QUICK=1` shrinks sizes and iterations to a
 //! smoke run; `SDP4BIT_BENCH_ONLY=<text>` keeps only the kernel rows whose label contains the
-//! text (the copy baseline always runs). Without a driver, NVRTC or a device it prints
+//! text (the copy baseline always runs); `SDP4BIT_BENCH_SECTIONS=kernels` or `=cost` runs one
+//! of the two sections (below). Without a driver, NVRTC or a device it prints
 //! `skipped: <reason>` and exits 0, unless `SDP4BIT_REQUIRE_GPU=1` turns the skip into a
 //! failure.
 //!
@@ -24,6 +25,11 @@
 //! buffers (filled by device-to-device copies), so every row measures DRAM traffic like the
 //! copy it is compared with.
 //!
+//! A second section, the per-bucket cost, times the whole sequence of compression kernels one
+//! rank runs per step for a bucket of 64 Mi and 256 Mi elements (sdp4bit preset, fp32 and bf16
+//! gradients; qWD on bf16 params of the same count), and prints the figures as a `cost-json:`
+//! line that `bench/gpu_cost.py` puts against a GEMM step of a GPT layer of that size.
+//!
 //! Peer kernels (bitsandbytes' blockwise 4-bit quantization, DeepSpeed's quantizer) are
 //! Python/torch libraries and are not run here: the torch extension's Python benchmark times
 //! them side by side with these kernels.
@@ -33,6 +39,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytemuck::Pod;
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, ValidAsZeroBits,
@@ -40,6 +47,7 @@ use cudarc::driver::{
 use half::bf16;
 use rayon::prelude::*;
 
+use sdp4bit::backend::GradElement;
 use sdp4bit::backend::cpu::{global_qsgd, gradient, weight};
 use sdp4bit::backend::cuda::{DeviceSpan, Kernels, Stream, dest_table, device_count, probe};
 use sdp4bit::codec::slab::SlabLayout;
@@ -85,6 +93,8 @@ struct Opts {
     quick: bool,
     /// `SDP4BIT_BENCH_ONLY`: run only the kernel rows whose label contains this text.
     only: String,
+    /// `SDP4BIT_BENCH_SECTIONS`: the sections to run (`kernels`, `cost`; empty: both).
+    sections: String,
 }
 
 impl Opts {
@@ -93,6 +103,7 @@ impl Opts {
     fn from_env() -> Self {
         let quick = std::env::var("SDP4BIT_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
         let only = std::env::var("SDP4BIT_BENCH_ONLY").unwrap_or_default();
+        let sections = std::env::var("SDP4BIT_BENCH_SECTIONS").unwrap_or_default();
         if quick {
             Self {
                 bucket_bytes: 16 * MIB,
@@ -100,6 +111,7 @@ impl Opts {
                 iters: 5,
                 quick,
                 only,
+                sections: sections.clone(),
             }
         } else {
             Self {
@@ -108,6 +120,7 @@ impl Opts {
                 iters: 51,
                 quick,
                 only,
+                sections,
             }
         }
     }
@@ -125,6 +138,11 @@ impl Opts {
     /// Whether the row labelled `name` runs.
     fn selects(&self, name: &str) -> bool {
         name.contains(self.only.as_str())
+    }
+
+    /// Whether the section `name` runs.
+    fn selects_section(&self, name: &str) -> bool {
+        self.sections.is_empty() || self.sections.split(',').any(|s| s.trim() == name)
     }
 }
 
@@ -276,6 +294,16 @@ impl Gpu {
             .collect()
     }
 
+    /// A span of `T` over each of `buffers` (the bytes of whole elements).
+    fn typed_spans<T>(&self, buffers: &[CudaSlice<u8>]) -> Vec<DeviceSpan<T>> {
+        self.spans(buffers)
+            .into_iter()
+            // SAFETY: as for `spans`; the buffers were filled (or zeroed) as elements of `T`
+            // and cudarc's allocations are aligned for any element type.
+            .map(|span| unsafe { DeviceSpan::from_raw(span.addr(), span.len() / size_of::<T>()) })
+            .collect()
+    }
+
     /// How many copies of its buffers a kernel moving `traffic` bytes per call cycles
     /// through, so that `ROTATE_L2_MULTIPLE` L2 caches' worth of other data passes between
     /// two uses of the same copy.
@@ -378,8 +406,8 @@ fn first_send_len(layout: &GradLayout) -> usize {
 }
 
 /// The first-level send buffer the CPU backend writes for one bucket of random gradients.
-/// With one pipeline chunk it is also a valid first-level receive buffer (`first.peers`
-/// slabs of the same layout).
+/// With one pipeline chunk (the kernel rows' configs) it is also a valid first-level receive
+/// buffer (`first.peers` slabs of the same layout).
 fn cpu_first_send(layout: &GradLayout, seed: u64) -> Vec<u8> {
     let bucket = gradients(layout.bucket.numel, seed);
     let mut send = vec![0u8; first_send_len(layout)];
@@ -454,15 +482,43 @@ fn copy_row(gpu: &Gpu, opts: &Opts) -> BenchResult<Row> {
     })
 }
 
-/// `grad_quantize_first` of the whole bucket: reads the fp32 bucket, writes every slab.
-fn grad_first_row(gpu: &Gpu, opts: &Opts, name: &str, config: &Config) -> BenchResult<Row> {
+/// `values` as `G` in device memory, `copies` times (the bytes of the elements).
+fn grad_buffers<G: GradElement + Pod>(
+    gpu: &Gpu,
+    values: &[f32],
+    copies: usize,
+) -> BenchResult<Vec<CudaSlice<u8>>> {
+    let typed: Vec<G> = values.par_iter().map(|&v| G::from_f32(v)).collect();
+    gpu.replicate(bytemuck::cast_slice::<G, u8>(&typed), copies)
+}
+
+/// `copies` zeroed device buffers of `len` elements of `G` (as bytes).
+fn grad_zeroed<G: GradElement>(
+    gpu: &Gpu,
+    len: usize,
+    copies: usize,
+) -> BenchResult<Vec<CudaSlice<u8>>> {
+    gpu.zeroed::<u8>(len * size_of::<G>(), copies)
+}
+
+/// `grad_quantize_first` of the whole bucket of `G`: reads the bucket, writes every slab.
+fn grad_first_row<G: GradElement + Pod>(
+    gpu: &Gpu,
+    opts: &Opts,
+    name: &str,
+    config: &Config,
+) -> BenchResult<Row> {
     let layout = grad_layout(config, opts.grad_numel())?;
-    let (read, written) = (layout.bucket.numel * 4, first_send_len(&layout));
+    let (read, written) = (
+        layout.bucket.numel * size_of::<G>(),
+        first_send_len(&layout),
+    );
     let copies = gpu.copies(read + written);
-    let buckets = gpu.replicate(&gradients(layout.bucket.numel, 10), copies)?;
+    let buckets = grad_buffers::<G>(gpu, &gradients(layout.bucket.numel, 10), copies)?;
     let outs = gpu.zeroed::<u8>(written, copies)?;
     let dests = gpu.replicate(&dest_table(&layout)?, 1)?;
-    let (bucket, out, dests) = (gpu.spans(&buckets), gpu.spans(&outs), gpu.spans(&dests)[0]);
+    let bucket = gpu.typed_spans::<G>(&buckets);
+    let (out, dests) = (gpu.spans(&outs), gpu.spans(&dests)[0]);
     let rng = UniformStream::new(1, 1, 1);
     let time = time_calls(gpu, opts, copies, |i| {
         let c = i % copies;
@@ -503,17 +559,22 @@ fn grad_second_row(gpu: &Gpu, opts: &Opts, name: &str, config: &Config) -> Bench
     })
 }
 
-/// `grad_reduce_final` of chunk 0 on rank 0: reads the last level's slabs, writes the fp32
-/// shard.
-fn grad_final_row(gpu: &Gpu, opts: &Opts, name: &str, config: &Config) -> BenchResult<Row> {
+/// `grad_reduce_final` of chunk 0 on rank 0: reads the last level's slabs, writes the shard
+/// of `G`.
+fn grad_final_row<G: GradElement>(
+    gpu: &Gpu,
+    opts: &Opts,
+    name: &str,
+    config: &Config,
+) -> BenchResult<Row> {
     let layout = grad_layout(config, opts.grad_numel())?;
     let recv_host = cpu_last_recv(&layout, 30)?;
     let shard_len = layout.bucket.shard_len;
-    let (read, written) = (recv_host.len(), shard_len * 4);
+    let (read, written) = (recv_host.len(), shard_len * size_of::<G>());
     let copies = gpu.copies(read + written);
     let recvs = gpu.replicate(&recv_host, copies)?;
-    let shards = gpu.zeroed::<f32>(shard_len, copies)?;
-    let (recv, shard) = (gpu.spans(&recvs), gpu.spans(&shards));
+    let shards = grad_zeroed::<G>(gpu, shard_len, copies)?;
+    let (recv, shard) = (gpu.spans(&recvs), gpu.typed_spans::<G>(&shards));
     let time = time_calls(gpu, opts, copies, |i| {
         let c = i % copies;
         let (k, s) = (gpu.kernels, gpu.stream());
@@ -664,60 +725,291 @@ fn global_dequantize_row(gpu: &Gpu, opts: &Opts, name: &str) -> BenchResult<Row>
     })
 }
 
-/// A kernel row: its label and how to measure it.
+/// A kernel row's measurement.
 type RowFn = Box<dyn Fn(&Gpu, &Opts, &str) -> BenchResult<Row>>;
 
-/// Every kernel row, in the order of the CPU benchmark.
-fn kernel_rows() -> Vec<(&'static str, RowFn)> {
-    let sdp = Config::preset(Preset::Sdp4bit);
-    let qsdp = Config::preset(Preset::Qsdp);
-    let zeropp = Config::preset(Preset::Zeropp);
+/// One kernel row: its label, the kernel it times (as `kernels/` names it) and how.
+struct KernelRow {
+    label: &'static str,
+    kernel: &'static str,
+    measure: RowFn,
+}
+
+/// Every kernel row, in the order of the CPU benchmark, with the bf16 variants of the
+/// gradient kernels after their fp32 rows.
+fn kernel_rows() -> Vec<KernelRow> {
+    // One pipeline chunk, so that every row's call covers the whole bucket (a chunk of the
+    // first-level send buffer is then the whole of it, and a valid receive buffer).
+    let one_chunk = |preset| {
+        Config::from_overrides(preset, [("pipeline_chunks", "1")]).expect("one chunk is valid")
+    };
+    let (sdp, qsdp, zeropp) = (
+        one_chunk(Preset::Sdp4bit),
+        one_chunk(Preset::Qsdp),
+        one_chunk(Preset::Zeropp),
+    );
     let with = |config: Config, f: fn(&Gpu, &Opts, &str, &Config) -> BenchResult<Row>| {
         Box::new(move |gpu: &Gpu, opts: &Opts, name: &str| f(gpu, opts, name, &config)) as RowFn
     };
+    let row = |label, kernel, measure| KernelRow {
+        label,
+        kernel,
+        measure,
+    };
     vec![
-        (
+        row(
             "(1) grad first: H32 + 8-bit SR quantize + swizzle (tlq-hs, 2x2)",
-            with(sdp, grad_first_row),
+            "grad_quantize_first",
+            with(sdp, grad_first_row::<f32>),
         ),
-        (
+        row(
+            "(1b) grad first from a bf16 bucket",
+            "grad_quantize_first_bf16",
+            with(sdp, grad_first_row::<bf16>),
+        ),
+        row(
             "(2) grad second: dequantize + sum D=2 + 4-bit SR requantize",
+            "grad_requantize_second",
             with(sdp, grad_second_row),
         ),
-        (
+        row(
             "(3) grad last: dequantize + sum M=2 + inverse H32 into shard",
-            with(sdp, grad_final_row),
+            "grad_reduce_final",
+            with(sdp, grad_final_row::<f32>),
         ),
-        (
+        row(
+            "(3b) grad last into a bf16 shard",
+            "grad_reduce_final_bf16",
+            with(sdp, grad_final_row::<bf16>),
+        ),
+        row(
             "(4) qWD encode: bf16 new - ref, 4-bit SR g2048",
+            "weight_encode",
             with(sdp, weight_encode_row),
         ),
-        (
+        row(
             "(5) qWD apply: dequantize W=4 slabs + add + bf16 round",
+            "weight_apply",
             with(sdp, weight_apply_row),
         ),
-        (
+        row(
             "(6a) QSDP grad quantize: 8-bit asym SR g1024 (one level, W=4)",
-            with(qsdp, grad_first_row),
+            "grad_quantize_first",
+            with(qsdp, grad_first_row::<f32>),
         ),
-        (
+        row(
             "(6b) QSDP grad dequantize + sum W=4 into shard",
-            with(qsdp, grad_final_row),
+            "grad_reduce_final",
+            with(qsdp, grad_final_row::<f32>),
         ),
-        (
+        row(
             "(7) ZeRO++ grad quantize: 4-bit RN g128 + swizzle (2x2)",
-            with(zeropp, grad_first_row),
+            "grad_quantize_first",
+            with(zeropp, grad_first_row::<f32>),
         ),
-        ("(8a) Global-QSGD absmax", Box::new(global_absmax_row)),
-        (
+        row(
+            "(8a) Global-QSGD absmax",
+            "global_absmax",
+            Box::new(global_absmax_row),
+        ),
+        row(
             "(8b) Global-QSGD quantize: int8 SR, K=31",
+            "global_quantize_i8",
             Box::new(global_quantize_row),
         ),
-        (
+        row(
             "(8c) Global-QSGD dequantize: int8 sum -> fp32 shard",
+            "global_dequantize_i8",
             Box::new(global_dequantize_row),
         ),
     ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-bucket cost.
+
+/// Bucket sizes (elements) of the per-bucket cost, and of the quick run's.
+const COST_NUMELS: [usize; 2] = [64 << 20, 256 << 20];
+const COST_NUMELS_QUICK: [usize; 1] = [1 << 20];
+
+/// One rank's compression kernels per step for one bucket under the sdp4bit preset on
+/// 2 nodes x 2 ranks, exchanges excluded.
+struct Cost {
+    numel: usize,
+    /// The gradient bucket's element type.
+    grad: &'static str,
+    /// The reduce-scatter's passes: first-level quantization of the bucket, then per chunk the
+    /// second-level requantization and the final decoding into the shard.
+    reduce_scatter: Timing,
+    /// The all-gather's passes on a bf16 bucket of as many elements: qWD encoding of the own
+    /// shard and applying the W slabs.
+    all_gather: Timing,
+}
+
+/// The reduce-scatter's kernels for a bucket of `numel` elements of `G`, in the order one rank
+/// runs them, timed as one call. Chunk `c` of the first-level send buffer stands for chunk
+/// `c`'s first-level receive buffer, and the second-level send buffer for the last level's
+/// receive buffer (the same layouts, valid encodings).
+fn reduce_scatter_cost<G: GradElement + Pod>(
+    gpu: &Gpu,
+    opts: &Opts,
+    numel: usize,
+) -> BenchResult<Timing> {
+    let layout = grad_layout(&Config::preset(Preset::Sdp4bit), numel)?;
+    let second = layout.second.ok_or("a two-level layout")?;
+    let chunk_bytes = layout.first.peers * layout.first.slab.byte_len();
+    let buckets = grad_buffers::<G>(gpu, &gradients(numel, 110), 1)?;
+    let firsts = gpu.zeroed::<u8>(first_send_len(&layout), 1)?;
+    let seconds = gpu.zeroed::<u8>(second.peers * second.slab.byte_len(), 1)?;
+    let shards = grad_zeroed::<G>(gpu, layout.bucket.shard_len, 1)?;
+    let dests = gpu.replicate(&dest_table(&layout)?, 1)?;
+    let (bucket, shard) = (
+        gpu.typed_spans::<G>(&buckets)[0],
+        gpu.typed_spans::<G>(&shards)[0],
+    );
+    let (first, second_out, dests) = (
+        gpu.spans(&firsts)[0],
+        gpu.spans(&seconds)[0],
+        gpu.spans(&dests)[0],
+    );
+    let (rng_first, rng_second) = (UniformStream::new(1, 1, 8), UniformStream::new(1, 1, 9));
+    time_calls(gpu, opts, 1, |_| {
+        let (k, s) = (gpu.kernels, gpu.stream());
+        k.grad_quantize_first(s, &layout, bucket, dests, &rng_first, first)?;
+        for chunk in 0..layout.bucket.chunks {
+            // SAFETY: chunk `chunk`'s bytes of the first-level send buffer, inside it.
+            let recv = unsafe {
+                DeviceSpan::from_raw(first.addr() + (chunk * chunk_bytes) as u64, chunk_bytes)
+            };
+            k.grad_requantize_second(s, &layout, 0, chunk, recv, dests, &rng_second, second_out)?;
+            k.grad_reduce_final(s, &layout, chunk, second_out, shard)?;
+        }
+        Ok(())
+    })
+}
+
+/// The all-gather's kernels (qWD) for a bf16 bucket of `numel` elements, timed as one call:
+/// the own shard's encoding, then the W received slabs applied to the bucket (every slab a
+/// copy of the own one, made once before timing).
+fn all_gather_cost(gpu: &Gpu, opts: &Opts, numel: usize) -> BenchResult<Timing> {
+    let config = Config::preset(Preset::Sdp4bit);
+    let (layout, plan) = weight_layout(&config, numel)?;
+    let s = plan.shard_len;
+    let old = params(numel, 120);
+    let news = gpu.replicate(&bits(&updated(&old[..s], 130)), 1)?;
+    let references = gpu.replicate(&bits(&old[..s]), 1)?;
+    let buckets = gpu.replicate(&bits(&old), 1)?;
+    let recvs = gpu.zeroed::<u8>(WORLD * layout.byte_len(), 1)?;
+    let (new, reference) = (gpu.bf16_spans(&news)[0], gpu.bf16_spans(&references)[0]);
+    let (bucket, recv) = (gpu.bf16_spans(&buckets)[0], gpu.spans(&recvs)[0]);
+    // SAFETY: the first slab of the receive buffer, inside it.
+    let own_slab = unsafe { DeviceSpan::from_raw(recv.addr(), layout.byte_len()) };
+    let (rng, first_index, enc) = (
+        UniformStream::new(1, 1, 10),
+        plan.padded_index(0, 0),
+        WeightEncoding::Difference,
+    );
+    gpu.kernels.weight_encode(
+        gpu.stream(),
+        &layout,
+        enc,
+        first_index,
+        new,
+        reference,
+        &rng,
+        own_slab,
+    )?;
+    for peer in 1..WORLD {
+        let offset = (peer * layout.byte_len()) as u64;
+        // SAFETY: slab `peer` and slab 0 of the receive buffer, disjoint, on device 0; the
+        // legacy default stream orders the copy after the encoding.
+        unsafe {
+            sys::cuMemcpyDtoDAsync_v2(
+                recv.addr() + offset,
+                recv.addr(),
+                layout.byte_len(),
+                gpu.stream.cu_stream(),
+            )
+        }
+        .result()?;
+    }
+    time_calls(gpu, opts, 1, |_| {
+        let (k, st) = (gpu.kernels, gpu.stream());
+        k.weight_encode(
+            st,
+            &layout,
+            enc,
+            first_index,
+            new,
+            reference,
+            &rng,
+            own_slab,
+        )?;
+        Ok(k.weight_apply(st, &layout, enc, &plan, 0, recv, reference, bucket)?)
+    })
+}
+
+/// Measures the per-bucket cost for every size and gradient type.
+fn costs(gpu: &Gpu, opts: &Opts) -> BenchResult<Vec<Cost>> {
+    let numels: &[usize] = if opts.quick {
+        &COST_NUMELS_QUICK
+    } else {
+        &COST_NUMELS
+    };
+    let mut out = Vec::new();
+    for &numel in numels {
+        let all_gather = all_gather_cost(gpu, opts, numel)?;
+        out.push(Cost {
+            numel,
+            grad: "fp32",
+            reduce_scatter: reduce_scatter_cost::<f32>(gpu, opts, numel)?,
+            all_gather,
+        });
+        out.push(Cost {
+            numel,
+            grad: "bf16",
+            reduce_scatter: reduce_scatter_cost::<bf16>(gpu, opts, numel)?,
+            all_gather,
+        });
+    }
+    Ok(out)
+}
+
+/// Prints the per-bucket cost table and the same figures as one JSON line (`cost-json: `),
+/// which `bench/gpu_cost.py` reads to put them against a GEMM step.
+fn print_costs(gpu: &Gpu, opts: &Opts) -> BenchResult<()> {
+    let costs = costs(gpu, opts)?;
+    println!(
+        "\n## Per-bucket cost (one rank's compression kernels per step, sdp4bit preset, W = 4 \
+         as 2 x 2)\n\nMedian of {} calls, each the rank's whole sequence of launches between two \
+         CUDA events; the exchanges are not included. The all-gather is qWD on bf16 params of \
+         the bucket's element count.\n",
+        opts.iters
+    );
+    println!(
+        "| bucket elements | gradients | reduce-scatter kernels ms | all-gather kernels ms | both ms |"
+    );
+    println!("|---:|---|---:|---:|---:|");
+    let mut json = Vec::new();
+    for c in &costs {
+        let (rs, ag) = (c.reduce_scatter.median_ms, c.all_gather.median_ms);
+        println!(
+            "| {} Mi | {} | {rs:.3} | {ag:.3} | {:.3} |",
+            c.numel >> 20,
+            c.grad,
+            rs + ag
+        );
+        json.push(format!(
+            "{{\"numel\": {}, \"grad\": \"{}\", \"reduce_scatter_ms\": {rs:.6}, \"all_gather_ms\": {ag:.6}}}",
+            c.numel, c.grad
+        ));
+    }
+    println!(
+        "\ncost-json: {{\"device\": \"{}\", \"preset\": \"sdp4bit\", \"world\": \"2x2\", \"rows\": [{}]}}",
+        gpu.info.name,
+        json.join(", ")
+    );
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -733,6 +1025,9 @@ fn print_header(gpu: &Gpu, opts: &Opts) {
     }
     if !opts.only.is_empty() {
         env.push_str(&format!("SDP4BIT_BENCH_ONLY={:?} ", opts.only));
+    }
+    if !opts.sections.is_empty() {
+        env.push_str(&format!("SDP4BIT_BENCH_SECTIONS={} ", opts.sections));
     }
     println!("# sdp4bit GPU benchmark\n");
     println!(
@@ -774,18 +1069,26 @@ fn print_kernels(gpu: &Gpu, opts: &Opts) -> BenchResult<()> {
         opts.iters,
         opts.warmup.as_millis()
     );
-    println!("| kernel | read MiB | written MiB | median us | min us | GB/s | x copy | target |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---|");
-    print_row(&copy, base, None);
+    println!(
+        "| row | kernel | read MiB | written MiB | median us | min us | GB/s | x copy | target |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---|");
+    print_row(&copy, "-", base, None);
     let mut missed = Vec::new();
     let mut measured = 0;
-    for (name, measure) in kernel_rows().iter().filter(|(n, _)| opts.selects(n)) {
-        let row = measure(gpu, opts, name)?;
+    for kernel in kernel_rows().iter().filter(|k| opts.selects(k.label)) {
+        let row = (kernel.measure)(gpu, opts, kernel.label)?;
         let ok = row.gbps() >= TARGET * base;
-        print_row(&row, base, Some(ok));
+        print_row(&row, kernel.kernel, base, Some(ok));
         measured += 1;
         if !ok {
-            missed.push(name.split_whitespace().next().unwrap_or(name));
+            missed.push(
+                kernel
+                    .label
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or(kernel.label),
+            );
         }
     }
     println!(
@@ -800,8 +1103,9 @@ fn print_kernels(gpu: &Gpu, opts: &Opts) -> BenchResult<()> {
     Ok(())
 }
 
-/// One table row; `ok` is whether a kernel row meets the target (`None` for the baseline).
-fn print_row(row: &Row, base: f64, ok: Option<bool>) {
+/// One table row of `kernel`; `ok` is whether a kernel row meets the target (`None` for the
+/// baseline).
+fn print_row(row: &Row, kernel: &str, base: f64, ok: Option<bool>) {
     let mib = |bytes: usize| bytes as f64 / MIB as f64;
     let target = match ok {
         None => "-",
@@ -809,7 +1113,7 @@ fn print_row(row: &Row, base: f64, ok: Option<bool>) {
         Some(false) => "**missed**",
     };
     println!(
-        "| {} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {target} |",
+        "| {} | {kernel} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {target} |",
         row.name,
         mib(row.read),
         mib(row.written),
@@ -842,7 +1146,12 @@ fn main() -> ExitCode {
     let run = || -> BenchResult<()> {
         let gpu = Gpu::open()?;
         print_header(&gpu, &opts);
-        print_kernels(&gpu, &opts)?;
+        if opts.selects_section("kernels") {
+            print_kernels(&gpu, &opts)?;
+        }
+        if opts.selects_section("cost") {
+            print_costs(&gpu, &opts)?;
+        }
         print_peers();
         Ok(())
     };

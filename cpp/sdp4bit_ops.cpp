@@ -40,6 +40,8 @@
 
 #include <torch/version.h>
 
+#include <dlfcn.h>
+
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -221,13 +223,20 @@ std::vector<uint64_t> checked_labels(const std::vector<int64_t>& labels) {
   return out;
 }
 
-// Whether the interpreter is shutting down (Py_IsFinalizing() from Python 3.13 on).
+// Whether the interpreter is shutting down. The function is looked up in the interpreter that
+// loaded the extension (Py_IsFinalizing from Python 3.13 on, _Py_IsFinalizing before), not
+// linked, so that the extension's only Python symbols are the stable ABI's and one build loads
+// under every Python 3 minor version (tests/python/test_native.py checks the symbols).
 bool interpreter_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
+  using IsFinalizing = int (*)();
+  static const IsFinalizing is_finalizing = [] {
+    void* found = dlsym(RTLD_DEFAULT, "Py_IsFinalizing");
+    if (found == nullptr) found = dlsym(RTLD_DEFAULT, "_Py_IsFinalizing");
+    TORCH_CHECK(found != nullptr,
+                "sdp4bit: the interpreter exports neither Py_IsFinalizing nor _Py_IsFinalizing");
+    return reinterpret_cast<IsFinalizing>(found);
+  }();
+  return is_finalizing() != 0;
 }
 
 // Releases the GIL (when this thread holds it) while blocking on the executor, so the

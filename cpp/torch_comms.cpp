@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -203,6 +204,9 @@ std::unique_ptr<TorchDeviceMemory> allocate_torch_device_memory(std::size_t devi
     throw std::runtime_error("sdp4bit: device memory for cuda:" + std::to_string(device) +
                              " was asked for while " + current.str() + " is current");
   }
+  // The caching allocator exists only once torch has initialised CUDA (torch.cuda's lazy
+  // init); a process whose first CUDA work is an sdp4bit bucket has not done that yet.
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   auto state = std::make_unique<TorchDeviceMemory::State>();
   state->memory = c10::GetAllocator(c10::DeviceType::CUDA)->allocate(bytes);
   if (state->memory.get() == nullptr) {

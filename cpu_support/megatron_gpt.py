@@ -2,12 +2,15 @@
 Megatron-LM's pretrain_gpt.py does on GPUs (local layer spec: no Transformer Engine, no apex).
 
 Shared by the multi-process tests, the main job (examples/gpt_cpu/train.py) and the
-convergence study; it relies on the shims of :mod:`megatron_cpu`, which :func:`initialize`
-installs. Byte-level language modelling: a vocabulary of 256, tokens are bytes.
+convergence study; on the CPU it relies on the shims of :mod:`megatron_cpu`, which
+:func:`initialize` installs. :func:`initialize` can instead put megatron-core on a CUDA device
+(the main job's ``--device cuda``), where it runs natively, without shims, as Megatron-LM runs
+it. Byte-level language modelling: a vocabulary of 256, tokens are bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +18,9 @@ import torch
 import megatron_cpu
 
 VOCAB = 256
+
+#: Where :func:`initialize` put megatron-core: the CPU (with the shims) or a CUDA device.
+_DEVICE = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -27,14 +33,20 @@ class Shape:
     heads: int = 4
 
 
-def initialize(seed: int, tp: int = 1, pp: int = 1) -> None:
-    """After ``torch.distributed.init_process_group``: the CPU shims, megatron-core's model
-    parallel groups (DP = world / (tp * pp)) and its RNG states, seeded as Megatron-LM seeds
-    them."""
+def initialize(seed: int, tp: int = 1, pp: int = 1, device: str | torch.device = "cpu") -> None:
+    """After ``torch.distributed.init_process_group``: on the CPU the shims, on a CUDA `device`
+    that device made current (megatron-core allocates its buffers and optimizer scratch on the
+    current device, as Megatron-LM's initialize sets it); then megatron-core's model parallel
+    groups (DP = world / (tp * pp)) and its RNG states, seeded as Megatron-LM seeds them."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    megatron_cpu.install()
+    global _DEVICE
+    _DEVICE = torch.device(device)
+    if _DEVICE.type == "cpu":
+        megatron_cpu.install()
+    else:
+        torch.cuda.set_device(_DEVICE)
     parallel_state.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(seed)
 
@@ -46,13 +58,19 @@ def shutdown() -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _cuda_as_cpu():
+    """The scoped CPU shim (:func:`megatron_cpu.cuda_as_cpu`) on the CPU; nothing on a CUDA
+    device, where megatron-core's CUDA calls are real."""
+    return megatron_cpu.cuda_as_cpu() if _DEVICE.type == "cpu" else contextlib.nullcontext()
+
+
 def transformer_config(shape: Shape):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.width, num_attention_heads=shape.heads,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=_DEVICE.type == "cpu", hidden_dropout=0.0, attention_dropout=0.0,
     )
 
 
@@ -63,7 +81,9 @@ def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process:
     optimizer's buffers; `ddp_options` go to ``DistributedDataParallelConfig`` (e.g.
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``; fp32 gradient buffers
     unless ``grad_reduce_in_fp32=False``). The same `seed`
-    gives every data-parallel replica the same initial weights."""
+    gives every data-parallel replica the same initial weights. On a CUDA device the model
+    is moved there before wrapping, as Megatron-LM's get_model does (the layers megatron-core
+    does not allocate itself, e.g. the position embedding and layer norms, start on the CPU)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -75,6 +95,8 @@ def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process:
                    max_sequence_length=shape.context, pre_process=pre_process,
                    post_process=post_process,
                    share_embeddings_and_output_weights=pre_process and post_process)
+    if _DEVICE.type == "cuda":
+        gpt.cuda(_DEVICE)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, **{"grad_reduce_in_fp32": True, **ddp_options})
     return DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
@@ -92,7 +114,7 @@ def build_optimizer(chunks: list, lr: float, min_lr: float | None = None,
         optimizer="adam", lr=lr, min_lr=lr if min_lr is None else min_lr,
         weight_decay=weight_decay, adam_beta1=betas[0], adam_beta2=betas[1],
         clip_grad=clip_grad, bf16=True, loss_scale=1.0, use_distributed_optimizer=True)
-    with megatron_cpu.cuda_as_cpu():
+    with _cuda_as_cpu():
         return get_megatron_optimizer(config, chunks)
 
 
@@ -109,18 +131,20 @@ def lr_schedule(optimizer, lr: float, min_lr: float, warmup: int, steps: int,
         wd_incr_steps=steps, wd_incr_style="constant")
 
 
-def causal_mask(context: int) -> torch.Tensor:
+def causal_mask(context: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """megatron-core's attention mask convention: True where a position may not attend."""
-    return torch.triu(torch.ones(1, 1, context, context, dtype=torch.bool), diagonal=1)
+    return torch.triu(torch.ones(1, 1, context, context, dtype=torch.bool, device=device),
+                      diagonal=1)
 
 
 def token_losses(model, windows: torch.Tensor) -> torch.Tensor:
     """Per-token next-byte cross entropy ([batch, context], fp32) of `model` (a DDP or
-    Float16Module GPT holding both ends) on `windows` ([batch, context + 1] byte ids)."""
+    Float16Module GPT holding both ends) on `windows` ([batch, context + 1] byte ids, on the
+    model's device)."""
     inputs, labels = windows[:, :-1], windows[:, 1:]
     batch, context = inputs.shape
-    positions = torch.arange(context).unsqueeze(0).expand(batch, context)
-    return model(inputs, positions, causal_mask(context), labels=labels).float()
+    positions = torch.arange(context, device=windows.device).unsqueeze(0).expand(batch, context)
+    return model(inputs, positions, causal_mask(context, windows.device), labels=labels).float()
 
 
 def zero_grads(chunks: list, optimizer) -> None:
@@ -142,7 +166,7 @@ def optimizer_step(optimizer) -> tuple[bool, float | None]:
     """Steps the distributed optimizer, which all-gathers the updated parameters (at once, or
     from the next forward's hooks with ``overlap_param_gather``). Returns (stepped, gradient
     norm): not stepped where its found-inf check saw a NaN or Inf gradient on any rank."""
-    with megatron_cpu.cuda_as_cpu():
+    with _cuda_as_cpu():
         stepped, grad_norm, _ = optimizer.step()
     return bool(stepped), grad_norm
 

@@ -114,6 +114,10 @@ CARGO_TARGET_DIR=$ROOT/target pip install --quiet --no-deps --force-reinstall \
 sdp4bit_record_install "$SDP4BIT_MAIN_VENV"
 smoke "$SDP4BIT_MAIN_VENV"
 
+step "GPU kit: bash scripts/gpu_kit.sh prepare (checked, and dry-run, by tests/python/test_gpu_kit.py)"
+bash scripts/gpu_kit.sh prepare
+export SDP4BIT_REQUIRE_GPU_KIT=1
+
 step "pytest tests/python (multi-process gloo; megatron-core 0.16.1)"
 pytest -q -rs tests/python
 

@@ -1,6 +1,6 @@
 """The checks to run on a GPU host, and a report to paste into a bug report.
 
-    python -m sdp4bit.selftest [--source DIR] [--no-bench] [--timeout SECONDS]
+    python -m sdp4bit.selftest [--source DIR | --no-source] [--no-bench] [--timeout SECONDS]
 
 On a host with a CUDA GPU it runs, and reports each outcome:
 
@@ -228,7 +228,7 @@ def check_nccl() -> str:
                     raise RuntimeError(f"NCCL {name} at W = 1 changed its input")
             if peak.item() != 1023.0:
                 raise RuntimeError(f"NCCL MAX all-reduce gave {peak.item()}, expected 1023")
-            groups = sdp4bit.ProcessGroups.create(dist.group.WORLD)
+            groups = sdp4bit.ProcessGroups.create(dist.group.WORLD, node_labels=[0])
             grads = torch.randn(4096, device=device)
             shard = torch.empty(4096, device=device)
             rs = sdp4bit.GradReduceScatter(groups, sdp4bit.Config("sdp4bit"), grads.numel(),
@@ -259,10 +259,12 @@ def run(args: argparse.Namespace) -> int:
     outcomes = [run_check(f"kernels against the host on GPU {d}", lambda d=d: check_kernels(d))
                 for d in range(torch.cuda.device_count())]
     outcomes.append(run_check("one-process NCCL through torch.distributed", check_nccl))
-    source = find_source(args.source)
+    source = None if args.no_source else find_source(args.source)
 
     def in_source(command: list[str]) -> Callable[[], str]:
         def check() -> str:
+            if args.no_source:
+                raise Skipped("--no-source")
             if source is None:
                 raise Skipped("needs the source tree (--source DIR with Cargo.toml and "
                               "tests/cuda_gpu.rs)")
@@ -300,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdp4bit.selftest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", help="the sdp4bit source tree (default: found)")
+    parser.add_argument("--no-source", action="store_true",
+                        help="only the package's own checks (kernels, NCCL): none that needs "
+                             "the source tree and cargo")
     parser.add_argument("--no-bench", action="store_true", help="skip the GPU benchmark")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds each command may run (default 3600)")

@@ -29,6 +29,7 @@ use sdp4bit::collective::global_k;
 use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::{Stage, UniformStream, stream_id};
 use sdp4bit::{Config, Error, Preset, Rounding, WeightCodec};
+use sdp4bit_test_support::cuda_cluster::gpu_kernels;
 
 // ---------------------------------------------------------------------------------------------
 // The device, or the reason there is none.
@@ -42,20 +43,10 @@ struct Gpu {
 /// The GPU, or `None` after printing `skipped: <reason>` (a failure instead when
 /// `SDP4BIT_REQUIRE_GPU=1`).
 fn gpu() -> Option<Gpu> {
-    let reason = match device_count().and_then(|n| probe::nvrtc().map(|()| n)) {
-        Err(e) => e.to_string(),
-        Ok(0) => "the CUDA driver sees no device".into(),
-        Ok(_) => {
-            let kernels = Kernels::get(0).expect("kernels compile and load on device 0");
-            let context = CudaContext::new(0).expect("cudarc context of device 0");
-            let stream = context.new_stream().expect("a stream");
-            return Some(Gpu { kernels, stream });
-        }
-    };
-    let required = std::env::var("SDP4BIT_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    assert!(!required, "SDP4BIT_REQUIRE_GPU=1 but {reason}");
-    println!("skipped: {reason}");
-    None
+    let kernels = gpu_kernels()?;
+    let context = CudaContext::new(0).expect("cudarc context of device 0");
+    let stream = context.new_stream().expect("a stream");
+    Some(Gpu { kernels, stream })
 }
 
 impl Gpu {

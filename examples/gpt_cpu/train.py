@@ -8,6 +8,26 @@ collectives save. Byte-level language modelling on the standard library's source
 megatron-core runs on CPU through the shims of cpu_support/ (docs/megatron.md, "Running on
 CPU"), which this script puts on its path; the bench/convergence.py study runs it once per
 row and seed.
+
+``--device cuda`` trains on GPUs instead, as a Megatron user runs megatron-core: no shims,
+the model initialized on the GPU and moved there, data and the script's own collectives on
+the device, the sdp4bit buckets on the device (the CUDA backend). Rank r uses GPU
+``LOCAL_RANK % torch.cuda.device_count()``. The process groups (``--backend auto``): NCCL
+when each rank of the host has a GPU of its own; gloo when ranks share a GPU (NCCL refuses
+two ranks on one device), as in a W = 2 run on a one-GPU host. megatron-core 0.16.1 on gloo
+with CUDA tensors: its all-reduces (gradient norm, found-inf check, the cross entropy's
+tensor-parallel reductions) and the script's all-reduces and all-gathers are gloo's CUDA
+collectives (host copies); the DP reduce-scatter and all-gather are sdp4bit's. Megatron's own
+parameter all-gather (``all_gather_into_tensor`` under ``_coalescing_manager``) reaches gloo's
+``allgather_into_tensor_coalesced``, which has no CUDA path in torch 2.11 (it segfaulted on
+CUDA tensors), so presets that leave weights uncompressed (``--preset megatron``,
+``baseline``, ``global-qsgd``) are refused on gloo with CUDA.
+
+Run once on one H100 (torch 2.11.0+cu130, Python 3.12, megatron-core 0.16.1), sdp4bit
+preset: W = 2 and W = 4 on gloo sharing the GPU, 20 steps each, and W = 1 on NCCL, 10 steps;
+the loss fell and the replicas were bit-identical. Not run: NCCL with W > 1 (one GPU per
+rank), ``--overlap-param-gather`` and other presets on CUDA. tests/python/test_main_job.py
+checks the argument handling and the backend choice on CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +53,7 @@ from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402
 from study_args import study_parser  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = study_parser(__doc__.splitlines()[0], own="megatron",
                      preset_help="sdp4bit preset, or 'megatron' for Megatron's own collectives",
                      telemetry_help="every N steps, log sdp4bit's quantization error against "
@@ -41,7 +62,40 @@ def parse_args() -> argparse.Namespace:
                    help="Megatron's overlap_param_gather (see the note where the DDP is built)")
     p.add_argument("--bucket-size", type=int, default=40_000,
                    help="elements per DDP bucket (megatron-core's bucket_size)")
-    return p.parse_args()
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: megatron-core through cpu_support's shims; cuda: natively, "
+                        "rank r on GPU LOCAL_RANK %% device_count")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="torch.distributed backend; auto: gloo on the CPU and where ranks "
+                        "share a GPU, else NCCL")
+    return p.parse_args(argv)
+
+
+def choose_backend(device: str, requested: str, local_ranks: int, gpus: int,
+                   compresses_weights: bool) -> tuple[str, str]:
+    """(backend, why) for `device` with `local_ranks` ranks and `gpus` GPUs on this host:
+    gloo on the CPU; on CUDA, NCCL when every rank has a GPU of its own, else gloo (NCCL
+    refuses two ranks on one GPU). `requested` ('auto', 'gloo' or 'nccl') picks where it can
+    work. Raises ValueError for a combination that cannot run, saying why."""
+    if device == "cpu":
+        if requested == "nccl":
+            raise ValueError("--backend nccl needs --device cuda: NCCL exchanges CUDA tensors")
+        return "gloo", "CPU tensors"
+    if gpus < 1:
+        raise ValueError("--device cuda: torch sees no CUDA device on this host")
+    shared = local_ranks > gpus
+    if requested == "nccl" and shared:
+        raise ValueError(f"--backend nccl: {local_ranks} ranks on {gpus} GPU(s) put two ranks "
+                         "on one GPU, which NCCL refuses; use gloo")
+    if requested == "nccl" or (requested == "auto" and not shared):
+        return "nccl", "one GPU per rank"
+    if not compresses_weights:
+        raise ValueError("gloo with CUDA tensors: Megatron's own parameter all-gather "
+                         "(allgather_into_tensor_coalesced) has no CUDA path in gloo; use a "
+                         "preset that compresses weights, or one GPU per rank (NCCL)")
+    why = (f"{local_ranks} ranks share {gpus} GPU(s), which NCCL refuses" if shared
+           else "--backend gloo")
+    return "gloo", why + "; CUDA tensors through host copies"
 
 
 class TelemetryRecorder:
@@ -56,22 +110,23 @@ class TelemetryRecorder:
             self.rel_l2[what].append(float(value))
 
 
-def mean_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
 
-def validation_loss(ddp, windows: torch.Tensor, rank: int, world: int,
+def validation_loss(ddp, windows: torch.Tensor, rank: int, world: int, device: torch.device,
                     batch_size: int = 64) -> float:
     """Mean next-byte cross entropy over every token of `windows`, which the ranks share out
-    (each evaluates every world-th window) and sum up."""
-    totals = torch.zeros(2, dtype=torch.float64)  # loss sum, tokens
-    mine = windows[rank::world]
+    (each evaluates every world-th window on `device`) and sum up."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
+    mine = windows[rank::world].to(device)
     with torch.no_grad():
         for start in range(0, len(mine), batch_size):
             losses = gpt.token_losses(ddp, mine[start:start + batch_size])
-            totals += torch.tensor([losses.double().sum().item(), losses.numel()])
+            totals += torch.tensor([losses.double().sum().item(), losses.numel()],
+                                   device=device)
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
 
@@ -87,16 +142,28 @@ def replicas_identical(ddp, world: int) -> bool:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    config = None
+    if args.preset != "megatron":
+        knobs = {"seed": str(args.seed), **dict(k.split("=", 1) for k in args.knob)}
+        config = Config.from_knobs(args.preset, knobs)
+    device = torch.device("cpu")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    try:
+        backend, why = choose_backend(args.device, args.backend,
+                                      int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus,
+                                      config is not None and config.compresses_weights)
+    except ValueError as e:
+        raise SystemExit(f"train.py: {e}") from None
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus)
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:  # sdp4bit's notices and telemetry; megatron-core's warnings only
         logging.basicConfig(level=logging.WARNING, format="      %(message)s")
         logging.getLogger("sdp4bit").setLevel(logging.INFO)
-    gpt.initialize(args.seed)  # DP = W: every rank is a data-parallel replica
-    config, recorder = None, TelemetryRecorder()
-    if args.preset != "megatron":
-        knobs = {"seed": str(args.seed), **dict(k.split("=", 1) for k in args.knob)}
-        config = Config.from_knobs(args.preset, knobs)
+    gpt.initialize(args.seed, device=device)  # DP = W: every rank is a data-parallel replica
+    recorder = TelemetryRecorder()
+    if config is not None:
         sdp4bit_megatron.enable(config, local_world_size=args.ranks_per_node,
                                 telemetry_interval=args.telemetry_interval,
                                 tensorboard_writer=recorder)
@@ -118,13 +185,16 @@ def main() -> None:
         print(f"megatron-core GPTModel (byte-level), {params / 1e6:.2f} M params, "
               f"DistributedOptimizer, {world} ranks ({world // args.ranks_per_node} nodes x "
               f"{args.ranks_per_node}), {len(train_text) / 1e6:.1f} MB of stdlib sources")
+        where = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
+                 else "cpu")
+        print(f"device: {where}; process groups: {backend} ({why})")
         print("collectives:", config.describe() if config else "Megatron's own (uncompressed)")
         print(f"{'step':>5} {'loss':>8} {'sent/step':>12} {'uncompressed':>13} {'ratio':>6} "
               f"{'step time':>10}")
     curve, step_ms, sent_total, baseline_total, skipped = [], [], 0, 0, 0
     for step in range(args.steps):
         start = time.perf_counter()
-        windows = batch(train_text, args.batch, args.context, generator)
+        windows = batch(train_text, args.batch, args.context, generator).to(device)
         gpt.zero_grads([ddp], optimizer)
         loss = gpt.token_losses(ddp, windows).mean()
         loss.backward()
@@ -132,10 +202,12 @@ def main() -> None:
         stepped, _ = gpt.optimizer_step(optimizer)
         scheduler.step(1)
         skipped += not stepped
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         sent, baseline = sdp4bit_megatron.wire_bytes(ddp, step)
         sent_total, baseline_total = sent_total + sent, baseline_total + baseline
-        train_loss = mean_over_ranks(loss.item())
+        train_loss = mean_over_ranks(loss.item(), device)
         curve.append(train_loss)
         step_ms.append(elapsed * 1e3)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
@@ -145,7 +217,7 @@ def main() -> None:
     gpt.flush_param_sync([ddp])  # the last step's gather, under overlap_param_gather
     eval_start = time.perf_counter()
     held_out = validation_windows(val_text, args.context)
-    val_loss = validation_loss(ddp, held_out, rank, world)
+    val_loss = validation_loss(ddp, held_out, rank, world, device)
     eval_seconds = time.perf_counter() - eval_start
     identical = replicas_identical(ddp, world)
     if rank == 0:

@@ -272,6 +272,10 @@ CUresult cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice
     case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT:
         *value = 2;
         return CUDA_SUCCESS;
+    // 1 MiB per multiprocessor (what the GPU benchmark sizes its buffer rotation by).
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE:
+        *value = dev->multiprocessors << 20;
+        return CUDA_SUCCESS;
     // No stream-ordered allocator (cudarc then allocates with cuMemAlloc), no integrated or
     // mapped host memory, no stream priorities.
     case CU_DEVICE_ATTRIBUTE_INTEGRATED:

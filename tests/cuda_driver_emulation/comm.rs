@@ -4,19 +4,18 @@
 //! all-reduce of a device word). `all_reduce_max` exchanges a host value and goes through an
 //! in-process host communicator.
 //!
-//! [`EmulatedCluster`] runs one closure per rank on its own thread with its device (rank `r`
-//! on device `r % devices`), a stream of that device's primary context, the `Cuda` backend on
-//! it, and the world / intra-node / inter-node communicators of the topology.
+//! [`EmulatedCluster`] runs one closure per rank ([`run_ranks`]: its own thread, device
+//! `r % devices`, a stream, the `Cuda` backend on it) with the world / intra-node / inter-node
+//! communicators of the topology.
 
 use std::ffi::c_void;
-use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream};
-use sdp4bit::backend::cuda::{Cuda, DeviceSpan, Kernels, SideStream, Stream};
-use sdp4bit::collective::local::LocalCluster;
-use sdp4bit::collective::{Comm, CommGroups, InFlight, SumElement};
-use sdp4bit::plan::Topology;
+use sdp4bit::backend::cuda::{Cuda, DeviceSpan, SideStream, Stream};
+use sdp4bit::collective::local::{LocalCluster, LocalComm};
+use sdp4bit::collective::{Comm, InFlight, SumElement};
+use sdp4bit::plan::{Level, Topology};
 use sdp4bit::{Error, Result};
+use sdp4bit_test_support::cuda_cluster::{self, CommSite, DeviceCluster, run_ranks};
 
 use super::library::emulation;
 
@@ -30,10 +29,8 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 /// One rank's handle on an emulated communicator.
-pub struct EmulatedComm<'a> {
+pub struct EmulatedComm {
     comm: Handle,
-    rank: usize,
-    size: usize,
     /// The rank's compute stream, where the passes and the blocking exchanges run.
     stream: *mut c_void,
     /// Where the exchanges `start_all_to_all` starts run, ordered by events.
@@ -41,8 +38,8 @@ pub struct EmulatedComm<'a> {
     /// Whether waiting for a started exchange orders the compute stream after it (false only
     /// to show that the emulation catches the race).
     order_completion: bool,
-    /// The same ranks on the host, for `all_reduce_max`.
-    host: &'a sdp4bit::collective::local::LocalComm,
+    /// The same ranks on the host (rank and size), for `all_reduce_max`.
+    host: LocalComm,
 }
 
 /// The collective kinds and element types of collectives.cpp.
@@ -53,7 +50,7 @@ const ALL_REDUCE_MAX: i32 = 3;
 /// The element type of float collectives.
 const F32: i32 = 0;
 
-impl EmulatedComm<'_> {
+impl EmulatedComm {
     fn enqueue(&self, kind: i32, dtype: i32, send: (u64, usize), recv: (u64, usize)) -> Result<()> {
         self.enqueue_on(self.stream, kind, dtype, send, recv)
     }
@@ -69,12 +66,21 @@ impl EmulatedComm<'_> {
         // SAFETY: the handle comes from comm_create; the stream is this rank's live stream and
         // its context is current on this thread; the driver checks the buffers.
         let code = unsafe {
-            emulation().comm_enqueue(self.comm.0, self.rank, kind, dtype, send, recv, stream)
+            emulation().comm_enqueue(
+                self.comm.0,
+                self.host.rank(),
+                kind,
+                dtype,
+                send,
+                recv,
+                stream,
+            )
         };
         if code != 0 {
             return Err(Error::Comm(format!(
                 "emulated collective {kind} on rank {} of {}: CUresult {code}",
-                self.rank, self.size
+                self.host.rank(),
+                self.host.size()
             )));
         }
         Ok(())
@@ -85,13 +91,13 @@ fn bytes<T>(span: DeviceSpan<T>) -> (u64, usize) {
     (span.addr(), span.len() * size_of::<T>())
 }
 
-impl Comm<Cuda> for EmulatedComm<'_> {
+impl Comm<Cuda> for EmulatedComm {
     fn rank(&self) -> usize {
-        self.rank
+        self.host.rank()
     }
 
     fn size(&self) -> usize {
-        self.size
+        self.host.size()
     }
 
     fn all_gather(&self, send: DeviceSpan<u8>, recv: DeviceSpan<u8>) -> Result<()> {
@@ -156,16 +162,11 @@ impl Comm<Cuda> for EmulatedComm<'_> {
     }
 }
 
-/// What a rank's closure gets: its backend and stream, and its communicators.
-pub struct Rank<'a> {
-    pub backend: Cuda,
-    pub stream: Arc<CudaStream>,
-    pub comms: CommGroups<'a, EmulatedComm<'a>>,
-}
+/// What a rank's closure gets, with the emulated communicators.
+pub type Rank<'a> = cuda_cluster::Rank<'a, EmulatedComm>;
 
 /// The communicators of a topology, as [`LocalCluster`] builds them, in the emulation.
 pub struct EmulatedCluster {
-    topology: Topology,
     order_completion: bool,
     world: Handle,
     intra: Vec<Handle>,
@@ -193,7 +194,6 @@ impl EmulatedCluster {
             None => (Vec::new(), Vec::new()),
         };
         Self {
-            topology: topology.clone(),
             order_completion: true,
             world: Handle(e.comm_create(topology.world())),
             intra,
@@ -211,49 +211,38 @@ impl EmulatedCluster {
         }
     }
 
-    /// Runs `f` on every rank concurrently and returns the results in rank order.
-    pub fn run<R: Send>(&self, f: impl Fn(&Rank<'_>) -> R + Sync) -> Vec<R> {
-        let t = &self.topology;
+    /// The emulated communicator of `site`'s group.
+    fn comm(&self, site: CommSite<'_>) -> EmulatedComm {
+        let t = self.host.topology();
+        let comm = match site.level {
+            Level::World => self.world,
+            Level::Intra => self.intra[t.node_of(site.dp_rank)],
+            Level::Inter => self.inter[t.local_of(site.dp_rank)],
+        };
+        EmulatedComm {
+            comm,
+            stream: site.stream.cu_stream().cast(),
+            side: SideStream::new(site.backend.kernels()).expect("a side stream"),
+            order_completion: self.order_completion,
+            host: site.host.clone(),
+        }
+    }
+}
+
+impl DeviceCluster for EmulatedCluster {
+    type Comm = EmulatedComm;
+
+    fn topology(&self) -> &Topology {
+        self.host.topology()
+    }
+
+    /// Rank `r` on device `r % devices`.
+    fn run<R: Send>(&self, f: impl Fn(&Rank<'_>) -> R + Sync) -> Vec<R> {
         let devices = device_count();
-        self.host.run(|host| {
-            let me = host.world.rank();
-            let context = CudaContext::new(me % devices).expect("the primary context");
-            context.bind_to_thread().expect("bind the context");
-            // cudarc's event tracking would synchronise the whole context when this rank's
-            // first stream is created, waiting for the collectives of the other ranks on the
-            // same device, which wait for this rank (as a cuCtxSynchronize would with NCCL).
-            // SAFETY: no CudaSlice is used here; the collectives order their own buffers.
-            unsafe { context.disable_event_tracking() };
-            let stream = context.new_stream().expect("a stream");
-            let kernels = Kernels::get(me % devices).expect("the kernels load");
-            // SAFETY: a live stream of the device's primary context, alive while `stream` is.
-            let raw = unsafe { Stream::from_raw(stream.cu_stream() as usize) };
-            let comm = |handle: Handle, rank, size, host| EmulatedComm {
-                comm: handle,
-                rank,
-                size,
-                stream: stream.cu_stream().cast(),
-                side: SideStream::new(kernels).expect("a side stream"),
-                order_completion: self.order_completion,
-                host,
-            };
-            let world = comm(self.world, me, t.world(), host.world);
-            let intra = host
-                .intra
-                .map(|h| comm(self.intra[t.node_of(me)], t.local_of(me), h.size(), h));
-            let inter = host
-                .inter
-                .map(|h| comm(self.inter[t.local_of(me)], t.node_of(me), h.size(), h));
-            let rank = Rank {
-                backend: Cuda::new(kernels, raw),
-                stream: Arc::clone(&stream),
-                comms: CommGroups {
-                    world: &world,
-                    intra: intra.as_ref(),
-                    inter: inter.as_ref(),
-                },
-            };
-            f(&rank)
-        })
+        run_ranks(&self.host, |r| r % devices, |site| self.comm(site), f)
+    }
+
+    fn take_host_syncs(&self) -> Option<Vec<String>> {
+        Some(emulation().take_host_syncs())
     }
 }

@@ -21,12 +21,12 @@ use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{BucketElement, Comm, GradReduceScatter, WeightAllGather};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset, Result};
+use sdp4bit_test_support::cuda_cluster::{DeviceCluster, download, upload};
 use sdp4bit_test_support::random::SplitMix64;
 use sdp4bit_test_support::setups::cfg;
 
 use super::child::{assert_child_passed, run_isolated};
 use super::comm::{EmulatedCluster, Rank};
-use super::end_to_end::{download, upload};
 use super::library::emulation;
 
 /// Driver memory, counted: blocks and bytes handed out and still live.

@@ -1,9 +1,9 @@
 //! The CUDA hot path without the host: the emulation's count of host synchronisations (which
-//! `end_to_end` asserts is zero inside every collective) counts what it must, Global-QSGD's
-//! special buckets (all zeros, NaN, Inf) give the host's shards from a scale the kernels read
-//! in device memory, and an overflow of its integer sum on the device is reported with the
-//! host's error and leaves NaN for the framework's found-inf check, also when the status word
-//! is read back through pinned memory without any host synchronisation (the torch
+//! the `end_to_end_*` sweeps assert is zero inside every collective) counts what it must,
+//! Global-QSGD's special buckets (all zeros, NaN, Inf) give the host's shards from a scale the
+//! kernels read in device memory, and an overflow of its integer sum on the device is reported
+//! with the host's error and leaves NaN for the framework's found-inf check, also when the
+//! status word is read back through pinned memory without any host synchronisation (the torch
 //! extension's way).
 
 use cudarc::driver::CudaContext;
@@ -15,11 +15,11 @@ use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, sum_in_rank_order};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset};
+use sdp4bit_test_support::cuda_cluster::{DeviceCluster, download, upload};
 use sdp4bit_test_support::setups::cfg;
 
 use super::child::{assert_child_passed, run_isolated};
 use super::comm::{EmulatedCluster, Rank};
-use super::end_to_end::{download, upload};
 use super::library::emulation;
 
 /// Every kind of host synchronisation is counted, against the thread that made it only, and

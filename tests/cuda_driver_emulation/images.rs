@@ -20,10 +20,10 @@ use sdp4bit::backend::cuda::target::supported_archs;
 use sdp4bit::backend::cuda::{Arch, Kernels, Target, probe};
 use sdp4bit::self_check::{Collective, check_bucket};
 use sdp4bit::{Config, Preset};
+use sdp4bit_test_support::cuda_end_to_end::topologies;
 use sdp4bit_test_support::setups::cfg;
 
 use super::child::{assert_child_passed, run_isolated};
-use super::end_to_end::topologies;
 use super::library::emulation;
 
 const COMPUTE_CAPABILITY: &str = "SDP4BIT_CUDA_EMULATION_COMPUTE_CAPABILITY";

@@ -9,10 +9,10 @@ use sdp4bit::backend::cuda::Kernels;
 use sdp4bit::plan::Topology;
 use sdp4bit::self_check::{Collective, SELF_CHECK_VAR, check_bucket, check_bucket_once};
 use sdp4bit::{Config, Preset};
+use sdp4bit_test_support::cuda_end_to_end::topologies;
 use sdp4bit_test_support::setups::cfg;
 
 use super::child::{assert_child_passed, run_isolated};
-use super::end_to_end::topologies;
 use super::library::emulation;
 
 const COLLECTIVES: [Collective; 2] = [Collective::GradReduceScatter, Collective::WeightAllGather];

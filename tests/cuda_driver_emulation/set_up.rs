@@ -14,11 +14,11 @@ use sdp4bit::backend::cuda::{Allocator, Cuda, DeviceAllocator, DeviceBlock, Kern
 use sdp4bit::collective::{Comm, GradReduceScatter};
 use sdp4bit::plan::Topology;
 use sdp4bit::{Config, Preset, Result};
+use sdp4bit_test_support::cuda_cluster::{DeviceCluster, download, upload};
 use sdp4bit_test_support::setups::cfg;
 
 use super::child::{assert_child_passed, run_isolated};
 use super::comm::{EmulatedCluster, device_count};
-use super::end_to_end::{download, upload};
 use super::library::emulation;
 
 /// Driver memory cached for one stream: a dropped block goes to a free list, and an

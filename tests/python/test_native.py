@@ -25,3 +25,25 @@ def test_extension_built_against_another_torch_is_refused(tmp_path):
     assert done.returncode != 0
     assert (f"was built against torch 1.0.0, but this interpreter has torch {torch.__version__}"
             in done.stderr), done.stderr
+
+
+#: The Python C API functions the extension may link: all in the stable ABI (PEP 384), which
+#: every CPython 3 minor version exports, so the same build loads under 3.11 and 3.12 (the GPU
+#: hosts' Python) with the same torch. The rest it looks up at run time.
+STABLE_ABI_FUNCTIONS = {"PyEval_RestoreThread", "PyEval_SaveThread", "PyGILState_Check",
+                        "Py_IsInitialized"}
+
+
+def python_symbols(library: Path) -> set[str]:
+    """The Python C API symbols `library` leaves to the interpreter (nm -D)."""
+    done = subprocess.run(["nm", "-D", "--undefined-only", str(library)], capture_output=True,
+                          text=True, check=True)
+    return {line.split()[-1] for line in done.stdout.splitlines()
+            if line.split()[-1].startswith(("Py", "_Py"))}
+
+
+def test_extension_links_only_stable_abi_python_functions():
+    [library] = Path(sdp4bit.__file__).resolve().parent.glob("_sdp4bit*.so")
+    needed = python_symbols(library)
+    assert needed, "nm found no Python symbols at all: the check would see nothing"
+    assert needed <= STABLE_ABI_FUNCTIONS, sorted(needed - STABLE_ABI_FUNCTIONS)

@@ -8,6 +8,8 @@
 //! - [`reference`](mod@reference): exact f64 answers and the error bounds derived from the
 //!   quantizers;
 //! - [`error_stats`]: comparing outputs with a reference and asserting the bounds;
+//! - [`cuda_cluster`]: the `Cuda` backend on in-process ranks, one thread and stream each;
+//! - [`cuda_end_to_end`]: both collectives on such ranks against the host, byte for byte;
 //! - [`gxx`]: host builds of the kernels with g++ (both CUDA emulations);
 //! - [`kernel_resources`]: registers, spills and SASS instruction counts of the compiled
 //!   kernels (ptxas, nvdisasm).
@@ -19,6 +21,8 @@
 
 pub mod bits;
 pub mod cluster;
+pub mod cuda_cluster;
+pub mod cuda_end_to_end;
 pub mod error_stats;
 pub mod gxx;
 pub mod kernel_resources;

@@ -1,0 +1,652 @@
+"""The GPU kit's runner (docs/gpu-kit.md). Standard library only: it runs on the GPU host's own
+python3 (3.12, torch 2.11) and on the CPU machines, and every stage that needs torch, the GPU
+or the kit runs in a subprocess of its own, under its own time limit.
+
+    python3 scripts/gpu_kit.py manifest --kit DIR [--max-mib N]   (scripts/gpu_kit.sh prepare)
+    python3 scripts/gpu_kit.py run --out DIR [--kit DIR] [--deadline SECONDS] [--only a,b]
+
+`run` writes DIR/report.md (every stage PASS / FAIL / SKIP with its reason and time, the
+versions, the benchmark's and the stream check's figures) and DIR/logs.tar.gz (each stage's
+full output), and exits with 0 when every stage that ran passed, 1 when one failed, 2 on a
+host without a usable GPU (the GPU stages are skipped, saying why). Stages run in order of
+value; one that fails does not stop the next, and a stage is skipped once the deadline would
+not leave it its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import ctypes
+import datetime
+import hashlib
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_KIT = ROOT / ".cache" / "gpu-kit"
+
+EXIT_PASSED, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 2
+
+#: The kit's parts, relative to its folder (scripts/gpu_kit.sh prepare builds them).
+BINARIES = ("bin/cuda_gpu", "bin/cuda_gpu_collectives", "bin/bench_gpu")
+NATIVE_LIB = "native/lib/libsdp4bit.a"
+SITE = "site"
+WHEELS = "wheels"
+MANIFEST = "MANIFEST.json"
+
+#: What the kit's binaries and prebuilt package are built from (path, file suffixes): the
+#: manifest records their hash, so a run can tell a kit prepared from another tree. The files
+#: the host runs from the tree itself (the Python tests, the examples, this runner) are not
+#: in it.
+SOURCES = (("Cargo.toml", ""), ("Cargo.lock", ""), ("build.rs", ""), ("setup.py", ""),
+           ("scripts/build_native.py", ""), ("src", ".rs"), ("cpp", ".h .cpp"),
+           ("kernels", ".h .cu .cuh"), ("bench", ".rs"), ("tests", ".rs .toml"),
+           ("sdp4bit", ".py"), ("megatron_patch", ".py"))
+
+#: Lines of a failed stage's log the report quotes.
+TAIL_LINES = 15
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest.
+
+def source_hash(root: Path = ROOT) -> str:
+    """One hash of the kit's sources as they are in `root` (paths and contents)."""
+    digest = hashlib.sha256()
+    for top, suffixes in SOURCES:
+        base = root / top
+        files = [base] if base.is_file() else sorted(
+            p for p in base.rglob("*") if p.is_file() and p.suffix in suffixes.split())
+        for path in files:
+            digest.update(str(path.relative_to(root)).encode() + b"\0")
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def kit_files(kit: Path) -> dict[str, int]:
+    """Every file of the kit but the manifest, with its size."""
+    return {str(p.relative_to(kit)): p.stat().st_size for p in sorted(kit.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
+def missing_parts(kit: Path) -> list[str]:
+    """The parts a prepared kit must hold that `kit` lacks."""
+    wanted = [*BINARIES, NATIVE_LIB, "native/include/sdp4bit/cpp/torch_comms.h"]
+    missing = [part for part in wanted if not (kit / part).is_file()]
+    if not list((kit / SITE / "sdp4bit").glob("_sdp4bit*.so")):
+        missing.append(f"{SITE}/sdp4bit/_sdp4bit*.so")
+    if not list((kit / WHEELS).glob("megatron_core-*.whl")):
+        missing.append(f"{WHEELS}/megatron_core-*.whl")
+    return missing
+
+
+def write_manifest(kit: Path, max_mib: float) -> int:
+    """Checks the prepared kit and records what it is; prints its size. 1 when a part is
+    missing or it is over `max_mib`."""
+    missing = missing_parts(kit)
+    if missing:
+        print(f"the kit in {kit} lacks: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    files = kit_files(kit)
+    total = sum(files.values())
+    built_with = (kit / SITE / "sdp4bit").glob("_sdp4bit*.torch-version")
+    manifest = {
+        "prepared": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "sources_sha256": source_hash(),
+        "python": platform.python_version(),
+        "torch": next((p.read_text().strip() for p in built_with), "unknown"),
+        "files": files,
+        "total_bytes": total,
+    }
+    (kit / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    mib = total / 2**20
+    print(f"GPU kit: {kit} holds {len(files)} files, {mib:.1f} MiB (limit {max_mib:g} MiB)")
+    for name, size in sorted(files.items(), key=lambda item: -item[1])[:8]:
+        print(f"  {size / 2**20:7.2f} MiB  {name}")
+    if mib > max_mib:
+        print(f"the kit is over its {max_mib:g} MiB", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages.
+
+class Skip(Exception):
+    """A stage that cannot run here, and why."""
+
+
+class Fail(Exception):
+    """A stage that ran and failed, and why (the log holds the rest)."""
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # PASS, FAIL or SKIP
+    seconds: float
+    summary: str
+    log: str = ""
+
+
+@dataclass
+class Context:
+    """What the stages share: the kit, the output and log folders, the deadline and what
+    earlier stages found."""
+
+    kit: Path
+    out: Path
+    logs: Path
+    deadline: float
+    gpu: str | None = None  # the GPU's name, None without one
+    no_gpu_reason: str = ""
+    site: Path | None = None  # where sdp4bit is importable from
+    nvrtc_dir: Path | None = None
+    facts: dict[str, str] = field(default_factory=dict)
+    sections: dict[str, str] = field(default_factory=dict)
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The stages' environment: sdp4bit (and the test helpers) importable, NVRTC found,
+        output unbuffered, a GPU required where there is one."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+        paths = [str(self.site)] if self.site else []
+        paths += [str(ROOT / "tests" / "python"), str(ROOT / "cpu_support")]
+        env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+        if self.nvrtc_dir:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                [str(self.nvrtc_dir)] + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+        if self.gpu:
+            env["SDP4BIT_REQUIRE_GPU"] = "1"
+        env.update(extra)
+        return env
+
+    def run(self, stage: str, args: list[str], limit: float, env: dict[str, str] | None = None,
+            cwd: Path = ROOT) -> tuple[int, str]:
+        """Runs `args` (its own process group, killed at `limit` seconds), appending its output
+        to the stage's log; returns the exit status (124 on timeout) and the output."""
+        log = self.logs / f"{stage}.log"
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(args)}\n")
+            f.flush()
+            start = time.monotonic()
+            proc = subprocess.Popen(args, cwd=cwd, env=env or self.env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace",
+                                    start_new_session=True)
+            try:
+                output, _ = proc.communicate(timeout=limit)
+                status = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+                output += f"\n[killed after {limit:.0f} s]\n"
+                status = 124
+            f.write(output)
+            f.write(f"[exit {status} after {time.monotonic() - start:.1f} s]\n\n")
+        return status, output
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    what: str
+    limit: float
+    needs_gpu: bool
+    body: Callable[[Context, float], str]
+
+
+def last_line(output: str, pattern: str) -> str:
+    """The last line of `output` matching `pattern`, or ''."""
+    found = [line.strip() for line in output.splitlines() if re.search(pattern, line)]
+    return found[-1] if found else ""
+
+
+def checked(status: int, output: str, what: str, pattern: str) -> str:
+    """The summary line of a command that must have exited 0."""
+    summary = last_line(output, pattern)
+    if status == 124:
+        raise Fail(f"{what}: out of time ({summary or 'no summary line'})")
+    if status != 0:
+        raise Fail(f"{what} exited with {status}: {summary or last_line(output, '.')}")
+    return summary
+
+
+# Stage bodies: each gets the context and its time limit; returns a one-line summary, raises
+# Skip or Fail.
+
+def stage_host(ctx: Context, limit: float) -> str:
+    manifest_path = ctx.kit / MANIFEST
+    if not manifest_path.is_file():
+        raise Fail(f"no kit at {ctx.kit} (run `bash scripts/gpu_kit.sh prepare` first)")
+    manifest = json.loads(manifest_path.read_text())
+    stale = manifest["sources_sha256"] != source_hash()
+    commit = manifest["commit"][:12] + (" + changes" if manifest["uncommitted_changes"] else "")
+    ctx.facts["kit"] = (f"prepared {manifest['prepared']} from {commit or 'no git'}, "
+                        f"{manifest['total_bytes'] / 2**20:.1f} MiB, extension built under "
+                        f"Python {manifest['python']} / torch {manifest['torch']}")
+    ctx.facts["python"] = f"{platform.python_version()} ({sys.executable})"
+    ctx.facts["host"] = f"{platform.platform()}, {os.cpu_count()} CPUs"
+    smi = ""
+    if shutil.which("nvidia-smi"):
+        status, output = ctx.run("host", ["nvidia-smi", "--query-gpu=name,driver_version,"
+                                          "memory.total,clocks.max.sm,clocks.max.mem",
+                                          "--format=csv,noheader"], min(limit, 30))
+        smi = output.strip().splitlines()[0] if status == 0 and output.strip() else ""
+    if smi:
+        ctx.facts["nvidia-smi"] = smi
+    probe = (
+        "import json, torch\n"
+        "d = {'torch': torch.__version__, 'cuda_runtime': torch.version.cuda,\n"
+        "     'gpus': torch.cuda.device_count() if torch.cuda.is_available() else 0}\n"
+        "if d['gpus']:\n"
+        "    p = torch.cuda.get_device_properties(0)\n"
+        "    d['gpu'] = f'{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, '"
+        " f'{p.total_memory / 2**30:.0f} GiB)'\n"
+        "    d['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
+        "print('probe-json: ' + json.dumps(d))\n")
+    status, output = ctx.run("host", [sys.executable, "-c", probe], min(limit, 60))
+    line = last_line(output, r"^probe-json: ")
+    if status != 0 or not line:
+        ctx.no_gpu_reason = f"torch is not usable here: {last_line(output, '.')}"
+        raise Fail(ctx.no_gpu_reason)
+    found = json.loads(line.split(": ", 1)[1])
+    ctx.facts["torch"] = f"{found['torch']} (CUDA runtime {found['cuda_runtime'] or 'none'})"
+    if found.get("nccl"):
+        ctx.facts["NCCL"] = found["nccl"]
+    nvrtc = wheel_nvrtc()
+    if nvrtc is not None:
+        ctx.nvrtc_dir = nvrtc.parent
+        ctx.facts["NVRTC"] = f"{nvrtc_version(nvrtc)} ({nvrtc})"
+    if found["gpus"]:
+        ctx.gpu = found["gpu"]
+        ctx.facts["GPU"] = f"{found['gpu']}, {found['gpus']} visible"
+    else:
+        ctx.no_gpu_reason = (f"torch {found['torch']} sees no CUDA GPU"
+                             + ("" if smi else " and nvidia-smi found none"))
+    if stale:
+        raise Fail("the kit was prepared from other sources than this tree's (prepare it again): "
+                   "its binaries and extension are not this tree's")
+    return f"{ctx.gpu or 'no GPU'}; kit {commit or '(no git)'}"
+
+
+def wheel_nvrtc() -> Path | None:
+    """The NVRTC a pip-installed CUDA torch brought (site-packages/nvidia/*/lib), if any."""
+    for entry in sys.path:
+        base = Path(entry) / "nvidia"
+        found = sorted(p for p in base.glob("*/lib/libnvrtc.so.*[0-9]")
+                       if "builtins" not in p.name and ".alt." not in p.name)
+        if found:
+            return found[-1]
+    return None
+
+
+def nvrtc_version(path: Path) -> str:
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return f"unloadable ({e})"
+    major, minor = ctypes.c_int(0), ctypes.c_int(0)
+    if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+        return "version unknown"
+    return f"{major.value}.{minor.value}"
+
+
+#: What a fresh interpreter runs to show the extension loads and works: the core's schema, and
+#: the in-process reduce-scatter of 4 virtual ranks (CPU) through the extension, uncompressed
+#: (bit for bit the sum in rank order) and with the sdp4bit preset (finite).
+LOAD_CHECK = (
+    "import torch, sdp4bit\n"
+    "from sdp4bit import _native\n"
+    "x = torch.randn(4, 4096)\n"
+    "def reduce(preset):\n"
+    "    spec = sdp4bit.Config(preset).spec()\n"
+    "    return torch.ops.sdp4bit.simulate_grad_reduce_scatter(spec, [0, 0, 1, 1], 0, 0, x)\n"
+    "exact = ((x[0] + x[1]) + x[2]) + x[3]\n"
+    "assert torch.equal(reduce('baseline').reshape(-1), exact), 'baseline differs'\n"
+    "assert torch.isfinite(reduce('sdp4bit')).all(), 'sdp4bit not finite'\n"
+    "print('loaded', _native.__file__, 'presets', len(_native.schema()['presets']),"
+    " 'baseline reduce-scatter exact')\n")
+
+
+def python_symbols(library: Path) -> list[str]:
+    """The Python C API symbols `library` needs from the interpreter (nm -D)."""
+    done = subprocess.run(["nm", "-D", "--undefined-only", str(library)], capture_output=True,
+                          text=True, check=False)
+    return sorted({line.split()[-1] for line in done.stdout.splitlines()
+                   if re.search(r"\s_?Py", line)})
+
+
+def stage_prebuilt(ctx: Context, limit: float) -> str:
+    site = ctx.kit / SITE
+    library = next((site / "sdp4bit").glob("_sdp4bit*.so"), None)
+    if library is None:
+        raise Fail(f"no prebuilt extension in {site}")
+    absent = [s for s in python_symbols(library) if not hasattr(ctypes.pythonapi, s)]
+    if absent:
+        raise Fail(f"Python {platform.python_version()} lacks {', '.join(absent)}")
+    status, output = ctx.run("prebuilt", [sys.executable, "-c", LOAD_CHECK], limit,
+                             env=dict(ctx.env(), PYTHONPATH=str(site)), cwd=Path(tempfile.gettempdir()))
+    summary = checked(status, output, "loading the prebuilt extension", r"^loaded ")
+    ctx.site = site
+    return f"under Python {platform.python_version()}: {summary}"
+
+
+def stage_build(ctx: Context, limit: float) -> str:
+    """Builds the extension from the kit's native bundle against this host's torch and
+    Python, into a fresh folder, and loads it in a fresh interpreter."""
+    target = Path(tempfile.mkdtemp(prefix="sdp4bit-site-"))
+    env = ctx.env(SDP4BIT_NATIVE_DIR=str(ctx.kit / "native"), CARGO="/nonexistent/cargo",
+                  MAX_JOBS=str(os.cpu_count() or 4))
+    env.pop("PYTHONPATH", None)
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
+    status, output = ctx.run("build", [sys.executable, "-m", "pip", "install", "--no-deps",
+                                       "--no-build-isolation", "--no-index", "--no-compile",
+                                       "--target", str(target), str(ROOT)], limit, env=env)
+    checked(status, output, "pip install with the native bundle", r".")
+    status, output = ctx.run("build", [sys.executable, "-c", LOAD_CHECK], 60,
+                             env=dict(env, PYTHONPATH=str(target)),
+                             cwd=Path(tempfile.gettempdir()))
+    summary = checked(status, output, "loading the extension built here", r"^loaded ")
+    if ctx.site is None:
+        ctx.site = target
+    return f"built against {ctx.facts.get('torch', 'this torch')} under Python " \
+           f"{platform.python_version()}; {summary}"
+
+
+def stage_selftest(ctx: Context, limit: float) -> str:
+    status, output = ctx.run("selftest", [sys.executable, "-m", "sdp4bit.selftest",
+                                          "--no-source"], limit, cwd=Path(tempfile.gettempdir()))
+    ctx.sections["selftest"] = output.strip()
+    return checked(status, output, "python -m sdp4bit.selftest", r"^result: ")
+
+
+def rust_tests(binary: str, name: str) -> Callable[[Context, float], str]:
+    def body(ctx: Context, limit: float) -> str:
+        status, output = ctx.run(name, [str(ctx.kit / binary)], limit)
+        # SDP4BIT_REQUIRE_GPU=1 (ctx.env) makes a test that finds no GPU fail, not skip.
+        return checked(status, output, binary, r"^test result: ")
+    return body
+
+
+def stage_torch_cuda(ctx: Context, limit: float) -> str:
+    status, output = ctx.run("torch-cuda", [sys.executable, "-P", "-m", "pytest", "-q", "-rs", "-s",
+                                            "-p", "no:cacheprovider",
+                                            "tests/python/test_cuda.py"], limit)
+    evidence = [line.strip() for line in output.splitlines() if "stream-evidence:" in line]
+    if evidence:
+        ctx.sections["stream"] = "\n".join(evidence)
+    summary = checked(status, output, "pytest tests/python/test_cuda.py", r"(passed|failed|error)")
+    if re.search(r"\bskipped\b", summary):
+        raise Fail(f"tests skipped on a GPU host: {summary}")
+    return summary
+
+
+def stage_bench(ctx: Context, limit: float) -> str:
+    status, output = ctx.run("bench", [str(ctx.kit / "bin/bench_gpu")], limit)
+    table = output[output.find("# sdp4bit GPU benchmark"):] if "# sdp4bit" in output else ""
+    if table:
+        (ctx.out / "bench_gpu.md").write_text(table)
+        ctx.sections["bench"] = with_model_estimates(table)
+    return checked(status, output, "the GPU benchmark", r"kernels reach")
+
+
+def model_estimates() -> dict[str, str]:
+    """The static model's estimate (fraction of HBM) per kernel, from
+    bench/results/kernels.md."""
+    text = (ROOT / "bench" / "results" / "kernels.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \|.*\| \*\*(\d+%)\*\* \|$", text, re.M)
+    return dict(rows)
+
+
+def with_model_estimates(table: str) -> str:
+    """The benchmark's kernel table with the measured fraction of the copy's bandwidth and the
+    static model's estimate side by side."""
+    estimates = model_estimates()
+    lines = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| row |"):
+            line += " model (kernels.md) |"
+        elif line.startswith("|---") and len(cells) == 9:
+            line += "---:|"
+        elif line.startswith("| (") and len(cells) == 9:
+            line += f" {estimates.get(cells[1], '-')} |"
+        elif line.startswith("| baseline"):
+            line += " - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def stage_cost(ctx: Context, limit: float) -> str:
+    bench = ctx.out / "bench_gpu.md"
+    if not bench.is_file():
+        raise Skip("needs the GPU benchmark's output (its stage did not write it)")
+    status, output = ctx.run("cost", [sys.executable, "bench/gpu_cost.py", "--from", str(bench),
+                                      "--out", str(ctx.out / "cost.md")], limit)
+    if (ctx.out / "cost.md").is_file():
+        ctx.sections["cost"] = (ctx.out / "cost.md").read_text()
+    return checked(status, output, "bench/gpu_cost.py", r"of a GEMM step")
+
+
+def stage_megatron(ctx: Context, limit: float) -> str:
+    target = Path(tempfile.mkdtemp(prefix="sdp4bit-mcore-"))
+    wheels = sorted(str(p) for p in (ctx.kit / WHEELS).glob("megatron_core-*.whl"))
+    status, output = ctx.run("megatron", [sys.executable, "-m", "pip", "install", "-q",
+                                          "--no-deps", "--no-index", "--no-compile", "--target",
+                                          str(target), *wheels], 120)
+    checked(status, output, "pip install megatron-core", r".")
+    env = ctx.env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(target)])
+    status, output = ctx.run("megatron", [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "examples/gpt_cpu/train.py"), "--device", "cuda", "--ranks-per-node", "1",
+        "--steps", "20", "--log-every", "5", "--telemetry-interval", "10",
+        "--corpus-bytes", "400000"],
+        max(10.0, limit - 30), env=env, cwd=Path(tempfile.gettempdir()))
+    ctx.sections["megatron"] = "\n".join(
+        line for line in output.splitlines()
+        if re.match(r"\s*(\d+ |step|megatron-core|device|validation|bytes sent|sdp4bit (grad|param))",
+                    line))
+    summary = checked(status, output, "megatron-core GPTModel on the GPU", r"^bytes sent")
+    if "skipped steps 0; replicas bit-identical: True" not in output:
+        raise Fail("a step was skipped or the replicas were not reported bit-identical")
+    losses = [float(m.group(1)) for m in re.finditer(r"^\s+\d+\s+(\d+\.\d+)\s", output, re.M)]
+    if len(losses) < 2 or losses[-1] >= losses[0]:
+        raise Fail(f"the loss did not fall: {losses}")
+    return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {summary}"
+
+
+def sanitizer(tool: str, binary: str, filters: list[str]) -> Callable[[Context, float], str]:
+    def body(ctx: Context, limit: float) -> str:
+        exe = shutil.which("compute-sanitizer") or next(
+            (str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/compute-sanitizer"))),
+            None)
+        if exe is None:
+            raise Skip("compute-sanitizer is not on PATH nor under /usr/local/cuda*/bin")
+        status, output = ctx.run(f"sanitizer-{tool}", [
+            exe, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20",
+            str(ctx.kit / binary), "--test-threads=1", *filters], limit,
+            env=ctx.env(SDP4BIT_GPU_TEST_QUICK="1"))
+        summary = last_line(output, r"ERROR SUMMARY")
+        if status == 99:
+            raise Fail(f"{tool}: {summary}")
+        return f"{checked(status, output, tool, r'^test result: ')}; {summary}"
+    return body
+
+
+STAGES = [
+    Stage("host", "versions: driver, GPU, torch, NCCL, NVRTC, the kit", 90, False, stage_host),
+    Stage("prebuilt", "the extension built on the CPU machine loads under this Python", 60,
+          False, stage_prebuilt),
+    Stage("selftest", "python -m sdp4bit.selftest: every preset's kernels against the host, "
+          "NCCL at W = 1", 120, True, stage_selftest),
+    Stage("rust-kernels", "Rust suite: every kernel byte-equal to the CPU backend", 120, True,
+          rust_tests("bin/cuda_gpu", "rust-kernels")),
+    Stage("rust-collectives", "Rust suite: GradReduceScatter / WeightAllGather on virtual "
+          "ranks byte-equal to Host", 120, True,
+          rust_tests("bin/cuda_gpu_collectives", "rust-collectives")),
+    Stage("memcheck", "compute-sanitizer memcheck, reduced sizes", 150, True,
+          sanitizer("memcheck", "bin/cuda_gpu_collectives", [])),
+    Stage("bench", "every kernel against a device-to-device copy; per-bucket cost", 150, True,
+          stage_bench),
+    Stage("cost", "compression kernels per bucket against a GEMM step of a GPT layer", 90, True,
+          stage_cost),
+    Stage("torch-cuda", "torch layer on CUDA: gloo ranks on one GPU, NCCL at W = 1, stream "
+          "behaviour", 150, True, stage_torch_cuda),
+    Stage("megatron", "megatron-core GPTModel trained on the GPU with the sdp4bit preset", 120,
+          True, stage_megatron),
+    Stage("racecheck", "compute-sanitizer racecheck, reduced sizes", 120, True,
+          sanitizer("racecheck", "bin/cuda_gpu", ["grad_"])),
+    Stage("synccheck", "compute-sanitizer synccheck, reduced sizes", 120, True,
+          sanitizer("synccheck", "bin/cuda_gpu", ["grad_", "weight_"])),
+    Stage("build", "the extension built here from the native bundle against this torch and "
+          "Python", 240, False, stage_build),
+]
+
+
+def run_stage(ctx: Context, stage: Stage) -> Outcome:
+    start = time.monotonic()
+    limit = min(stage.limit, ctx.seconds_left())
+    if stage.needs_gpu and not ctx.gpu:
+        return Outcome(stage.name, "SKIP", 0.0, ctx.no_gpu_reason or "no GPU")
+    if stage.needs_gpu and ctx.site is None:
+        return Outcome(stage.name, "SKIP", 0.0, "sdp4bit is not importable (see the stages "
+                                                "that install it)")
+    if limit < min(30.0, stage.limit):
+        return Outcome(stage.name, "SKIP", 0.0, f"out of time ({ctx.seconds_left():.0f} s "
+                                                "left of the deadline)")
+    try:
+        summary, status = stage.body(ctx, limit), "PASS"
+    except Skip as e:
+        summary, status = str(e), "SKIP"
+    except Fail as e:
+        summary, status = str(e), "FAIL"
+    except Exception as e:  # noqa: BLE001 -- a broken stage is a failure of the run, reported
+        summary, status = f"{type(e).__name__}: {e}", "FAIL"
+    log = ctx.logs / f"{stage.name}.log"
+    tail = "\n".join(log.read_text().splitlines()[-TAIL_LINES:]) if log.is_file() else ""
+    return Outcome(stage.name, status, time.monotonic() - start, summary, tail)
+
+
+def report(ctx: Context, outcomes: list[Outcome], verdict: str, command: str) -> str:
+    lines = ["# sdp4bit GPU kit report", ""]
+    facts = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "command": f"`{command}`", **ctx.facts}
+    lines += [f"- {label}: {value}" for label, value in facts.items()]
+    lines += ["", f"**{verdict}**", "", "| stage | status | s | summary |", "|---|---|---:|---|"]
+    for o in outcomes:
+        lines.append(f"| {o.name} | {o.status} | {o.seconds:.0f} | "
+                     f"{o.summary.replace('|', '/')} |")
+    described = {s.name: s.what for s in STAGES}
+    lines += ["", "Stages: " + "; ".join(f"{n}: {w}" for n, w in described.items()) + "."]
+    for o in outcomes:
+        if o.status == "FAIL" and o.log:
+            lines += ["", f"## {o.name}: the end of its log", "", "```", o.log, "```"]
+    titles = {"bench": "Kernel bandwidth", "cost": "Cost against a GEMM step",
+              "stream": "Stream behaviour (CUDA events)", "megatron": "megatron-core on the GPU",
+              "selftest": "Selftest"}
+    for key, title in titles.items():
+        if ctx.sections.get(key):
+            body = ctx.sections[key]
+            fenced = key in ("stream", "megatron", "selftest")
+            lines += ["", f"## {title}", "", *(["```", body, "```"] if fenced else [body])]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="sdp4bit-gpu-kit-logs-"))
+    ctx = Context(kit=Path(args.kit).resolve(), out=out, logs=logs,
+                  deadline=time.monotonic() + args.deadline)
+    selected = [s for s in STAGES if not args.only or s.name in args.only.split(",")]
+    outcomes: list[Outcome] = []
+
+    def record(stage: Stage) -> Outcome:
+        o = run_stage(ctx, stage)
+        outcomes.append(o)
+        print(f"[{o.status}] {o.name} ({o.seconds:.0f} s): {o.summary}", flush=True)
+        return o
+
+    build = next(s for s in STAGES if s.name == "build")
+    background = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        for stage in selected:
+            if stage is build:
+                if background is not None:
+                    outcomes.append(background.result())
+                    print(f"[{outcomes[-1].status}] build (in the background, "
+                          f"{outcomes[-1].seconds:.0f} s): {outcomes[-1].summary}", flush=True)
+                elif not any(o.name == "build" for o in outcomes):
+                    record(build)
+                continue
+            passed = record(stage).status == "PASS"
+            if stage.name == "prebuilt" and not passed:
+                # The fallback: build the extension here at once, so the GPU stages can run.
+                record(build)
+            elif stage.name == "prebuilt" and build in selected:
+                # The proof that the host builds it too runs on the CPU beside the GPU stages.
+                background = pool.submit(run_stage, ctx, build)
+    failed = [o.name for o in outcomes if o.status == "FAIL"]
+    passed = sum(o.status == "PASS" for o in outcomes)
+    skipped = sum(o.status == "SKIP" for o in outcomes)
+    verdict = f"{passed} passed, {len(failed)} failed, {skipped} skipped"
+    if not ctx.gpu:
+        verdict += f"; no GPU: {ctx.no_gpu_reason or 'none found'}"
+    command = "bash scripts/gpu_kit.sh run " + " ".join(args.argv)
+    (out / "report.md").write_text(report(ctx, outcomes, verdict, command))
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(logs, arcname="logs")
+    shutil.rmtree(logs, ignore_errors=True)
+    print(f"report: {out / 'report.md'}; logs: {out / 'logs.tar.gz'}\nresult: {verdict}")
+    if failed:
+        return EXIT_FAILED
+    return EXIT_PASSED if ctx.gpu else EXIT_NO_GPU
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="scripts/gpu_kit.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("manifest", help="check a prepared kit and record what it is")
+    m.add_argument("--kit", default=str(DEFAULT_KIT))
+    m.add_argument("--max-mib", type=float, required=True)
+    r = sub.add_parser("run", help="run every stage and write the report")
+    r.add_argument("--out", required=True, help="folder for report.md and logs.tar.gz")
+    r.add_argument("--kit", default=str(DEFAULT_KIT))
+    r.add_argument("--deadline", type=float, default=400.0,
+                   help="seconds the whole run may take (default 400)")
+    r.add_argument("--only", default="", help="comma-separated stage names to run")
+    args = parser.parse_args(argv)
+    if args.command == "manifest":
+        return write_manifest(Path(args.kit).resolve(), args.max_mib)
+    args.argv = argv[1:]
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
