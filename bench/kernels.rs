@@ -891,9 +891,10 @@ fn report(tools: &CudaTools, dir: &Path) -> Result<String, String> {
     );
     let _ = writeln!(
         w,
-        "**Static analysis only: nothing here ran on a GPU.** Every figure is read from the \
-         compiled code (NVRTC 13.0 with the backend's options, `ptxas -v --gpu-name sm_90`, \
-         SASS from `nvdisasm`) and put through the model below.\n"
+        "**Static analysis only, made without a GPU; the H100's measurements \
+         (`bench/results/gpu/`) contradict its estimates for the grouped gradient kernels.** \
+         Every figure is read from the compiled code (NVRTC 13.0 with the backend's options, \
+         `ptxas -v --gpu-name sm_90`, SASS from `nvdisasm`) and put through the model below.\n"
     );
     let _ = writeln!(w, "- machine: {} (no GPU)", machine());
     let _ = writeln!(

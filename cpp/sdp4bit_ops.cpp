@@ -1,10 +1,13 @@
 // The torch extension: TorchScript classes and ops over the Rust core (src/ffi).
 //
 //   torch.classes.sdp4bit.ProcessGroups(world, intra, inter)   names of c10d groups
-//       .side_stream(device_index) -> [stream_id, device_index, device_type]
+//       .side_stream(device_index, collective) -> [stream_id, device_index, device_type]
+//           collective: "reduce_scatter" or "all_gather"
 //   torch.classes.sdp4bit.GradReduceScatter(groups, config, node_labels, numel, bucket_id,
 //                                           device, side_stream_handle)
 //       .start(bucket, shard, step, side_stream_handle) -> Work
+//       .reads_back_integer_sums() / .take_integer_sum_status() / .integer_sum_error(rank,
+//       status): Global-QSGD's overflows on CUDA, agreed on by Python (collectives.py)
 //   torch.classes.sdp4bit.WeightAllGather(groups, config, node_labels, params, bucket_id,
 //                                         side_stream_handle)
 //       .start(params, step, side_stream_handle) -> Work
@@ -21,12 +24,14 @@
 //   keeps its tensors alive until it is destroyed.
 // - CUDA buckets (the CUDA backend): start() enqueues everything on the calling thread, in
 //   program order, and returns without waiting for the device (the order of stream_order.h):
-//   the groups' side stream of the device (one per device, from torch's stream pool) waits for
-//   the caller's current stream, every kernel, copy and c10d exchange goes on the side stream
-//   (Python passes its cudaStream_t as side_stream_handle: the extension is built without CUDA
-//   headers), the tensors are recorded on it (record_stream), and a done event follows;
-//   Work.wait() makes the stream current at wait() wait for that event, is_completed() queries
-//   it. The caller's stream never waits for an exchange before wait().
+//   the groups' side stream of the device and collective kind (one per device and kind, of
+//   sdp4bit's own, never one of torch's pool streams that NCCL may also use: a gradient
+//   reduce-scatter's work and a parameter all-gather's do not queue behind each other) waits
+//   for the caller's current stream, every kernel, copy and c10d exchange goes on the side
+//   stream (Python passes its cudaStream_t as side_stream_handle: the extension is built
+//   without CUDA headers), the tensors are recorded on it (record_stream), and a done event
+//   follows; Work.wait() makes the stream current at wait() wait for that event,
+//   is_completed() queries it. The caller's stream never waits for an exchange before wait().
 // A ProcessGroups serves buckets of one kind. Every error reaches Python as a RuntimeError
 // whose message starts with "sdp4bit:" and names the problem.
 #include <Python.h>
@@ -35,6 +40,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -43,6 +49,7 @@
 #include <dlfcn.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -328,7 +335,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_optional(const std::string& name)
 }  // namespace
 
 // The process groups of one DP group, the thread their CPU collectives run on and the side
-// stream of each device their CUDA collectives are enqueued on.
+// streams their CUDA collectives are enqueued on (one per device and collective kind).
 class ProcessGroups : public torch::CustomClassHolder {
  public:
   ProcessGroups(const std::string& world, const std::string& intra, const std::string& inter) {
@@ -339,19 +346,10 @@ class ProcessGroups : public torch::CustomClassHolder {
       groups->intra = resolve_optional(intra);
       groups->inter = resolve_optional(inter);
     });
-    bool nccl = groups->world->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
+    nccl_ = groups->world->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
     comms_ = std::make_unique<ffi::TorchComms>(std::move(groups));
     rank_ = static_cast<int64_t>(comms_->rank(ffi::CommLevel::World));
     size_ = static_cast<int64_t>(comms_->size(ffi::CommLevel::World));
-    if (nccl) {
-      // Host exchanges of an NCCL group go through its device: make the caller's current CUDA
-      // device (the rank's GPU) the executor thread's.
-      c10::Device device = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
-      run_in_order([device] {
-        c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).setDevice(device);
-        return true;
-      });
-    }
   }
 
   int64_t rank() const { return rank_; }
@@ -373,27 +371,38 @@ class ProcessGroups : public torch::CustomClassHolder {
     comms_.reset();
   }
 
-  // The side stream of CUDA device `device_index` as torch.cuda.Stream's constructor takes it:
+  // The side stream of `collective` ("reduce_scatter" or "all_gather") on CUDA device
+  // `device_index` as torch.cuda.Stream's constructor takes it:
   // [stream_id, device_index, device_type].
-  std::vector<int64_t> side_stream_ids(int64_t device_index) {
+  std::vector<int64_t> side_stream_ids(int64_t device_index, const std::string& collective) {
     TORCH_CHECK(device_index >= 0, "sdp4bit: CUDA device index ", device_index, " is negative");
-    c10::Stream stream = side_stream(c10::Device(c10::DeviceType::CUDA,
-                                                 static_cast<c10::DeviceIndex>(device_index)));
+    TORCH_CHECK(collective == "reduce_scatter" || collective == "all_gather",
+                "sdp4bit: no side stream for collective '", collective,
+                "' (reduce_scatter or all_gather)");
+    c10::Stream stream = side_stream(
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)),
+        collective == "reduce_scatter" ? CollectiveKind::ReduceScatter : CollectiveKind::AllGather);
     c10::StreamData3 ids = stream.pack3();
     return {ids.stream_id, ids.device_index, static_cast<int64_t>(ids.device_type)};
   }
 
-  // The side stream of `device`: taken from torch's stream pool the first time (as
-  // torch.cuda.Stream() takes one), then the same one for every collective of these groups.
-  c10::Stream side_stream(c10::Device device) {
+  // The side stream of the collectives of `kind` on `device` (stream_order.h's SideStreams):
+  // made the first time, then the same one for every collective of that kind of these groups.
+  // Not from torch's stream pools: those hand the same 32 streams per device and priority out
+  // round-robin to every caller, ProcessGroupNCCL's communicators among them
+  // (ProcessGroupNCCL.cpp, initNCCLComm: getStreamFromPool(is_high_priority_stream)), so a
+  // pool stream could be an NCCL stream and the two works would serialise. A stream of
+  // sdp4bit's own (cuda_new_side_stream: non-blocking, the device's greatest priority as FSDP2
+  // gives its collective streams, never destroyed), which torch takes as an external stream:
+  // its id is the raw handle (c10/cuda/CUDAStream.cpp, streamIdType: EXT).
+  c10::Stream side_stream(c10::Device device, CollectiveKind kind) {
     std::lock_guard<std::mutex> lock(side_streams_mutex_);
-    auto found = side_streams_.find(device.index());
-    if (found == side_streams_.end()) {
-      c10::Stream stream =
-          c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
-      found = side_streams_.emplace(device.index(), stream).first;
-    }
-    return found->second;
+    return rethrow_as_torch_error([&] {
+      return side_streams_.get(device.index(), kind, [&] {
+        uint64_t raw = ffi::cuda_new_side_stream(static_cast<size_t>(device.index()));
+        return c10::Stream(c10::Stream::UNSAFE, device, static_cast<c10::StreamId>(raw));
+      });
+    });
   }
 
   // Why a bucket on `device` cannot join these groups, or "": CPU collectives run on the
@@ -413,45 +422,66 @@ class ProcessGroups : public torch::CustomClassHolder {
     if (!kind_) kind_ = device.is_cuda() ? c10::Device(c10::DeviceType::CUDA) : device;
   }
 
-  // Enqueues `collective` on the side stream of `device` on the calling thread, in the order
-  // of stream_order.h, with `tensors` recorded on the side stream.
+  // Enqueues `collective` on the side stream `side` (one of side_stream()'s) on the calling
+  // thread, in the order of stream_order.h, with `tensors` recorded on it.
   template <class F>
-  DeviceCompletion enqueue_on_side_stream(c10::Device device,
+  DeviceCompletion enqueue_on_side_stream(const c10::Stream& side,
                                           const std::vector<at::Tensor>& tensors,
                                           F&& collective) {
     std::lock_guard<std::mutex> lock(issue_mutex_);
     TORCH_CHECK(comms_, "sdp4bit: these process groups were closed (ProcessGroups.close())");
     return rethrow_as_torch_error([&] {
-      return sdp4bit::enqueue_on_side_stream(TorchStreams(device), side_stream(device), tensors,
+      return sdp4bit::enqueue_on_side_stream(TorchStreams(side.device()), side, tensors,
                                              std::forward<F>(collective));
     });
   }
 
-  // Runs `job` on the executor after everything queued before it, and waits for it.
+  // The CUDA device current on the executor while it runs the jobs of a bucket on `device`
+  // (its set-up agreement, a CPU bucket's collectives), whatever device was current when
+  // these groups were made: a CUDA bucket's own device when this rank can use it (`usable`);
+  // else, for an NCCL group, whose host exchanges are staged through a device (torch_comms.cpp:
+  // host_staging), the caller's current one now, as a bare "cuda" is read at set-up; none for
+  // other groups.
+  std::optional<c10::Device> executor_device(c10::Device device, bool usable) const {
+    if (device.is_cuda() && usable) return device;
+    if (nccl_) return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+    return std::nullopt;
+  }
+
+  // Runs `job` on the executor after everything queued before it, with `device` current there
+  // (executor_device), and waits for it.
   template <class F>
-  auto run_in_order(F&& job) -> decltype(job()) {
+  auto run_in_order(std::optional<c10::Device> device, F&& job) -> decltype(job()) {
     using R = decltype(job());
     std::optional<R> result;
-    auto done = submit([&] { result.emplace(job()); });
+    auto done = submit(device, [&] { result.emplace(job()); });
     wait_for(done);
     rethrow_as_torch_error([&] { done.get(); });
     return std::move(*result);
   }
 
-  // Queues `job` on the executor; `signal`, when given, is notified once it has run.
-  std::shared_future<void> submit(std::function<void()> job,
+  // Queues `job` on the executor, to run with `device` current there (executor_device);
+  // `signal`, when given, is notified once it has run.
+  std::shared_future<void> submit(std::optional<c10::Device> device, std::function<void()> job,
                                   std::shared_ptr<CompletionSignal> signal = nullptr) {
-    return rethrow_as_torch_error(
-        [&] { return executor_.submit(std::move(job), std::move(signal)); });
+    return rethrow_as_torch_error([&] {
+      return executor_.submit(
+          [device, job = std::move(job)] {
+            c10::OptionalDeviceGuard on_device(device);
+            job();
+          },
+          std::move(signal));
+    });
   }
 
  private:
   std::unique_ptr<ffi::TorchComms> comms_;
   int64_t rank_ = 0;
   int64_t size_ = 0;
+  bool nccl_ = false;  // the world group is NCCL's
   std::mutex issue_mutex_;  // CUDA collectives being enqueued, and close()
   std::mutex side_streams_mutex_;
-  std::map<c10::DeviceIndex, c10::Stream> side_streams_;
+  SideStreams<c10::Stream> side_streams_;
   std::optional<c10::Device> kind_;  // CPU, or CUDA (any index): the buckets' kind
   Executor executor_;  // declared last: joined before the groups are released
 };
@@ -478,10 +508,9 @@ uint64_t checked_side_stream_handle(const c10::Stream& side, int64_t handle) {
 // waits for the collective if it is dropped before completing, so nothing it uses is freed
 // under the executor thread.
 // A CUDA collective (already enqueued, its errors raised by start()): wait() makes the current
-// stream of the bucket's device wait for its done event and returns at once, then runs the
-// collective's check that needs no device wait (Global-QSGD's integer-sum status, which may
-// raise); is_completed() queries the event; the tensors are protected by record_stream, the
-// collective object (whose buffers the side stream uses) is kept alive.
+// stream of the bucket's device wait for its done event and returns at once; is_completed()
+// queries the event; the tensors are protected by record_stream, the collective object (whose
+// buffers the side stream uses) is kept alive.
 class Work : public torch::CustomClassHolder {
  public:
   Work(std::shared_future<void> done, std::shared_ptr<CompletionSignal> signal,
@@ -491,11 +520,8 @@ class Work : public torch::CustomClassHolder {
         keep_alive_(std::move(keep_alive)),
         owner_(std::move(owner)) {}
 
-  Work(DeviceCompletion completion, c10::intrusive_ptr<torch::CustomClassHolder> owner,
-       std::function<void()> after_wait = {})
-      : completion_(std::move(completion)),
-        after_wait_(std::move(after_wait)),
-        owner_(std::move(owner)) {}
+  Work(DeviceCompletion completion, c10::intrusive_ptr<torch::CustomClassHolder> owner)
+      : completion_(std::move(completion)), owner_(std::move(owner)) {}
 
   ~Work() override {
     if (done_.valid()) wait_for(done_);
@@ -504,7 +530,6 @@ class Work : public torch::CustomClassHolder {
   void wait() {
     if (completion_) {
       completion_->wait_on_current_stream();
-      if (after_wait_) after_wait_();
       return;
     }
     wait_for(done_);
@@ -528,7 +553,6 @@ class Work : public torch::CustomClassHolder {
   std::shared_future<void> done_;                 // CPU collectives
   std::shared_ptr<CompletionSignal> signal_;      // CPU collectives
   std::optional<DeviceCompletion> completion_;    // CUDA collectives
-  std::function<void()> after_wait_;              // CUDA collectives: owner_ keeps it valid
   std::vector<at::Tensor> keep_alive_;
   c10::intrusive_ptr<torch::CustomClassHolder> owner_;
 };
@@ -536,8 +560,8 @@ class Work : public torch::CustomClassHolder {
 // The gradient reduce-scatter of one fp32 or bf16 bucket, on the CPU or on one CUDA device.
 class GradReduceScatter : public torch::CustomClassHolder {
  public:
-  // `side_stream_handle`: for a CUDA bucket, the cudaStream_t of the groups' side stream of
-  // its device, on which the set-up enqueues its uploads (ignored on the CPU).
+  // `side_stream_handle`: for a CUDA bucket, the cudaStream_t of the groups' reduce-scatter
+  // side stream of its device, on which the set-up enqueues its uploads (ignored on the CPU).
   GradReduceScatter(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
                     const std::vector<int64_t>& node_labels, int64_t numel, int64_t bucket_id,
                     const std::string& device, int64_t side_stream_handle)
@@ -549,10 +573,11 @@ class GradReduceScatter : public torch::CustomClassHolder {
     device_ = resolve_device(device, problem);
     if (problem.empty()) problem = groups_->kind_problem(device_);
     if (problem.empty()) problem = device_problem(device_);
+    executor_device_ = groups_->executor_device(device_, problem.empty());
     if (problem.empty()) {
       problem = self_check_problem(device_, config, labels, groups_->rank(), false);
     }
-    auto parsed = groups_->run_in_order([&] {
+    auto parsed = groups_->run_in_order(executor_device_, [&] {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel));
     });
@@ -564,7 +589,7 @@ class GradReduceScatter : public torch::CustomClassHolder {
         // uses them, and the tables are uploaded on it: memory the allocator took back from
         // an earlier collective on the side stream is written only after that collective
         // (stream_order.h).
-        c10::Stream side = groups_->side_stream(device_);
+        c10::Stream side = groups_->side_stream(device_, kKind);
         uint64_t raw = checked_side_stream_handle(side, side_stream_handle);
         c10::StreamGuard on_side(side);
         return ffi::new_cuda_grad_bucket(*parsed, nodes, rank, static_cast<size_t>(numel),
@@ -600,8 +625,33 @@ class GradReduceScatter : public torch::CustomClassHolder {
     return std::string((*bucket_)->notice());
   }
 
-  // `side_stream_handle`: for a CUDA bucket, the cudaStream_t of the groups' side stream of
-  // the bucket's device (ignored on the CPU).
+  // Global-QSGD's integer-sum overflows of a CUDA bucket, which Python agrees on across the
+  // ranks before any raises (collectives.py, _IntegerSumAgreement; docs/cuda.md): whether the
+  // bucket reads its status back after each step; the status word the copy after an earlier
+  // step read, once it has landed (an event query, never a wait; 0 until then or without an
+  // overflow); and the error DP rank `rank` raises for its word `status` ("" for none).
+  bool reads_back_integer_sums() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return (*bucket_)->reads_back_integer_sums();
+  }
+
+  int64_t take_integer_sum_status() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return rethrow_as_torch_error([&] { return (*bucket_)->take_integer_sum_status(); });
+  }
+
+  std::string integer_sum_error(int64_t rank, int64_t status) {
+    TORCH_CHECK(rank >= 0 && rank < groups_->size(), "sdp4bit: rank ", rank, " outside the ",
+                groups_->size(), "-rank DP group");
+    TORCH_CHECK(status >= 0 && status <= UINT32_MAX, "sdp4bit: status word ", status,
+                " is not a u32");
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::string((*bucket_)->integer_sum_error(static_cast<size_t>(rank),
+                                                     static_cast<uint32_t>(status)));
+  }
+
+  // `side_stream_handle`: for a CUDA bucket, the cudaStream_t of the groups' reduce-scatter
+  // side stream of the bucket's device (ignored on the CPU).
   c10::intrusive_ptr<Work> start(at::Tensor bucket, at::Tensor shard, int64_t step,
                                  int64_t side_stream_handle) {
     at::ScalarType dtype = gradient_dtype(bucket, shard);
@@ -622,21 +672,17 @@ class GradReduceScatter : public torch::CustomClassHolder {
     Span<T> in(bucket), out(shard);
     auto owner = c10::intrusive_ptr<GradReduceScatter>::reclaim_copy(this);
     if (device_.is_cuda()) {
-      uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
+      c10::Stream side = groups_->side_stream(device_, kKind);
+      uint64_t raw = checked_side_stream_handle(side, side_stream_handle);
       std::lock_guard<std::mutex> lock(mutex_);
-      // An overflow an earlier step's status copy has reported is raised before this step is
-      // enqueued (as the host path raises it from its step).
-      raise_integer_sum_overflow();
       DeviceCompletion done = groups_->enqueue_on_side_stream(
-          device_, {bucket, shard}, [&] { run_cuda(in, out, bucket.scalar_type(), raw, at_step); });
-      return c10::make_intrusive<Work>(std::move(done), std::move(owner), [this] {
-        std::lock_guard<std::mutex> lock(mutex_);
-        raise_integer_sum_overflow();
-      });
+          side, {bucket, shard}, [&] { run_cuda(in, out, bucket.scalar_type(), raw, at_step); });
+      return c10::make_intrusive<Work>(std::move(done), std::move(owner));
     }
     auto signal = new_completion_signal();
     std::shared_future<void> done =
-        groups_->submit([this, in, out, at_step] { run(in, out, at_step); }, signal);
+        groups_->submit(executor_device_, [this, in, out, at_step] { run(in, out, at_step); },
+                        signal);
     return c10::make_intrusive<Work>(std::move(done), std::move(signal),
                                      std::vector<at::Tensor>{bucket, shard}, std::move(owner));
   }
@@ -681,14 +727,6 @@ class GradReduceScatter : public torch::CustomClassHolder {
     }
   }
 
-  // Raises the host path's error for an overflow of Global-QSGD's integer sum that the status
-  // copy enqueued after an earlier step reports, once that copy has completed (an event query:
-  // the host never waits; the overflowing shard elements are NaN meanwhile). The caller holds
-  // mutex_.
-  void raise_integer_sum_overflow() {
-    rethrow_as_torch_error([&] { (*bucket_)->check_integer_sums(); });
-  }
-
   // Enqueues the collective on the current stream (the side stream, whose handle is `raw`);
   // the caller holds mutex_.
   template <class T>
@@ -709,10 +747,13 @@ class GradReduceScatter : public torch::CustomClassHolder {
     at::from_blob(shard.data, {shard_len_}, scratch.options()).copy_(scratch);
   }
 
+  static constexpr CollectiveKind kKind = CollectiveKind::ReduceScatter;
+
   c10::intrusive_ptr<ProcessGroups> groups_;
   int64_t numel_;
   uint32_t bucket_id_;
   c10::Device device_ = c10::Device(at::kCPU);
+  std::optional<c10::Device> executor_device_;  // ProcessGroups::executor_device
   int64_t shard_len_ = 0;
   std::optional<rust::Box<ffi::GradBucket>> bucket_;
   std::vector<float> scratch_;  // CPU buckets: the scratch shard, never seen by Python
@@ -723,8 +764,8 @@ class GradReduceScatter : public torch::CustomClassHolder {
 // The parameter all-gather of one bf16 bucket, on the CPU or on the params' CUDA device.
 class WeightAllGather : public torch::CustomClassHolder {
  public:
-  // `side_stream_handle`: for CUDA params, the cudaStream_t of the groups' side stream of their
-  // device (the first qWD reference is copied on it); ignored on the CPU.
+  // `side_stream_handle`: for CUDA params, the cudaStream_t of the groups' all-gather side
+  // stream of their device (the first qWD reference is copied on it); ignored on the CPU.
   WeightAllGather(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
                   const std::vector<int64_t>& node_labels, at::Tensor params, int64_t bucket_id,
                   int64_t side_stream_handle)
@@ -741,11 +782,12 @@ class WeightAllGather : public torch::CustomClassHolder {
     if (problem.empty() && numel_ <= 0) problem = "param bucket is empty";
     if (problem.empty()) problem = groups_->kind_problem(device_);
     if (problem.empty()) problem = device_problem(device_);
+    executor_device_ = groups_->executor_device(device_, problem.empty());
     auto labels = checked_labels(node_labels);
     if (problem.empty()) {
       problem = self_check_problem(device_, config, labels, groups_->rank(), true);
     }
-    auto parsed = groups_->run_in_order([&] {
+    auto parsed = groups_->run_in_order(executor_device_, [&] {
       return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
                                  static_cast<size_t>(numel_));
     });
@@ -755,9 +797,10 @@ class WeightAllGather : public torch::CustomClassHolder {
       // The first qWD reference is copied on the side stream after whatever wrote `params` on
       // the caller's stream, and the caller's stream waits for the copy before it may write
       // `params` again.
-      uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
+      c10::Stream side = groups_->side_stream(device_, kKind);
+      uint64_t raw = checked_side_stream_handle(side, side_stream_handle);
       groups_
-          ->enqueue_on_side_stream(device_, {params}, [&] {
+          ->enqueue_on_side_stream(side, {params}, [&] {
             bucket_ = ffi::new_cuda_weight_bucket(
                 *parsed, nodes, rank, bucket_id_, static_cast<size_t>(device_.index()),
                 device_address(params.data_ptr()), static_cast<size_t>(numel_), raw);
@@ -785,22 +828,25 @@ class WeightAllGather : public torch::CustomClassHolder {
     return wire_pair((*bucket_)->baseline_wire_bytes());
   }
 
-  // `side_stream_handle` as for GradReduceScatter::start.
+  // `side_stream_handle`: for CUDA params, the cudaStream_t of the groups' all-gather side
+  // stream of their device (ignored on the CPU).
   c10::intrusive_ptr<Work> start(at::Tensor params, int64_t step, int64_t side_stream_handle) {
     check_tensor("param bucket", params, at::kBFloat16, numel_, device_);
     uint64_t at_step = checked_step(step);
     Span<uint16_t> bits(params);
     auto owner = c10::intrusive_ptr<WeightAllGather>::reclaim_copy(this);
     if (device_.is_cuda()) {
-      uint64_t raw = checked_side_stream_handle(groups_->side_stream(device_), side_stream_handle);
+      c10::Stream side = groups_->side_stream(device_, kKind);
+      uint64_t raw = checked_side_stream_handle(side, side_stream_handle);
       std::lock_guard<std::mutex> lock(mutex_);
-      DeviceCompletion done = groups_->enqueue_on_side_stream(device_, {params}, [&] {
+      DeviceCompletion done = groups_->enqueue_on_side_stream(side, {params}, [&] {
         (*bucket_)->run_cuda(groups_->comms(), device_address(bits.data), raw, at_step);
       });
       return c10::make_intrusive<Work>(std::move(done), std::move(owner));
     }
     auto signal = new_completion_signal();
     std::shared_future<void> done = groups_->submit(
+        executor_device_,
         [this, bits, at_step] {
           std::lock_guard<std::mutex> lock(mutex_);
           (*bucket_)->run(groups_->comms(), bits.out(), at_step);
@@ -811,9 +857,12 @@ class WeightAllGather : public torch::CustomClassHolder {
   }
 
  private:
+  static constexpr CollectiveKind kKind = CollectiveKind::AllGather;
+
   c10::intrusive_ptr<ProcessGroups> groups_;
   uint32_t bucket_id_;
   c10::Device device_;
+  std::optional<c10::Device> executor_device_;  // ProcessGroups::executor_device
   int64_t numel_ = 0;
   int64_t shard_len_ = 0;
   std::optional<rust::Box<ffi::WeightBucket>> bucket_;
@@ -842,6 +891,9 @@ std::string cuda_device_report(int64_t device) {
   TORCH_CHECK(device >= 0, "sdp4bit: CUDA device index ", device, " is negative");
   return std::string(ffi::cuda_device_report(static_cast<size_t>(device)));
 }
+
+// The NVRTC the CUDA kernels compile with (version and path), or why none loads.
+std::string nvrtc_report() { return std::string(ffi::nvrtc_report()); }
 
 int64_t config_fingerprint(const std::string& config) {
   uint64_t fingerprint = parse(config)->fingerprint();
@@ -957,7 +1009,10 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def("quantizes_at", &GradReduceScatter::quantizes_at)
       .def("wire_bytes", &GradReduceScatter::wire_bytes)
       .def("baseline_wire_bytes", &GradReduceScatter::baseline_wire_bytes)
-      .def("notice", &GradReduceScatter::notice);
+      .def("notice", &GradReduceScatter::notice)
+      .def("reads_back_integer_sums", &GradReduceScatter::reads_back_integer_sums)
+      .def("take_integer_sum_status", &GradReduceScatter::take_integer_sum_status)
+      .def("integer_sum_error", &GradReduceScatter::integer_sum_error);
   m.class_<WeightAllGather>("WeightAllGather")
       .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, std::vector<int64_t>,
                        at::Tensor, int64_t, int64_t>())
@@ -969,6 +1024,7 @@ TORCH_LIBRARY(sdp4bit, m) {
   m.def("config_knobs(str config) -> str", &config_knobs);
   m.def("schema() -> str", &schema);
   m.def("cuda_device_report(int device) -> str", &cuda_device_report);
+  m.def("nvrtc_report() -> str", &nvrtc_report);
   m.def("cuda_self_check(int device, str config, int[] node_labels, int rank) -> ()",
         &cuda_self_check);
   m.def("config_fingerprint(str config) -> int", &config_fingerprint);

@@ -65,12 +65,42 @@
 //   Work issue_exchange(const Buffer& send, const Buffer& recv) const;
 //                                                      issued after the current stream's work
 //   void wait_exchange(const Work&) const;              the current stream waits for its end
+//
+// Each kind of collective has a side stream of its own on each device (SideStreams), so that a
+// parameter all-gather's work does not queue behind a gradient reduce-scatter's still in
+// flight, nor the reverse, as FSDP2 gives its all-gather and its reduce-scatter streams of
+// their own so that they overlap (torch 2.11:
+// torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:71-79). The order above holds on
+// each; the two kinds share no buffer.
 #pragma once
 
+#include <map>
 #include <utility>
 #include <vector>
 
 namespace sdp4bit {
+
+// The kinds of collective, each on side streams of its own.
+enum class CollectiveKind { ReduceScatter, AllGather };
+
+// The side streams of one set of process groups, one per device and kind: made by `make()` (a
+// new stream each call) on first use, then the same one, so that a kind's collectives run in
+// program order on it and the caching allocator hands the memory they give back only to later
+// collectives of that kind.
+template <class Stream>
+class SideStreams {
+ public:
+  template <class Make>
+  Stream get(int device, CollectiveKind kind, Make&& make) {
+    const auto key = std::make_pair(device, kind);
+    auto found = streams_.find(key);
+    if (found == streams_.end()) found = streams_.emplace(key, make()).first;
+    return found->second;
+  }
+
+ private:
+  std::map<std::pair<int, CollectiveKind>, Stream> streams_;
+};
 
 // The completion of a collective enqueued by enqueue_on_side_stream: its done event.
 template <class Device>

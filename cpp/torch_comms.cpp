@@ -36,7 +36,9 @@ at::Tensor wrap_host_bytes(const std::uint8_t* data, std::size_t len) {
   return wrap(reinterpret_cast<std::uint64_t>(data), len, at::kByte, c10::Device(at::kCPU));
 }
 
-// The current CUDA device of the calling thread (set by the extension's stream guard).
+// The current CUDA device of the calling thread: the bucket's, which the extension makes
+// current (its stream guard on the caller's thread, ProcessGroups::executor_device's guard on
+// the executor's).
 c10::Device current_cuda_device() {
   return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
 }

@@ -1,6 +1,7 @@
 """Compressed collectives of one flat bucket: the gradient reduce-scatter and the parameter
 all-gather, each started by ``start()`` (queued on the groups' background thread for CPU
-buckets, enqueued on the groups' side stream for CUDA buckets) and completed by ``wait()``."""
+buckets, enqueued on the groups' side stream of their kind for CUDA buckets) and completed by
+``wait()``."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import select
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import _native
 from .config import Config
-from .errors import translated_errors
+from .errors import Sdp4bitError, translated_errors
 from .groups import ProcessGroups, counted_wait
 
 
@@ -132,26 +134,96 @@ def _gradient_dtype(bucket: torch.Tensor, shard: torch.Tensor) -> torch.dtype:
     return bucket.dtype
 
 
-def _side_stream_handle(groups: ProcessGroups, device: torch.device) -> int:
-    """The cudaStream_t of the groups' side stream on `device` (0 on the CPU), which the
-    extension enqueues a CUDA bucket's work on."""
-    return groups.side_stream(device).cuda_stream if device.type == "cuda" else 0
+def _side_stream_handle(groups: ProcessGroups, device: torch.device, collective: str) -> int:
+    """The cudaStream_t of the groups' side stream of `collective` on `device` (0 on the CPU),
+    which the extension enqueues a CUDA bucket's work on."""
+    return groups.side_stream(device, collective).cuda_stream if device.type == "cuda" else 0
 
 
-def _planned_side_stream_handle(groups: ProcessGroups, device: torch.device | str) -> int:
-    """The side stream handle for a bucket planned on the device named `device` (a bare
-    "cuda" is the current device, as the extension reads it), or 0 where this process cannot
-    use such a device: the extension's set-up check then reports why on every rank, so nothing
-    is raised here."""
+def _planned_side_stream_handle(groups: ProcessGroups, device: torch.device | str,
+                                collective: str) -> int:
+    """The side stream handle of `collective` for a bucket planned on the device named
+    `device` (a bare "cuda" is the current device, as the extension reads it), or 0 where this
+    process cannot use such a device: the extension's set-up check then reports why on every
+    rank, so nothing is raised here."""
     try:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             return 0
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return _side_stream_handle(groups, device)
+        return _side_stream_handle(groups, device, collective)
     except (RuntimeError, ValueError, TypeError):
         return 0
+
+
+def _refuse_graph_capture(device: torch.device | str, what: str) -> None:
+    """Raises :class:`Sdp4bitError` naming it when a CUDA graph is being captured on the
+    current stream of `device` (that device's, not the current device's). sdp4bit's CUDA
+    collectives are driven by the host (c10d calls, events, the integer-sum readback and
+    agreement) and their set-up waits for the device, none of which a graph's replay repeats
+    or a capture allows; so ``start()`` and set-up refuse before they enqueue anything. A
+    device this process cannot use is left to the extension's set-up check."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return
+    if (device.type != "cuda" or not torch.cuda.is_available()
+            or (device.index or 0) >= torch.cuda.device_count()):
+        return
+    with torch.cuda.device(device):
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+        raise Sdp4bitError(
+            f"{what}: a CUDA graph is being captured on the current stream of {device}; "
+            "sdp4bit's collectives are driven by the host and cannot be captured (start them "
+            "outside the captured region)"
+        )
+
+
+class _IntegerSumAgreement:
+    """Raises Global-QSGD's integer-sum overflows of a CUDA bucket on every rank at the same
+    ``start()`` (docs/cuda.md, "Global-QSGD's overflows"). Each rank reads its status word
+    back without waiting for the device, so each sees its own overflow at a step of its own;
+    raising there would leave the peers waiting in the next collective. Instead every
+    ``start()`` sends what this rank has seen (its DP rank and status word, or nothing) in a
+    MIN all-reduce of one int64 on the groups' gloo group, issued asynchronously, and the next
+    ``start()`` of the bucket completes it before it enqueues anything: that wait is for the
+    peers' hosts to have issued theirs, never for a device. Every rank gets the same result at
+    the same ``start()``, and all raise the same error there (the lowest rank's) or none."""
+
+    #: What a rank that has seen no overflow sends: above every (rank, status) key.
+    _NONE = 2**63 - 1
+
+    def __init__(self, group: dist.ProcessGroup, rank: int) -> None:
+        self._group, self._rank = group, rank
+        self._seen = 0  # a status word read back here and not sent yet
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def agreed(self) -> tuple[int, int] | None:
+        """Completes the agreement issued at the previous ``start()`` and returns the (DP
+        rank, status word) of the lowest rank that reported an overflow in it, or None."""
+        if self._pending is None:
+            return None
+        work, key = self._pending
+        self._pending = None
+        work.wait()
+        value = int(key.item())
+        if value == self._NONE:
+            return None
+        return value >> 32, value & 0xFFFF_FFFF
+
+    def see(self, status: int) -> None:
+        """Keeps this rank's status word `status` (0: nothing new) until it is sent."""
+        if status and not self._seen:
+            self._seen = status
+
+    def issue(self) -> None:
+        """Sends what this rank has seen; the next ``agreed()`` completes it."""
+        value = (self._rank << 32) | self._seen if self._seen else self._NONE
+        key = torch.tensor([value], dtype=torch.int64)
+        work = dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+        self._pending, self._seen = (work, key), 0
 
 
 def _check_step(step: int) -> int:
@@ -173,14 +245,16 @@ class GradReduceScatter:
     rank of the DP group constructs its bucket with the same config, bucket id and size, or
     all of them raise (also when a rank cannot use its device).
 
-    On CUDA, ``start`` enqueues every kernel and exchange on the groups' side stream after
-    the work already issued on the current stream, and returns without waiting; after
-    ``wait()``, work issued on the stream current at ``wait()`` sees the shard. The current
-    stream must not touch `bucket` or `shard` between ``start`` and ``wait``.
+    On CUDA, ``start`` enqueues every kernel and exchange on the groups' reduce-scatter side
+    stream (a :class:`WeightAllGather` has a side stream of its own) after the work already
+    issued on the current stream, and returns without waiting; after ``wait()``, work issued
+    on the stream current at ``wait()`` sees the shard. The current stream must not touch
+    `bucket` or `shard` between ``start`` and ``wait``.
     """
 
     def __init__(self, groups: ProcessGroups, config: Config, numel: int, bucket_id: int,
                  device: torch.device | str = "cpu"):
+        _refuse_graph_capture(device, "setting up a GradReduceScatter")
         if numel <= 0:
             raise ValueError(f"sdp4bit: bucket size must be positive, got {numel}")
         self.groups, self.config, self.numel, self.bucket_id = groups, config, numel, bucket_id
@@ -189,19 +263,33 @@ class GradReduceScatter:
             # extension's set-up check), so the name is passed on unchecked.
             self._native = _native.classes().GradReduceScatter(
                 groups.native, config.spec(), groups.node_labels, numel, bucket_id, str(device),
-                _planned_side_stream_handle(groups, device),
+                _planned_side_stream_handle(groups, device, "reduce_scatter"),
             )
         self.device = torch.device(self._native.device())
         self.shard_len = self._native.shard_len()
-        self._side_stream = _side_stream_handle(groups, self.device)
+        self._side_stream = _side_stream_handle(groups, self.device, "reduce_scatter")
+        self._sums = (_IntegerSumAgreement(groups.host_group(), groups.rank)
+                      if self._native.reads_back_integer_sums() else None)
 
     def start(self, bucket: torch.Tensor, shard: torch.Tensor, step: int) -> Handle:
-        """Starts reduce-scattering `bucket` into `shard` for optimizer step `step`."""
+        """Starts reduce-scattering `bucket` into `shard` for optimizer step `step`. A
+        CUDA Global-QSGD bucket raises here an overflow of its integer sum in an earlier step
+        (the overflowing shard elements were NaN meanwhile), on every rank at the same call."""
+        _refuse_graph_capture(self.device, "GradReduceScatter.start")
         dtype = _gradient_dtype(bucket, shard)
         _check_tensor("gradient bucket", bucket, dtype, self.numel, self.device)
         _check_tensor("gradient shard", shard, dtype, self.shard_len, self.device)
+        step = _check_step(step)
+        if self._sums is not None:
+            agreed = self._sums.agreed()
+            with translated_errors():
+                self._sums.see(self._native.take_integer_sum_status())
+                if agreed is not None:
+                    raise Sdp4bitError(self._native.integer_sum_error(*agreed))
         with translated_errors():
-            work = self._native.start(bucket, shard, _check_step(step), self._side_stream)
+            work = self._native.start(bucket, shard, step, self._side_stream)
+        if self._sums is not None:
+            self._sums.issue()
         return Handle(work, self.device.type == "cuda")
 
     def quantizes_at(self, step: int) -> bool:
@@ -226,30 +314,33 @@ class WeightAllGather:
     """The parameter all-gather of one bf16 bucket.
 
     `params` is the bucket as every replica holds it at set-up, on the CPU or a CUDA device
-    (kernels on the groups' side stream, as for :class:`GradReduceScatter`). Before each
-    ``start(params, step)`` the caller writes this rank's new shard (shard ``rank``,
-    ``numel / W`` elements) into `params`; after ``wait()`` every replica holds the same bucket,
-    bit for bit (qWD sends 4-bit differences from the previous values, kept on each rank).
+    (kernels on the groups' all-gather side stream, ordered as a :class:`GradReduceScatter` is
+    on its own). Before each ``start(params, step)`` the caller writes this rank's new shard
+    (shard ``rank``, ``numel / W`` elements) into `params`; after ``wait()`` every replica
+    holds the same bucket, bit for bit (qWD sends 4-bit differences from the previous values,
+    kept on each rank).
     """
 
     def __init__(self, groups: ProcessGroups, config: Config, params: torch.Tensor,
                  bucket_id: int):
+        _refuse_graph_capture(getattr(params, "device", "cpu"), "setting up a WeightAllGather")
         self.groups, self.config, self.bucket_id = groups, config, bucket_id
         with translated_errors():
             # Problems with `params` are reported by every rank at once (the set-up check
             # runs even when this rank's input is bad), so they are left to the extension.
             self._native = _native.classes().WeightAllGather(
                 groups.native, config.spec(), groups.node_labels, params, bucket_id,
-                _side_stream_handle(groups, params.device)
+                _side_stream_handle(groups, params.device, "all_gather")
                 if isinstance(params, torch.Tensor) else 0,
             )
         self.numel = params.numel()
         self.device = params.device
         self.shard_len = self._native.shard_len()
-        self._side_stream = _side_stream_handle(groups, self.device)
+        self._side_stream = _side_stream_handle(groups, self.device, "all_gather")
 
     def start(self, params: torch.Tensor, step: int) -> Handle:
         """Starts all-gathering `params` for optimizer step `step`."""
+        _refuse_graph_capture(self.device, "WeightAllGather.start")
         _check_tensor("param bucket", params, torch.bfloat16, self.numel, self.device)
         with translated_errors():
             work = self._native.start(params, _check_step(step), self._side_stream)

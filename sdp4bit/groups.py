@@ -113,6 +113,8 @@ class ProcessGroups:
     intra: dist.ProcessGroup | None
     inter: dist.ProcessGroup | None
     native: object
+    timeout: datetime.timedelta | None = None
+    host: dist.ProcessGroup | None = None  # host_group(), once made
 
     @classmethod
     def create(
@@ -182,7 +184,8 @@ class ProcessGroups:
                 intra.group_name if intra is not None else "",
                 inter.group_name if inter is not None else "",
             )
-        groups = cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native)
+        groups = cls(dp_group, global_ranks, node_labels, rank, world, intra, inter, native,
+                     timeout)
         _OPEN[id(groups)] = groups
         return groups
 
@@ -196,17 +199,34 @@ class ProcessGroups:
             self.native.close()
         _OPEN.pop(id(self), None)
 
+    def host_group(self) -> dist.ProcessGroup:
+        """A gloo group of the DP group's ranks for the agreements sdp4bit makes in host
+        memory beside CUDA buckets (their integer-sum overflows, collectives.py), whatever the
+        world group's backend: no device work, so no wait for the device. Made at its first
+        use, which every rank reaches at the same point (a bucket's set-up, after the set-up
+        agreement)."""
+        if self.host is None:
+            kwargs = {"use_local_synchronization": True, "backend": "gloo"}
+            if self.timeout is not None:
+                kwargs["timeout"] = self.timeout
+            self.host = dist.new_group(self.global_ranks, **kwargs)
+        return self.host
+
     @property
     def size(self) -> int:
         """Ranks in the DP group."""
         return len(self.global_ranks)
 
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The stream the collectives of CUDA buckets on `device` run on: one per device and
-        set of groups, taken from torch's stream pool by the extension. Work issued on it
-        runs alongside the caller's stream; a collective's ``wait()`` makes the caller's
-        current stream wait for it."""
+    def side_stream(self, device: torch.device, collective: str) -> torch.cuda.Stream:
+        """The stream the `collective` (``"reduce_scatter"`` or ``"all_gather"``) of CUDA
+        buckets on `device` runs on: one per device, kind and set of groups, so that an
+        all-gather's work does not queue behind a reduce-scatter's, nor the reverse. The
+        extension creates it (non-blocking, at the device's greatest priority) rather than take
+        one of torch's pool streams, which NCCL's communicators also take, so no other work
+        queues on it. Work issued on it runs alongside the caller's stream; a collective's
+        ``wait()`` makes the caller's current stream wait for it."""
         with translated_errors():
-            stream_id, device_index, device_type = self.native.side_stream(device.index)
+            stream_id, device_index, device_type = self.native.side_stream(device.index,
+                                                                           collective)
         return torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
                                  device_type=device_type)

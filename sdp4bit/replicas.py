@@ -8,19 +8,34 @@ import torch.distributed as dist
 
 from .errors import Sdp4bitError
 
+#: Elements checksummed at a time: the check allocates two int64 tensors of one chunk (16 MiB,
+#: on the buffers' device) and reuses them for every chunk, whatever the size of the buffers.
+CHUNK = 1 << 20
+
+
+def _checksum(buffer: torch.Tensor) -> torch.Tensor:
+    """The position-weighted sum of the bits of `buffer` (a contiguous 16-bit tensor): element
+    i's bits times ``(i + 1) % 65521 + 1``, summed in int64, as a 0-dim tensor on the buffer's
+    device; computed `CHUNK` elements at a time."""
+    bits = buffer.detach().view(-1).view(torch.int16)
+    chunk_values = torch.empty(min(CHUNK, bits.numel()), dtype=torch.int64, device=bits.device)
+    chunk_weights = torch.empty_like(chunk_values)
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), CHUNK):
+        stop = min(start + CHUNK, bits.numel())
+        values = chunk_values[:stop - start].copy_(bits[start:stop])
+        weights = torch.arange(start + 1, stop + 1, out=chunk_weights[:stop - start])
+        total += weights.remainder_(65521).add_(1).mul_(values).sum()
+    return total
+
 
 def check_replicas_identical(buffers: list[torch.Tensor], group) -> None:
     """Raises :class:`Sdp4bitError` on every rank of `group` unless all of them hold the same
-    `buffers` (bf16 or other 16-bit tensors), compared by a position-weighted checksum of their
-    bits, all-gathered over `group`."""
-    sums = []
-    for buffer in buffers:
-        bits = buffer.detach().reshape(-1).view(torch.int16).to(torch.int64)
-        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
-        sums.append(int((bits * (weights + 1)).sum()))
+    `buffers` (contiguous bf16 or other 16-bit tensors), compared by a position-weighted
+    checksum of their bits, all-gathered over `group`."""
+    sums = [_checksum(b) for b in buffers]
     # On the buffers' device: an NCCL group exchanges CUDA tensors, gloo takes either.
-    device = buffers[0].device if buffers else torch.device("cpu")
-    mine = torch.tensor(sums, dtype=torch.int64, device=device)
+    mine = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     differing = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]

@@ -67,37 +67,6 @@ def _driver_version() -> str:
     return f"{version.value // 1000}.{version.value % 1000 // 10}"
 
 
-def wheel_nvrtc() -> Path | None:
-    """The NVRTC a pip-installed CUDA torch brought (``site-packages/nvidia/*/lib``), if any."""
-    for entry in sys.path:
-        base = Path(entry) / "nvidia"
-        if base.is_dir():
-            found = sorted(base.glob("*/lib/libnvrtc.so.*[0-9]"))
-            found = [p for p in found if "builtins" not in p.name and ".alt." not in p.name]
-            if found:
-                return found[-1]
-    return None
-
-
-def _nvrtc_version() -> str:
-    """The NVRTC the CUDA backend would use: ``SDP4BIT_NVRTC_LIBRARY``, the loader's, or the
-    torch wheel's; its version and path."""
-    named = os.environ.get("SDP4BIT_NVRTC_LIBRARY")
-    candidates = [named] if named else ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
-    wheel = wheel_nvrtc()
-    if wheel is not None and not named:
-        candidates.append(str(wheel))
-    for name in candidates:
-        try:
-            nvrtc = ctypes.CDLL(name)
-        except OSError:
-            continue
-        major, minor = ctypes.c_int(0), ctypes.c_int(0)
-        if nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
-            return f"{major.value}.{minor.value} ({name})"
-    return f"not found (searched {candidates})"
-
-
 def versions() -> list[tuple[str, str]]:
     """What a bug report needs to know about this host, as (label, value)."""
     from . import _native
@@ -108,7 +77,7 @@ def versions() -> list[tuple[str, str]]:
         ("python", sys.version.split()[0]),
         ("torch", f"{torch.__version__} (CUDA runtime {torch.version.cuda or 'none'})"),
         ("CUDA driver", _driver_version()),
-        ("NVRTC", _nvrtc_version()),
+        ("NVRTC", _native.ops().nvrtc_report()),
         ("sdp4bit", str(Path(__file__).resolve().parent)),
     ]
     if torch.cuda.is_available():
@@ -176,13 +145,11 @@ def find_source(given: str | None) -> Path | None:
 
 
 def _source_env(source: Path) -> dict[str, str]:
-    """The environment of the source tree's commands: NVRTC on LD_LIBRARY_PATH (the test
-    command's, else the torch wheel's) and a GPU required."""
+    """The environment of the source tree's commands: the test command's NVRTC on
+    LD_LIBRARY_PATH (else the torch wheels' through ``SDP4BIT_NVRTC_DIRS``, which importing
+    sdp4bit set) and a GPU required."""
     env = dict(os.environ, SDP4BIT_REQUIRE_GPU="1", SDP4BIT_REQUIRE_NVRTC="1")
     dirs = sorted(source.glob(".cache/nvrtc-*/nvidia/*/lib"))
-    wheel = wheel_nvrtc()
-    if wheel is not None:
-        dirs.append(wheel.parent)
     if dirs:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             [str(d) for d in dirs] + [p for p in [env.get("LD_LIBRARY_PATH")] if p])

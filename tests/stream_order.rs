@@ -2,12 +2,15 @@
 //! `cpp/sdp4bit_ops.cpp` instantiates over torch's c10 streams and events) on a model of a
 //! device: g++ builds `tests/stream_order/model.cpp` with the header unchanged, and the model
 //! runs a training step's use of a collective in many stream interleavings (a gradient
-//! reduce-scatter, a weight all-gather, and a pipelined reduce-scatter whose chunks' exchanges
+//! reduce-scatter, a weight all-gather, a pipelined reduce-scatter whose chunks' exchanges
 //! run on the communicator's stream while the side stream computes, its bucket re-created
-//! while it may still run). It must find no unordered memory access, no wait of the caller's
-//! stream on the collective before `wait()` and no pass that should overlap an exchange
-//! ordered after it, and must find the fault when any one step of the order is left out (so
-//! the check can fail). g++ is required.
+//! while it may still run, and FSDP2's backward: an all-gather started while a reduce-scatter
+//! runs, each on the side stream `SideStreams` gives its kind). It must find no unordered
+//! memory access, no wait of the caller's stream on the collective before `wait()`, no pass
+//! that should overlap an exchange ordered after it and nothing of the all-gather waiting for
+//! the reduce-scatter, and must find the fault when any one step of the order is left out or
+//! both kinds share one side stream (so the check can fail); `SideStreams` is also checked
+//! directly. g++ is required.
 
 use std::path::Path;
 use std::process::Command;
@@ -39,10 +42,10 @@ fn stream_order_holds_on_the_device_model() {
         run.status.success(),
         "the stream-order model failed:\n{report}"
     );
-    // The order itself and each of the eight sabotaged orders were checked.
+    // The order itself, each of the nine sabotaged orders and SideStreams were checked.
     assert_eq!(
         report.lines().filter(|l| l.starts_with("ok ")).count(),
-        9,
+        11,
         "{report}"
     );
 }

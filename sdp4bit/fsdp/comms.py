@@ -13,8 +13,9 @@ FSDP2 calls them with the unit's whole flat buffers, which it allocates through 
 That is the layout of the core's buckets (shard ``r`` of a bucket belongs to rank ``r``), so
 an fp32 reduce-scatter and a bf16 all-gather run on FSDP's own buffers without copies. Both
 complete before returning: on the CPU they have run; for a CUDA unit they are enqueued on the
-groups' side stream and the stream that was current (FSDP's reduce-scatter or all-gather
-stream, where FSDP then records its events) waits for them.
+groups' side stream of their kind (the all-gathers' and the reduce-scatters' differ, as FSDP's
+own streams do, so neither queues behind the other) and the stream that was current (FSDP's
+reduce-scatter or all-gather stream, where FSDP then records its events) waits for them.
 
 The compressed collectives are shared by the units whose buffers have the same size (the
 core's buffers exist once per size, not once per unit). Each unit numbers its random streams

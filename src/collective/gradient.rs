@@ -355,10 +355,12 @@ impl<B: Backend> GradReduceScatter<B> {
         }
     }
 
-    /// The error [`check_integer_sums`](Self::check_integer_sums) returns for a value of the
-    /// status word, read by the caller ([`integer_sum_status`](Self::integer_sum_status)).
-    pub fn integer_sum_error(&self, status: u32) -> Result<()> {
-        let (rank, shard_len) = (self.rank, self.plan.shard_len);
+    /// The error [`check_integer_sums`](Self::check_integer_sums) returns on DP rank `rank`
+    /// for a value of its status word, read by the caller
+    /// ([`integer_sum_status`](Self::integer_sum_status)); any rank of the bucket's DP group
+    /// can make it for any other (the torch extension raises it on every rank).
+    pub fn integer_sum_error(&self, rank: usize, status: u32) -> Result<()> {
+        let shard_len = self.plan.shard_len;
         match &self.engine {
             Engine::Global(g) => sum_status_error(g.width, status, rank, shard_len),
             _ => Ok(()),

@@ -7,7 +7,9 @@ use super::torch_comm::TorchLevels;
 use super::torch_memory::TorchCachingAllocator;
 use super::{FfiResult, guard};
 use crate::backend::cpu::Host;
-use crate::backend::cuda::{Allocator, Cuda, DeviceSpan, Kernels, StatusReadback, Stream};
+use crate::backend::cuda::{
+    Allocator, Cuda, DeviceSpan, Kernels, StatusReadback, Stream, new_priority_stream, probe,
+};
 use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
@@ -85,11 +87,32 @@ pub(super) fn cuda_device_problem(device: usize) -> String {
         .unwrap_or_default()
 }
 
+/// A new side stream of `device` for the extension's process groups ([`new_priority_stream`]),
+/// as its raw `CUstream`.
+pub(super) fn cuda_new_side_stream(device: usize) -> FfiResult<u64> {
+    guard("cuda_new_side_stream", || {
+        Ok(new_priority_stream(Kernels::get(device)?)?.handle() as u64)
+    })
+}
+
 /// [`Kernels::describe`] of `device`, or why its kernels cannot load.
 pub(super) fn cuda_device_report(device: usize) -> String {
     match guard("cuda_device_report", || Kernels::get(device)) {
         Ok(kernels) => kernels.describe(),
         Err(problem) => format!("CUDA device {device} cannot run the kernels: {problem}"),
+    }
+}
+
+/// The NVRTC the kernels compile with (`13.0 (path)`), or why none loads.
+pub(super) fn nvrtc_report() -> String {
+    match guard("nvrtc_report", probe::nvrtc_library) {
+        Ok(nvrtc) => format!(
+            "{}.{} ({})",
+            nvrtc.version.0,
+            nvrtc.version.1,
+            nvrtc.path.display()
+        ),
+        Err(problem) => format!("not found: {problem}"),
     }
 }
 
@@ -292,20 +315,32 @@ impl GradBucket {
         })
     }
 
-    /// An overflow of Global-QSGD's integer sum on the device, as the error the host path
-    /// returns from the step, once the copy of the status word enqueued after an earlier step
-    /// has completed: never waits for the device (the overflowing shard elements are NaN
-    /// meanwhile, which the framework's found-inf check sees). `Ok` for other buckets.
-    pub(super) fn check_integer_sums(&mut self) -> FfiResult<()> {
-        guard("GradBucket::check_integer_sums", || {
-            let GradBucket::Cuda(rs, _, Some(sums)) = self else {
-                return Ok(());
+    /// Whether this bucket reads Global-QSGD's integer-sum status back after each step (a CUDA
+    /// Global-QSGD bucket).
+    pub(super) fn reads_back_integer_sums(&self) -> bool {
+        matches!(self, GradBucket::Cuda(_, _, Some(_)))
+    }
+
+    /// The integer-sum status word the copy enqueued after an earlier step read, once that
+    /// copy has completed, else 0 (also for other buckets): never waits for the device (the
+    /// overflowing shard elements are NaN meanwhile, which the framework's found-inf check
+    /// sees).
+    pub(super) fn take_integer_sum_status(&mut self) -> FfiResult<u32> {
+        guard("GradBucket::take_integer_sum_status", || {
+            let GradBucket::Cuda(_, _, Some(sums)) = self else {
+                return Ok(0);
             };
-            match sums.take()? {
-                Some(status) => rs.integer_sum_error(status),
-                None => Ok(()),
-            }
+            Ok(sums.take()?.unwrap_or(0))
         })
+    }
+
+    /// The host path's error for DP rank `rank`'s integer-sum status word `status`, or an empty
+    /// string when it records no overflow.
+    pub(super) fn integer_sum_error(&self, rank: usize, status: u32) -> String {
+        either!(self, rs => rs.integer_sum_error(rank, status))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
     }
 }
 /// [`WeightAllGather`] for the extension, on host or CUDA buffers; host params cross the

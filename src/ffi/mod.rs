@@ -18,8 +18,9 @@ mod torch_memory;
 
 use buckets::{
     GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_bucket_problem,
-    cuda_device_problem, cuda_device_report, cuda_self_check, new_cuda_grad_bucket,
-    new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, parse_config,
+    cuda_device_problem, cuda_device_report, cuda_new_side_stream, cuda_self_check,
+    new_cuda_grad_bucket, new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, nvrtc_report,
+    parse_config,
 };
 use schema::{max_bucket_id, schema_json};
 use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
@@ -136,10 +137,17 @@ mod bridge {
             step: u64,
         ) -> Result<()>;
 
-        /// Raises the host path's error for an overflow of Global-QSGD's integer sum that a
-        /// CUDA bucket's status copy has reported since the last call, once that copy has
-        /// completed; never waits for the device (`Ok` for other buckets).
-        fn check_integer_sums(self: &mut GradBucket) -> Result<()>;
+        /// Whether the bucket reads Global-QSGD's integer-sum status back after each step (a
+        /// CUDA Global-QSGD bucket).
+        fn reads_back_integer_sums(self: &GradBucket) -> bool;
+        /// The integer-sum status word a CUDA bucket's copy after an earlier step read, once
+        /// that copy has completed, else 0 (also for other buckets); never waits for the
+        /// device.
+        fn take_integer_sum_status(self: &mut GradBucket) -> Result<u32>;
+        /// The host path's error for DP rank `rank`'s integer-sum status word `status` (as
+        /// `take_integer_sum_status` returns it on that rank), or empty when it records no
+        /// overflow.
+        fn integer_sum_error(self: &GradBucket, rank: usize, status: u32) -> String;
 
         /// The parameter all-gather of one bf16 bucket.
         type WeightBucket;
@@ -191,9 +199,16 @@ mod bridge {
         /// Why CUDA device `device` cannot run the collectives (no driver, no such device,
         /// a kernel that fails to compile), or an empty string when its kernels are ready.
         fn cuda_device_problem(device: usize) -> String;
+        /// A new stream of CUDA device `device` (its raw `CUstream`), non-blocking, at the
+        /// device's greatest priority and never destroyed: a side stream of the extension's
+        /// process groups, used by nothing else.
+        fn cuda_new_side_stream(device: usize) -> Result<u64>;
         /// One line on CUDA device `device`: its architecture, the driver, the NVRTC and the
         /// image the kernels loaded as (CUBIN or PTX) and why; or why it cannot run them.
         fn cuda_device_report(device: usize) -> String;
+        /// The NVRTC the kernels compile with (its version and path), or why none loads and
+        /// where it was looked for.
+        fn nvrtc_report() -> String;
         /// Why the kernels of a CUDA bucket of config `spec` on `device` (a weight bucket
         /// when `weights`, else a gradient bucket) fail their self-check for the DP group of
         /// `node_labels` and `rank`, or an empty string (also when `spec` or the group is

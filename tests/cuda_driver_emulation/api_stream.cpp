@@ -1,9 +1,11 @@
-// Streams, events and host functions: cuStreamCreate / Destroy / Synchronize / Query /
-// WaitEvent, cuCtxSynchronize, cuEventCreate / Destroy / Record / Query / Synchronize /
-// ElapsedTime and cuLaunchHostFunc, with the driver's semantics for the legacy default stream
-// (handle 0): it waits for, and is waited for by, every stream created without
-// CU_STREAM_NON_BLOCKING.
+// Streams, events and host functions: cuStreamCreate / CreateWithPriority / GetPriority /
+// Destroy / Synchronize / Query / WaitEvent, cuCtxGetStreamPriorityRange, cuCtxSynchronize,
+// cuEventCreate / Destroy / Record / Query / Synchronize / ElapsedTime and cuLaunchHostFunc,
+// with the driver's semantics for the legacy default stream (handle 0): it waits for, and is
+// waited for by, every stream created without CU_STREAM_NON_BLOCKING.
 #include "model.h"
+
+#include <algorithm>
 
 namespace emu {
 namespace {
@@ -27,6 +29,24 @@ CUresult drain(std::unique_lock<std::mutex>& lock, Stream* stream)
     return wait_for(lock, stream->id, stream->enqueued, stream->last);
 }
 
+// cuStreamCreate(WithPriority): a priority outside the range is clamped to it, as the driver
+// does.
+CUresult new_stream(const char* call, CUstream* stream, unsigned flags, int priority)
+{
+    std::lock_guard<std::mutex> guard(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check(call, &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    if (stream == nullptr || (flags & ~CU_STREAM_NON_BLOCKING) != 0) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    Stream* s = create_stream(ctx, StreamKind::created, (flags & CU_STREAM_NON_BLOCKING) == 0);
+    s->priority = std::clamp(priority, kGreatestStreamPriority, 0);
+    *stream = reinterpret_cast<CUstream>(s);
+    return CUDA_SUCCESS;
+}
+
 }  // namespace
 }  // namespace emu
 
@@ -34,18 +54,44 @@ using namespace emu;
 
 extern "C" {
 
-CUresult cuStreamCreate(CUstream* stream, unsigned flags)
+CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest)
 {
     std::lock_guard<std::mutex> guard(driver().mutex);
     Context* ctx = nullptr;
-    if (const CUresult r = context_check("cuStreamCreate", &ctx); r != CUDA_SUCCESS) {
+    if (const CUresult r = context_check("cuCtxGetStreamPriorityRange", &ctx); r != CUDA_SUCCESS) {
         return r;
     }
-    if (stream == nullptr || (flags & ~CU_STREAM_NON_BLOCKING) != 0) {
-        return CUDA_ERROR_INVALID_VALUE;
+    if (least != nullptr) {
+        *least = 0;
     }
-    Stream* s = create_stream(ctx, StreamKind::created, (flags & CU_STREAM_NON_BLOCKING) == 0);
-    *stream = reinterpret_cast<CUstream>(s);
+    if (greatest != nullptr) {
+        *greatest = kGreatestStreamPriority;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreateWithPriority(CUstream* stream, unsigned flags, int priority)
+{
+    return new_stream("cuStreamCreateWithPriority", stream, flags, priority);
+}
+
+CUresult cuStreamCreate(CUstream* stream, unsigned flags)
+{
+    return new_stream("cuStreamCreate", stream, flags, 0);
+}
+
+CUresult cuStreamGetPriority(CUstream stream, int* priority)
+{
+    std::lock_guard<std::mutex> guard(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check("cuStreamGetPriority", &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    const Stream* s = resolve_stream(stream, ctx);
+    if (s == nullptr || priority == nullptr) {
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    *priority = s->priority;
     return CUDA_SUCCESS;
 }
 

@@ -95,6 +95,7 @@ SDP4BIT_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext context);
 SDP4BIT_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext* context);
 SDP4BIT_EXPORT CUresult cuCtxGetDevice(CUdevice* device);
 SDP4BIT_EXPORT CUresult cuCtxSynchronize(void);
+SDP4BIT_EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest);
 
 SDP4BIT_EXPORT CUresult cuModuleLoadData(CUmodule* module, const void* image);
 SDP4BIT_EXPORT CUresult cuModuleGetFunction(CUfunction* function, CUmodule module, const char* name);
@@ -121,6 +122,8 @@ SDP4BIT_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, si
 SDP4BIT_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned value, size_t count, CUstream stream);
 
 SDP4BIT_EXPORT CUresult cuStreamCreate(CUstream* stream, unsigned flags);
+SDP4BIT_EXPORT CUresult cuStreamCreateWithPriority(CUstream* stream, unsigned flags, int priority);
+SDP4BIT_EXPORT CUresult cuStreamGetPriority(CUstream stream, int* priority);
 SDP4BIT_EXPORT CUresult cuStreamDestroy_v2(CUstream stream);
 SDP4BIT_EXPORT CUresult cuStreamSynchronize(CUstream stream);
 SDP4BIT_EXPORT CUresult cuStreamQuery(CUstream stream);

@@ -385,7 +385,8 @@ impl Held {
 }
 
 /// Plans the sdp4bit collectives of a bucket of `numel` parameters for rank `me` of
-/// `topology` on `backend` (buffers from `pool`); `params` is the rank's param bucket.
+/// `topology` on `backend` (buffers from `pool`); `params` is the rank's param bucket. Set-up
+/// takes nothing beyond what the buckets keep: no temporary that grows with the bucket.
 fn plan_sdp4bit(
     backend: &Cuda,
     pool: &StreamOrderedPool,
@@ -394,6 +395,7 @@ fn plan_sdp4bit(
     params: DeviceSpan<bf16>,
 ) -> (GradReduceScatter<Cuda>, WeightAllGather<Cuda>, Held) {
     let config = cfg(Preset::Sdp4bit, &[]);
+    pool.reset_peak();
     let before = pool.live();
     let grads = GradReduceScatter::with_backend(backend, &config, topology, me, params.len(), 3)
         .expect("plan the gradient bucket");
@@ -401,6 +403,11 @@ fn plan_sdp4bit(
     let weights = WeightAllGather::with_backend(backend, &config, topology, me, 3, params)
         .expect("plan the weight bucket");
     let weight_kept = pool.live() - before - grad_kept;
+    assert_eq!(
+        pool.peak(),
+        pool.live(),
+        "set-up took device memory beyond what the buckets keep"
+    );
     let held = Held {
         grad_kept,
         weight_kept,

@@ -7,7 +7,8 @@
 //! checks the child's exit status and what it printed, the child checks what the driver
 //! returned and reported. Each scenario also runs its correct variant first, which must
 //! report nothing. The stream and event calls a side-stream design needs are checked the same
-//! way (`streams_and_events_follow_the_driver`).
+//! way (`streams_and_events_follow_the_driver`), and so are the torch extension's side streams
+//! (`side_streams_are_new_non_blocking_and_of_the_greatest_priority`).
 
 use std::process::Output;
 use std::sync::Arc;
@@ -409,6 +410,61 @@ fn streams_and_events_follow_the_driver() {
             stream::destroy(blocking).expect("destroy the stream");
         }
     }) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// The torch extension's side streams (`new_priority_stream`): each call makes a stream of its
+/// own (not one handed out again), at the device's greatest priority (an emulated H100's, -5,
+/// where `cuStreamCreate`'s is 0), and non-blocking (a synchronous copy on the legacy default
+/// stream after work on it, without a wait, is a race).
+#[test]
+fn side_streams_are_new_non_blocking_and_of_the_greatest_priority() {
+    use cudarc::driver::result as driver;
+    use cudarc::driver::sys;
+    use sdp4bit::backend::cuda::new_priority_stream;
+
+    let Some(output) = run_isolated(
+        "side_streams_are_new_non_blocking_and_of_the_greatest_priority",
+        || {
+            let device = Device::new();
+            let streams = [(); 3].map(|()| new_priority_stream(device.kernels).expect("a stream"));
+            for (i, a) in streams.iter().enumerate() {
+                for b in &streams[i + 1..] {
+                    assert_ne!(a, b, "a side stream was handed out twice");
+                }
+            }
+            let priority = |s: Stream| {
+                let mut p = 0;
+                // SAFETY: a live stream of the current context.
+                unsafe { sys::cuStreamGetPriority(s.handle() as sys::CUstream, &mut p) }
+                    .result()
+                    .expect("cuStreamGetPriority");
+                p
+            };
+            for s in streams {
+                assert_eq!(priority(s), -5, "not the greatest priority");
+            }
+            assert_eq!(
+                priority(device.stream(&device.first)),
+                0,
+                "the default priority"
+            );
+            let n = 1 << 12;
+            let x = device.backend(&device.first).alloc::<u8>(n).expect("x");
+            let x = Cuda::src(&x).addr();
+            let side = streams[0].handle() as sys::CUstream;
+            let mut host = vec![0u8; n];
+            // SAFETY: x is n bytes of device 0, whose context is current; the stream is live.
+            unsafe {
+                driver::memset_d8_async(x, 3, n, side).expect("memset");
+                driver::memcpy_dtoh_sync(&mut host, x).expect_err("an unordered legacy copy");
+                assert_faults(&["race on allocation", "the legacy default stream"]);
+                driver::stream::synchronize(side).expect("synchronize");
+            }
+        },
+    ) else {
         return;
     };
     assert_child_passed(&output);

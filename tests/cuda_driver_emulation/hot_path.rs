@@ -290,8 +290,10 @@ fn overflow_scenario() {
 /// The same overflow read back as the torch extension reads it: after the step, the status
 /// word is copied on the stream into pinned host memory and cleared, and the host polls an
 /// event until the copy has landed, never waiting for the device (no host synchronisation is
-/// counted from the step to the last poll). Rank 0 gets the host's error, once; the next
-/// readback (after another step without the corruption) reads 0; rank 1 reads 0 throughout.
+/// counted from the step to the last poll). Rank 0's word gives the host's error, once; the
+/// next readback (after another step without the corruption) reads 0; rank 1 reads 0
+/// throughout. Rank 1's plan turns rank 0's word into the same error (the extension raises it
+/// on every rank once they agree on it).
 #[test]
 fn global_qsgd_overflow_is_read_back_without_waiting() {
     let Some(output) = run_isolated(
@@ -309,7 +311,7 @@ fn read_back(
     rank: &Rank<'_>,
     rs: &mut GradReduceScatter<Cuda>,
     readback: &mut StatusReadback,
-) -> sdp4bit::Result<()> {
+) -> u32 {
     let status = rs
         .integer_sum_status()
         .expect("Global-QSGD on a device has a status word");
@@ -320,13 +322,12 @@ fn read_back(
         !readback.start(stream, status).expect("a second start"),
         "a readback not yet taken is not restarted"
     );
-    let word = loop {
+    loop {
         if let Some(word) = readback.take().expect("query the copy") {
-            break word;
+            return word;
         }
         std::thread::sleep(std::time::Duration::from_micros(50));
-    };
-    rs.integer_sum_error(word)
+    }
 }
 
 fn readback_scenario() {
@@ -338,7 +339,8 @@ fn readback_scenario() {
         let shard_len = rs.plan().shard_len;
         let _set_up = emulation().take_host_syncs();
         run_device(rank, &mut rs, &bucket, &mut shard).expect("the step itself is enqueued");
-        let first = read_back(rank, &mut rs, &mut readback);
+        let word = read_back(rank, &mut rs, &mut readback);
+        let first = rs.integer_sum_error(me, word);
         // Each rank's copy landed after its corrupted launch ran: once both have, the
         // corruption goes before the second step is enqueued.
         rank.comms.world.all_reduce_max(0.0).expect("meet");
@@ -348,20 +350,27 @@ fn readback_scenario() {
         rank.comms.world.all_reduce_max(0.0).expect("meet");
         run_device(rank, &mut rs, &bucket, &mut shard).expect("a clean step");
         let second = read_back(rank, &mut rs, &mut readback);
+        let second = rs.integer_sum_error(me, second);
         let syncs = emulation().take_host_syncs();
         // Before the buffers are freed (the peers' reads of them included).
         rank.stream.synchronize().expect("stream synchronize");
         rank.comms.world.all_reduce_max(0.0).expect("meet");
-        (first, second, syncs, shard_len)
+        (first, second, syncs, shard_len, word)
     });
-    let (first0, second0, syncs0, s) = &results[0];
+    let (first0, second0, syncs0, s, word0) = &results[0];
     let error = first0.as_ref().expect_err("rank 0's sum overflowed");
     assert_eq!(error.to_string(), host_overflow_error(*s));
+    let peer = GradReduceScatter::new(&config, &topo, 1, OVERFLOW_NUMEL, 2).expect("rank 1's plan");
+    let agreed = peer.integer_sum_error(0, *word0);
+    assert_eq!(
+        agreed.expect_err("rank 0's word on rank 1").to_string(),
+        host_overflow_error(*s)
+    );
     assert!(
         second0.is_ok(),
         "the status was cleared by the copy: {second0:?}"
     );
-    let (first1, second1, syncs1, _) = &results[1];
+    let (first1, second1, syncs1, ..) = &results[1];
     assert!(
         first1.is_ok() && second1.is_ok(),
         "rank 1's sums fit: {first1:?} {second1:?}"

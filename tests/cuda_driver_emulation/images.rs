@@ -1,14 +1,15 @@
 //! Which image the kernels load as, and what the emulated driver refuses, as a driver does: a
 //! CUBIN for the device's architecture by default; a CUBIN for another architecture refused
-//! (`CUDA_ERROR_NO_BINARY_FOR_GPU`); PTX newer than the driver refused
-//! (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`) while the CUBIN still loads; PTX for a device newer
-//! than every architecture the NVRTC targets; an error for a device older than all of them;
-//! and compiling with `LD_LIBRARY_PATH` unset and NVRTC named by path. Each runs in a child
-//! process, so the emulated device and driver can be configured and the faults the refusals
-//! report stay out of the other tests' fault log.
+//! (`CUDA_ERROR_NO_BINARY_FOR_GPU`); an NVRTC newer than the driver refused by the backend, and
+//! its PTX by the driver (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`); PTX for a device newer than
+//! every architecture the NVRTC targets; an error for a device older than all of them; and
+//! where NVRTC is found with `LD_LIBRARY_PATH` unset: named by path, in the wheels' directories
+//! (the driver's major version preferred), or nowhere (the error lists where it looked). Each
+//! runs in a child process, so the emulated device and driver can be configured and the faults
+//! the refusals report stay out of the other tests' fault log.
 
 use std::ffi::c_void;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
@@ -97,18 +98,20 @@ fn cubins_for_the_device_load_and_others_are_refused() {
     assert_child_passed(&output);
 }
 
-/// A CUDA 12.9 driver refuses NVRTC 13's PTX (ISA 9.x), the failure PTX loading had; the
-/// kernels still load, as CUBINs, and run (the emulation does not model whether a driver of
-/// another major version loads a CUBIN). Needs NVRTC 13 or newer.
+/// On a CUDA 12.9 driver NVRTC 13's images are refused before any is loaded, naming both
+/// versions and the NVRTC to install (a CUBIN of another major CUDA version is not promised to
+/// load, which the emulation cannot show); its PTX (ISA 9.x) is what the driver itself refuses.
+/// Needs NVRTC 13 or newer; `cubins_for_the_device_load_and_others_are_refused` is the control
+/// on a CUDA 13.0 driver.
 #[test]
-fn ptx_newer_than_the_driver_is_refused_and_cubins_load() {
+fn nvrtc_newer_than_the_driver_is_refused() {
     let Some(output) = run_isolated(
-        "images::ptx_newer_than_the_driver_is_refused_and_cubins_load",
+        "images::nvrtc_newer_than_the_driver_is_refused",
         &[(DRIVER_VERSION, Some("12090"))],
         || {
             let (major, minor) = probe::nvrtc_library().expect("NVRTC").version;
             if major < 13 {
-                println!("skipped: NVRTC {major}.{minor} makes PTX a CUDA 12.9 driver knows");
+                println!("skipped: NVRTC {major}.{minor} is not newer than a CUDA 12.9 driver");
                 return;
             }
             let _context = bind_device_0();
@@ -121,14 +124,18 @@ fn ptx_newer_than_the_driver_is_refused_and_cubins_load() {
                 )),
                 "{faults}"
             );
-            let kernels = Kernels::get(0).expect("the kernels load as CUBINs");
-            assert_eq!(kernels.target().target, Target::Cubin(Arch::SM_90));
-            assert!(
-                kernels.describe().contains("driver 12.9"),
-                "{}",
-                kernels.describe()
-            );
-            self_check_passes();
+            let message = Kernels::get(0)
+                .expect_err("NVRTC 13 on CUDA 12")
+                .to_string();
+            for needle in [
+                format!("NVRTC {major}.{minor} ("),
+                "newer than the CUDA 12.9 driver".into(),
+                format!("CUBIN for sm_90 needs a CUDA {major}.0 driver"),
+                "'nvidia-cuda-nvrtc-cu12==12.9.*'".into(),
+            ] {
+                assert!(message.contains(&needle), "{needle}: {message}");
+            }
+            assert!(emulation().take_faults(-1).is_empty(), "nothing was loaded");
         },
     ) else {
         return;
@@ -187,30 +194,35 @@ fn older_device_is_an_error() {
     assert_child_passed(&output);
 }
 
-/// The NVRTC on this process's `LD_LIBRARY_PATH` (the test command puts the wheel's there).
-fn nvrtc_on_search_path() -> Option<PathBuf> {
-    std::env::var_os("LD_LIBRARY_PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join("libnvrtc.so.13"))
-        .find(|path| path.exists())
-}
-
-/// With `LD_LIBRARY_PATH` unset and the wheel's NVRTC named by `SDP4BIT_NVRTC_LIBRARY`,
-/// every kernel compiles (NVRTC's builtins are loaded from beside it) and loads.
-#[test]
-fn nvrtc_by_path_compiles_without_ld_library_path() {
-    let found = std::env::var("SDP4BIT_CUDA_TEST_NVRTC")
-        .ok()
+/// The CUDA 13 NVRTC these tests load by path: `SDP4BIT_CUDA_TEST_NVRTC` (how a child gets
+/// it), else the one on this process's `LD_LIBRARY_PATH` (the test command puts the wheel's
+/// there); `None`, to skip, unless `SDP4BIT_REQUIRE_NVRTC=1`.
+fn wheel_nvrtc() -> Option<PathBuf> {
+    let found = std::env::var_os("SDP4BIT_CUDA_TEST_NVRTC")
         .map(PathBuf::from)
-        .or_else(nvrtc_on_search_path);
-    let Some(path) = found else {
+        .or_else(|| {
+            std::env::var_os("LD_LIBRARY_PATH")
+                .iter()
+                .flat_map(std::env::split_paths)
+                .map(|dir| dir.join("libnvrtc.so.13"))
+                .find(|path| path.exists())
+        });
+    if found.is_none() {
         assert_ne!(
             std::env::var("SDP4BIT_REQUIRE_NVRTC").as_deref(),
             Ok("1"),
             "SDP4BIT_REQUIRE_NVRTC=1 but no libnvrtc.so.13 on LD_LIBRARY_PATH"
         );
         println!("skipped: no libnvrtc.so.13 on LD_LIBRARY_PATH");
+    }
+    found
+}
+
+/// With `LD_LIBRARY_PATH` unset and the wheel's NVRTC named by `SDP4BIT_NVRTC_LIBRARY`,
+/// every kernel compiles (NVRTC's builtins are loaded from beside it) and loads.
+#[test]
+fn nvrtc_by_path_compiles_without_ld_library_path() {
+    let Some(path) = wheel_nvrtc() else {
         return;
     };
     let path_text = path.to_string_lossy().into_owned();
@@ -224,7 +236,7 @@ fn nvrtc_by_path_compiles_without_ld_library_path() {
         || {
             assert!(std::env::var_os("LD_LIBRARY_PATH").is_none());
             let nvrtc = probe::nvrtc_library().expect("NVRTC loads by path");
-            let wanted = PathBuf::from(std::env::var("SDP4BIT_CUDA_TEST_NVRTC").unwrap());
+            let wanted = wheel_nvrtc().unwrap();
             assert_eq!(
                 nvrtc.path.canonicalize().unwrap(),
                 wanted.canonicalize().unwrap()
@@ -247,6 +259,123 @@ fn nvrtc_by_path_compiles_without_ld_library_path() {
                 "{}",
                 kernels.describe()
             );
+        },
+    ) else {
+        return;
+    };
+    assert_child_passed(&output);
+}
+
+/// A directory of its own under the temporary directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("sdp4bit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create a temporary directory");
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// With `LD_LIBRARY_PATH` and `SDP4BIT_NVRTC_LIBRARY` unset, as in a torch user's process,
+/// NVRTC is found in the directories of `SDP4BIT_NVRTC_DIRS` (a CUDA 12 wheel's holding a
+/// stand-in `libnvrtc.so.12`, then the CUDA 13 wheel's), the one of the driver's major version:
+/// on a CUDA 13.0 driver the CUDA 13 NVRTC, whose builtins are loaded from beside it and whose
+/// kernels load; on a CUDA 12.9 driver the stand-in, whose load fails naming it.
+#[test]
+fn nvrtc_of_the_drivers_version_is_found_in_the_wheel_dirs() {
+    let Some(path) = wheel_nvrtc() else {
+        return;
+    };
+    let site = TempDir::new("nvrtc-wheels");
+    let cu12 = site.0.join("nvidia/cuda_nvrtc/lib");
+    std::fs::create_dir_all(&cu12).unwrap();
+    std::fs::write(cu12.join("libnvrtc.so.12"), b"not a library").unwrap();
+    let dirs = std::env::join_paths([&cu12, path.parent().unwrap()]).unwrap();
+    let dirs = dirs.to_string_lossy().into_owned();
+    let path_text = path.to_string_lossy().into_owned();
+    let env = |driver| {
+        [
+            ("LD_LIBRARY_PATH", None),
+            (probe::NVRTC_LIBRARY_VAR, None),
+            (probe::NVRTC_DIRS_VAR, Some(dirs.as_str())),
+            ("SDP4BIT_CUDA_TEST_NVRTC", Some(path_text.as_str())),
+            (DRIVER_VERSION, Some(driver)),
+        ]
+    };
+    let test = "images::nvrtc_of_the_drivers_version_is_found_in_the_wheel_dirs";
+    for driver in ["13000", "12090"] {
+        let Some(output) = run_isolated(test, &env(driver), || {
+            emulation();
+            let found = probe::nvrtc_library();
+            if std::env::var(DRIVER_VERSION).unwrap() == "12090" {
+                let message = found.expect_err("the stand-in is no library").to_string();
+                assert!(
+                    message
+                        .contains("nvidia/cuda_nvrtc/lib/libnvrtc.so.12 (from SDP4BIT_NVRTC_DIRS)"),
+                    "{message}"
+                );
+                return;
+            }
+            let nvrtc = found.expect("the CUDA 13 wheel's NVRTC");
+            let wanted = wheel_nvrtc().unwrap().canonicalize().unwrap();
+            assert_eq!(nvrtc.path.canonicalize().unwrap(), wanted);
+            assert!(nvrtc.builtins.starts_with(wanted.parent().unwrap()));
+            let _context = bind_device_0();
+            let kernels = Kernels::get(0).expect("the kernels load");
+            assert_eq!(kernels.target().target, Target::Cubin(Arch::SM_90));
+        }) else {
+            return;
+        };
+        assert_child_passed(&output);
+    }
+}
+
+/// Where no NVRTC is found the error names `SDP4BIT_NVRTC_LIBRARY` and lists where it looked:
+/// cudarc's names with `LD_LIBRARY_PATH`, and the directories of `SDP4BIT_NVRTC_DIRS`. Skips
+/// where the loader finds an NVRTC without `LD_LIBRARY_PATH` (a system-wide CUDA).
+#[test]
+fn missing_nvrtc_names_where_it_looked() {
+    let empty = TempDir::new("nvrtc-none");
+    let dirs = std::env::join_paths([empty.0.as_path(), Path::new("/nonexistent/nvidia/cu13/lib")])
+        .unwrap();
+    let dirs = dirs.to_string_lossy().into_owned();
+    let Some(output) = run_isolated(
+        "images::missing_nvrtc_names_where_it_looked",
+        &[
+            ("LD_LIBRARY_PATH", None),
+            (probe::NVRTC_LIBRARY_VAR, None),
+            (probe::NVRTC_DIRS_VAR, Some(&dirs)),
+        ],
+        || {
+            emulation();
+            let message = match probe::nvrtc_library() {
+                Ok(found) => {
+                    println!("skipped: the loader finds {}", found.path.display());
+                    return;
+                }
+                Err(e) => e.to_string(),
+            };
+            let dirs = std::env::var_os(probe::NVRTC_DIRS_VAR).unwrap();
+            let mut needles = vec![
+                "libnvrtc.so.13".to_string(),
+                "LD_LIBRARY_PATH=<unset>".into(),
+                "SDP4BIT_NVRTC_LIBRARY".into(),
+                "SDP4BIT_NVRTC_DIRS".into(),
+                "nvidia-cuda-nvrtc-cu12".into(),
+            ];
+            needles.extend(std::env::split_paths(&dirs).map(|d| d.display().to_string()));
+            for needle in needles {
+                assert!(message.contains(&needle), "{needle}: {message}");
+            }
+            let e = Kernels::get(0).expect_err("no NVRTC").to_string();
+            assert_eq!(e, message, "the kernels fail with the probe's error");
         },
     ) else {
         return;

@@ -145,6 +145,8 @@ struct Stream {
     Context* ctx = nullptr;
     StreamKind kind = StreamKind::created;
     bool blocking = true;
+    // Lower is higher, within [kGreatestStreamPriority, 0] (0: cuStreamCreate's).
+    int priority = 0;
     // The clock the next operation starts from.
     Clock clock;
     // The clock of the last operation enqueued: what synchronising with the stream learns.
@@ -281,6 +283,8 @@ std::string name_allocation(const Allocation& allocation);
 // Streams (streams.cpp). All locked.
 
 // A new stream of `ctx` with its worker thread.
+// The greatest stream priority (an H100's; the least is 0).
+constexpr int kGreatestStreamPriority = -5;
 Stream* create_stream(Context* ctx, StreamKind kind, bool blocking);
 // The stream a handle names with `current` as the calling thread's current context (0 and
 // CU_STREAM_LEGACY: its legacy default stream), or null when the handle is not a live stream

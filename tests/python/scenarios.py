@@ -296,6 +296,8 @@ def bad_inputs(rank, world):
          lambda: ProcessGroups.create(node_labels=[0] * (world + 1))),
         (ValueError, "order the nodes differently from the global ranks",
          lambda: ProcessGroups.create(node_labels=[1, 0, 0, 1])),
+        (Sdp4bitError, "no side stream for collective 'broadcast'",
+         lambda: groups.side_stream(torch.device("cuda", 0), "broadcast")),
         (TypeError, "must be torch.bfloat16",
          lambda: WeightAllGather(groups, Config(), torch.zeros(world * 1024,
                                  dtype=torch.bfloat16), 2).start(torch.zeros(world * 1024), 0)),

@@ -1,9 +1,17 @@
 """The extension's collectives over multi-process gloo, against the Rust core's in-process
 collective (same seed, same inputs): byte for byte, for every preset and topology."""
 
+import contextlib
+import types
+
+import integer_sum_scenarios
 import pytest
 import scenarios
+import torch
 from harness import run_ranks
+
+from sdp4bit import Config, GradReduceScatter, Sdp4bitError, WeightAllGather
+from sdp4bit.collectives import _refuse_graph_capture
 
 TOPOLOGIES = {
     "W4-2x2": [0, 0, 1, 1],
@@ -72,3 +80,47 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_many_buckets_in_flight_complete_in_order():
     run_ranks(4, scenarios.many_buckets_in_flight, [0, 0, 1, 1])
+
+
+def test_integer_sum_overflows_raise_on_every_rank_at_the_same_start():
+    """Overflows each rank's readback reports at a start() of its own (rank 2's at start 3,
+    ranks 1's and 3's at start 6), with the hosts out of step: every rank raises the same
+    errors at the same starts (4 and 7, the lower rank's first), and no rank enqueued those
+    steps (every other step equals the in-process collective on every rank)."""
+    for raised, shard_len, own in run_ranks(4, integer_sum_scenarios.overflows_raise_at_once,
+                                            "cpu"):
+        assert raised == integer_sum_scenarios.expected_raises(shard_len), raised
+        assert not own, "a CPU bucket raises its own overflows from its step"
+
+
+def test_graph_capture_is_refused_before_anything_is_enqueued(monkeypatch):
+    """A CUDA graph being captured on the current stream of the bucket's device is refused by
+    set-up and start() with an error naming it, before the groups or the tensors are looked
+    at. torch.cuda is faked: a capture on cuda:1 only, seen when the check selects cuda:1 (not
+    the current device) for the query."""
+    selected = []
+
+    @contextlib.contextmanager
+    def select(device):
+        selected.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device", select)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
+                        lambda: selected[-1] == torch.device("cuda:1"))
+    captured = "a CUDA graph is being captured on the current stream of cuda:1"
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda:1"))
+    rs = GradReduceScatter.__new__(GradReduceScatter)
+    ag = WeightAllGather.__new__(WeightAllGather)
+    rs.device = ag.device = on_cuda.device
+    for make in (lambda: GradReduceScatter(None, Config(), 8, 0, device="cuda:1"),
+                 lambda: rs.start(None, None, 0),
+                 lambda: WeightAllGather(None, Config(), on_cuda, 0),
+                 lambda: ag.start(None, 0)):
+        with pytest.raises(Sdp4bitError, match=captured):
+            make()
+    _refuse_graph_capture("cuda:0", "no capture on cuda:0")
+    _refuse_graph_capture("cpu", "nothing to capture")
+    assert selected[-1] == torch.device("cuda:0"), selected

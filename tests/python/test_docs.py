@@ -119,6 +119,13 @@ EXERCISED = {
                      "--tp", "4", "--inter-gbps", "400"),
     "python bench/calibrate_plan.py": lambda: _run(
         sys.executable, str(ROOT / "bench/calibrate_plan.py"), "--out", tempfile.mkdtemp()),
+    # the GPU kit: prepared by the test command, its dry run and the cost script by a test
+    "bash scripts/gpu_kit.sh prepare": lambda: _contains(TEST_SH,
+                                                         "bash scripts/gpu_kit.sh prepare"),
+    "bash scripts/gpu_kit.sh run --out DIR": lambda: _contains(
+        "tests/python/test_gpu_kit.py", '"scripts/gpu_kit.sh", "run", "--out"'),
+    "python bench/gpu_cost.py": lambda: _contains(
+        "tests/python/test_gpu_kit.py", 'str(ROOT / "bench/gpu_cost.py"), "--out"'),
     "python -m sdp4bit.selftest": lambda: _contains("tests/python/test_selftest.py",
                                                    '"-m", "sdp4bit.selftest"'),
     "python -m megatron_patch.plan": lambda: _run(sys.executable, "-m", "megatron_patch.plan",

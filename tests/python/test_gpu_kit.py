@@ -62,8 +62,8 @@ def test_a_kit_lacking_a_part_is_refused(tmp_path):
 
 def test_dry_run_without_a_gpu_skips_every_gpu_stage(kit, tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run(["bash", "scripts/gpu_kit.sh", "run", "--out", str(out), "--kit",
-                           str(kit)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    command = ["bash", "scripts/gpu_kit.sh", "run", "--out", str(out), "--kit", str(kit)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == gpu_kit.EXIT_NO_GPU, done.stdout + done.stderr
     report = (out / "report.md").read_text()
     rows = dict(re.findall(r"^\| ([\w-]+) \| (PASS|FAIL|SKIP) \|", report, re.M))
@@ -119,3 +119,11 @@ def test_the_runner_and_the_cost_script_need_no_third_party_package_at_import():
     done = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "scripts" / "gpu_kit.py"),
                            "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_cost_script_says_why_it_skips_without_a_gpu(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_cost.py"), "--out",
+                           str(tmp_path / "cost.md")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "skipped: torch sees no CUDA GPU", done.stdout
+    assert not (tmp_path / "cost.md").exists()

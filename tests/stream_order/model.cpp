@@ -20,10 +20,14 @@
 // the Rust core (src/collective/gradient.rs) for P = 3 chunks, each chunk's exchange issued
 // asynchronously while the side stream quantizes the next chunk and reduces the previous one,
 // then the bucket is dropped and re-created while the collective may still run (the new
-// bucket's set-up writes its tables into the memory the allocator took back). Checked for
-// many interleavings: no unordered access, and the compute stream's work between start() and
-// wait() never waits for the collective. Each step of the order is then removed in turn (a
-// sabotaged device), and the model must catch each in some scenario.
+// bucket's set-up writes its tables into the memory the allocator took back). Overlapped
+// kinds: FSDP2's backward, a unit's reduce-scatter and then the next unit's all-gather while
+// the reduce-scatter still runs, each on the side stream SideStreams gives its kind. Checked
+// for many interleavings: no unordered access, the compute stream's work between start() and
+// wait() never waits for the collective, and nothing of the all-gather waits for the
+// reduce-scatter. Each step of the order is then removed in turn (a sabotaged device), and
+// the model must catch each in some scenario; SideStreams' choice of streams is checked
+// directly too.
 //
 // Prints one line per case and exits non-zero if any check fails.
 #include <cstdint>
@@ -194,7 +198,7 @@ class Model {
           if (op.overlaps >= 0 && recorded[op.overlaps]) {
             const size_t by = static_cast<size_t>(event_streams_[op.overlaps]);
             if (clock[by] >= events[op.overlaps][by]) {
-              return {op.what + " waited for the exchange it should overlap"};
+              return {op.what + " waited for the work it should overlap"};
             }
           }
           break;
@@ -234,6 +238,7 @@ enum class Sabotage {
   BuffersOffSideStream,
   SetUpOnLegacyStream,
   ExchangeWaitedAtOnce,
+  OneSideStream,
 };
 
 const char* name(Sabotage sabotage) {
@@ -256,11 +261,14 @@ const char* name(Sabotage sabotage) {
       return "with a bucket's set-up on the legacy default stream";
     case Sabotage::ExchangeWaitedAtOnce:
       return "with each exchange waited for as soon as it is issued";
+    case Sabotage::OneSideStream:
+      return "with one side stream for both kinds of collective";
   }
   return "?";
 }
 
-constexpr int kCompute = 0, kSide = 1, kComm = 2;
+// kSide2: a second side stream, for the all-gathers when the kinds are overlapped.
+constexpr int kCompute = 0, kSide = 1, kComm = 2, kSide2 = 3;
 
 // The Device policy of stream_order.h over the model; a stream is its index, the current
 // stream is the model's. Exchanges run on kComm as ProcessGroupNCCL runs an async_op
@@ -431,6 +439,78 @@ Model pipelined_scenario(Sabotage sabotage) {
   return model;
 }
 
+// FSDP2's backward: a unit's gradient reduce-scatter, then the next unit's parameter
+// all-gather while the reduce-scatter still runs, each on the side stream SideStreams gives its
+// kind. The all-gather's exchange follows the reduce-scatter's on the one communication
+// stream, as two collectives over one NCCL group do; nothing of the all-gather, nor the compute
+// stream's use of the gathered params, may wait for the reduce-scatter's end.
+Model overlap_scenario(Sabotage sabotage) {
+  using sdp4bit::CollectiveKind;
+  Model model(4);
+  int current = kCompute, rs_blocks = 0, ag_blocks = 0, last_exchange = -1;
+  ModelDevice rs_device{&model, &current, sabotage, &rs_blocks, &last_exchange};
+  ModelDevice ag_device{&model, &current, sabotage, &ag_blocks, &last_exchange};
+  int made = 0;
+  auto make = [&] { return made++ == 0 ? kSide : kSide2; };
+  sdp4bit::SideStreams<int> sides;
+  const int rs_side = sides.get(0, CollectiveKind::ReduceScatter, make);
+  const int ag_side = sabotage == Sabotage::OneSideStream
+                          ? rs_side
+                          : sides.get(0, CollectiveKind::AllGather, make);
+  int bucket = model.allocate(kCompute);
+  int shard = model.allocate(kCompute);
+  int params = model.allocate(kCompute);
+  int rs_codes = model.allocate(rs_side), rs_received = model.allocate(rs_side);
+  int ag_codes = model.allocate(ag_side), ag_received = model.allocate(ag_side);
+  model.access(kCompute, bucket, true, "backward writes the unit's gradients");
+  int rs_end = -1;
+  auto reduced = sdp4bit::enqueue_on_side_stream(rs_device, rs_side, {bucket, shard}, [&] {
+    int on = rs_device.current();
+    model.access(on, bucket, false, "the quantize kernel reads the gradients");
+    model.access(on, rs_codes, true, "the quantize kernel writes the codes");
+    exchange(rs_device, rs_codes, rs_received);
+    model.access(on, rs_received, false, "the reduce kernel reads the received codes");
+    model.access(on, shard, true, "the reduce kernel writes the shard");
+    rs_end = model.record(on);
+  });
+  model.access(kCompute, params, true, "the next unit's shard is copied in");
+  auto gathered = sdp4bit::enqueue_on_side_stream(ag_device, ag_side, {params}, [&] {
+    int on = ag_device.current();
+    model.access(on, params, false, "the all-gather's encode kernel reads the shard", false,
+                 rs_end);
+    model.access(on, ag_codes, true, "the all-gather's encode kernel writes the codes");
+    exchange(ag_device, ag_codes, ag_received);
+    model.access(on, ag_received, false, "the all-gather's apply kernel reads the codes", false,
+                 rs_end);
+    model.access(on, params, true, "the all-gather's apply kernel writes the params");
+  });
+  gathered.wait_on_current_stream();
+  model.access(kCompute, params, false, "the next unit's backward reads the params", false,
+               rs_end);
+  reduced.wait_on_current_stream();
+  model.access(kCompute, shard, false, "the optimizer reads the shard after wait()");
+  return model;
+}
+
+// What is wrong with SideStreams' choice of streams, or "": each device and kind gets a stream
+// of its own, made on first use and kept.
+std::string side_streams_problem() {
+  using sdp4bit::CollectiveKind;
+  sdp4bit::SideStreams<int> sides;
+  int made = 0;
+  auto fresh = [&] { return ++made; };
+  const int gather = sides.get(0, CollectiveKind::AllGather, fresh);
+  if (sides.get(0, CollectiveKind::AllGather, fresh) != gather || made != 1) {
+    return "a kind's second use made another stream";
+  }
+  const int reduce = sides.get(0, CollectiveKind::ReduceScatter, fresh);
+  if (reduce == gather) return "both kinds got one stream";
+  if (sides.get(1, CollectiveKind::ReduceScatter, fresh) == reduce) {
+    return "two devices got one stream";
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -440,10 +520,11 @@ int main(int argc, char** argv) {
   for (Sabotage sabotage :
        {Sabotage::None, Sabotage::NoReadyEvent, Sabotage::NoRecordStream, Sabotage::NoDoneWait,
         Sabotage::CollectiveOnCurrent, Sabotage::NoExchangeWait, Sabotage::BuffersOffSideStream,
-        Sabotage::SetUpOnLegacyStream, Sabotage::ExchangeWaitedAtOnce}) {
+        Sabotage::SetUpOnLegacyStream, Sabotage::ExchangeWaitedAtOnce, Sabotage::OneSideStream}) {
     std::string first_problem;
     int failing = 0;
-    for (Model (*scenario)(Sabotage) : {gradient_scenario, weight_scenario, pipelined_scenario}) {
+    for (Model (*scenario)(Sabotage) :
+         {gradient_scenario, weight_scenario, pipelined_scenario, overlap_scenario}) {
       Model model = scenario(sabotage);
       for (int i = 0; i < runs; ++i) {
         Run run = model.run(seed + static_cast<uint64_t>(i));
@@ -453,9 +534,14 @@ int main(int argc, char** argv) {
     }
     bool expected = sabotage == Sabotage::None ? failing == 0 : failing > 0;
     ok = ok && expected;
-    std::printf("%s %s: %d of %d interleavings of the three scenarios wrong%s%s\n",
-                expected ? "ok" : "FAILED", name(sabotage), failing, 3 * runs,
+    std::printf("%s %s: %d of %d interleavings of the four scenarios wrong%s%s\n",
+                expected ? "ok" : "FAILED", name(sabotage), failing, 4 * runs,
                 failing ? "; first: " : "", first_problem.c_str());
   }
+  const std::string problem = side_streams_problem();
+  ok = ok && problem.empty();
+  std::printf("%s SideStreams: one stream per device and kind, kept%s%s\n",
+              problem.empty() ? "ok" : "FAILED", problem.empty() ? "" : ": ",
+              problem.c_str());
   return ok ? 0 : 1;
 }

@@ -74,6 +74,32 @@ impl Drop for SideStream {
     }
 }
 
+/// A new non-blocking stream of `kernels`' device at the device's greatest priority, never
+/// destroyed: the torch extension's side stream of a collective kind (docs/cuda.md). It is
+/// sdp4bit's alone, unlike the streams of torch's pools, which hand the same streams out
+/// round-robin to every caller (ProcessGroupNCCL and FSDP2 among them), so no other work
+/// queues on it; at the greatest priority, as FSDP2 makes its collective streams, its kernels
+/// around an exchange are not held back by the compute kernels they overlap. It is never
+/// destroyed because torch's caching allocator keeps memory per stream handle, and a handle
+/// the driver gave to a later stream would be taken for this one.
+pub fn new_priority_stream(kernels: &'static Kernels) -> Result<Stream> {
+    kernels.with_context(|| {
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: the device's primary context is current; both are written by the call.
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
+            .result()
+            .map_err(driver_error("cuCtxGetStreamPriorityRange"))?;
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: as above; `raw` receives the new stream.
+        unsafe { sys::cuStreamCreateWithPriority(&mut raw, flags, greatest) }
+            .result()
+            .map_err(driver_error("cuStreamCreateWithPriority"))?;
+        // SAFETY: a live stream of the device's primary context, never destroyed.
+        Ok(unsafe { Stream::from_raw(raw as usize) })
+    })
+}
+
 /// An exchange enqueued on a [`SideStream`]: `done` fires once it has run.
 #[derive(Debug)]
 pub struct DeviceExchange {

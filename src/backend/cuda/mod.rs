@@ -19,7 +19,8 @@
 //!   stream order, and the [`Allocator`] they come from (the driver, or one it is given, such
 //!   as torch's caching allocator);
 //! - [`SideStream`], [`DeviceExchange`]: a device communicator's exchanges on a side stream,
-//!   ordered by events, so pipeline chunks overlap;
+//!   ordered by events, so pipeline chunks overlap; [`new_priority_stream`]: the torch
+//!   extension's side streams;
 //! - [`StatusReadback`]: Global-QSGD's integer-sum status word read on the host through
 //!   pinned memory and an event query, without waiting for the device.
 //!
@@ -41,7 +42,7 @@ pub mod target;
 pub use alloc::{Allocator, DeviceAllocator, DeviceBlock, DeviceBuffer};
 pub use backend::Cuda;
 pub use compile::{Arch, Compiled, Target};
-pub use exchange::{DeviceExchange, SideStream};
+pub use exchange::{DeviceExchange, SideStream, new_priority_stream};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
 pub use module::{Kernels, device_count, driver_version, format_driver_version};
 pub use readback::StatusReadback;

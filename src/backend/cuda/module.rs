@@ -10,7 +10,7 @@ use cudarc::driver::result::{self as driver, DriverError};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use rayon::prelude::*;
 
-use super::compile::{Arch, Target, compile_for};
+use super::compile::{Arch, compile_for};
 use super::probe;
 use super::source::{Kernel, SOURCES};
 use super::target::{self, TargetChoice};
@@ -168,6 +168,7 @@ impl Kernels {
         let driver_version = driver_version()?;
         let nvrtc = probe::nvrtc_library()?;
         let choice = target::choose(arch, &target::supported_archs()?, nvrtc.version)?;
+        target::check_driver(choice.target, nvrtc, driver_version)?;
         let image_target = choice.target;
         // NVRTC is thread-safe: compile the sources in parallel.
         let compiled = SOURCES
@@ -188,10 +189,9 @@ impl Kernels {
                     .map_err(|e| {
                         Error::Cuda(format!(
                             "cuModuleLoadData of kernels/{} ({image_target}) on device {ordinal} \
-                             ({arch}, driver {}) failed: {e}{}",
+                             ({arch}, driver {}) failed: {e}",
                             source.file,
                             format_driver_version(driver_version),
-                            ptx_hint(image_target)
                         ))
                     })?;
                 for &kernel in source.kernels {
@@ -237,17 +237,6 @@ pub fn driver_version() -> Result<i32> {
 /// `13000` as `13.0`.
 pub fn format_driver_version(version: i32) -> String {
     format!("{}.{}", version / 1000, version % 1000 / 10)
-}
-
-/// What to check when PTX failed to load: the driver must know the PTX's ISA version.
-fn ptx_hint(target: Target) -> &'static str {
-    match target {
-        Target::Ptx(_) => {
-            " (the driver JIT-compiles PTX and rejects a PTX ISA newer than it knows: \
-             update the driver or use an NVRTC no newer than it)"
-        }
-        Target::Cubin(_) => "",
-    }
 }
 
 /// Runs `f` with `context` pushed as the current context, then pops it (also when `f` fails).

@@ -12,8 +12,13 @@
 //! loaded by path finds none. [`nvrtc_library`] therefore loads the builtins from the
 //! directory of the NVRTC that was found, by absolute path, before anything compiles: NVRTC's
 //! own `dlopen` of that name then returns the library already loaded (the loader matches loaded
-//! objects by soname), whatever `LD_LIBRARY_PATH` says. [`NVRTC_LIBRARY_VAR`] names an NVRTC
-//! to load by path (e.g. the one a torch wheel installed) where the loader would find none.
+//! objects by soname), whatever `LD_LIBRARY_PATH` says.
+//!
+//! Where NVRTC comes from, in order: the file [`NVRTC_LIBRARY_VAR`] names; the loader's search
+//! (cudarc's names); else a `libnvrtc.so.<major>` in the directories [`NVRTC_DIRS_VAR`] lists,
+//! which `import sdp4bit` sets to the torch wheels' (`site-packages/nvidia/*/lib`): the one of
+//! the driver's major CUDA version, else the newest not newer than it, else the newest. Whatever
+//! is found is loaded by path first, so cudarc's search by name then returns it.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
@@ -44,6 +49,7 @@ const DRIVER: Library = Library {
         "cuCtxGetCurrent",
         "cuCtxPushCurrent_v2",
         "cuCtxPopCurrent_v2",
+        "cuCtxGetStreamPriorityRange",
         "cuModuleLoadData",
         "cuModuleGetFunction",
         "cuLaunchKernel",
@@ -59,6 +65,7 @@ const DRIVER: Library = Library {
         "cuMemFreeHost",
         "cuStreamSynchronize",
         "cuStreamCreate",
+        "cuStreamCreateWithPriority",
         "cuStreamDestroy_v2",
         "cuStreamWaitEvent",
         "cuEventCreate",
@@ -94,6 +101,11 @@ const NVRTC: Library = Library {
 /// The variable naming an NVRTC library to load by absolute path before the loader's search
 /// (e.g. `.../site-packages/nvidia/cu13/lib/libnvrtc.so.13`).
 pub const NVRTC_LIBRARY_VAR: &str = "SDP4BIT_NVRTC_LIBRARY";
+
+/// The variable listing directories (separated as in `PATH`) searched for NVRTC when the loader
+/// finds none; the Python package sets it, if unset, to the `nvidia/*/lib` directories on
+/// `sys.path` (`nvidia/cu13/lib`, or `nvidia/cuda_nvrtc/lib` for CUDA 12).
+pub const NVRTC_DIRS_VAR: &str = "SDP4BIT_NVRTC_DIRS";
 
 /// The NVRTC this process compiles with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,28 +147,39 @@ fn probe(lib: &Library) -> Result<()> {
     check_symbols(lib, &name, &library)
 }
 
-/// The NVRTC of [`NVRTC_LIBRARY_VAR`] if set, else the loader's; its builtins loaded by path.
-/// Both libraries stay loaded for the life of the process.
+/// The NVRTC of [`NVRTC_LIBRARY_VAR`] if set, else the loader's, else the one of
+/// [`NVRTC_DIRS_VAR`] for this driver; its builtins loaded by path. Both libraries stay loaded
+/// for the life of the process.
 fn load_nvrtc() -> Result<NvrtcLibrary> {
-    let preloaded = match std::env::var_os(NVRTC_LIBRARY_VAR) {
-        Some(path) => {
-            let path = PathBuf::from(path);
-            // SAFETY: loading the vendor library the user named runs its initialisers, as
-            // cudarc's own load would.
-            let library = unsafe { libloading::Library::new(&path) }.map_err(|e| {
-                Error::Cuda(format!(
-                    "{NVRTC_LIBRARY_VAR}={} could not be loaded: {}",
-                    path.display(),
-                    with_source(&e)
-                ))
-            })?;
-            let mapped = mapped_path(&library, "nvrtcVersion")?;
-            std::mem::forget(library);
-            Some(mapped)
-        }
+    let named = std::env::var_os(NVRTC_LIBRARY_VAR).map(PathBuf::from);
+    let preloaded = match &named {
+        Some(path) => Some(preload(path, NVRTC_LIBRARY_VAR)?),
         None => None,
     };
-    let (name, library) = first_loadable(&NVRTC)?;
+    let (name, library) = match first_loadable(&NVRTC) {
+        Ok(found) => found,
+        Err(Error::Cuda(loader)) if named.is_none() => {
+            let dirs = std::env::var_os(NVRTC_DIRS_VAR);
+            let dirs: Vec<PathBuf> = dirs
+                .iter()
+                .flat_map(std::env::split_paths)
+                .filter(|dir| !dir.as_os_str().is_empty())
+                .collect();
+            let files = nvrtc_files(&dirs);
+            let Some(path) = preferred(&files, driver_major()) else {
+                return Err(Error::Cuda(format!(
+                    "{loader}; nor is a libnvrtc.so.<major> in the directories of \
+                     {NVRTC_DIRS_VAR}={dirs:?} (the Python package sets it to the torch \
+                     wheels' nvidia/*/lib directories): install the NVRTC of the driver's CUDA \
+                     version (pip: nvidia-cuda-nvrtc for CUDA 13, nvidia-cuda-nvrtc-cu12 for \
+                     CUDA 12) or set {NVRTC_LIBRARY_VAR} to its path"
+                )));
+            };
+            preload(path, NVRTC_DIRS_VAR)?;
+            first_loadable(&NVRTC)?
+        }
+        Err(e) => return Err(e),
+    };
     check_symbols(&NVRTC, &name, &library)?;
     let path = mapped_path(&library, "nvrtcVersion")?;
     if let Some(preloaded) = preloaded
@@ -177,6 +200,64 @@ fn load_nvrtc() -> Result<NvrtcLibrary> {
         version,
         builtins,
     })
+}
+
+/// Loads the NVRTC at `path` (found through `source`) for the life of the process; returns the
+/// file the loader mapped.
+fn preload(path: &Path, source: &str) -> Result<PathBuf> {
+    // SAFETY: loading the vendor library the user or the wheels named runs its initialisers,
+    // as cudarc's own load would.
+    let library = unsafe { libloading::Library::new(path) }.map_err(|e| {
+        Error::Cuda(format!(
+            "the NVRTC {} (from {source}) could not be loaded: {}",
+            path.display(),
+            with_source(&e)
+        ))
+    })?;
+    let mapped = mapped_path(&library, "nvrtcVersion")?;
+    std::mem::forget(library);
+    Ok(mapped)
+}
+
+/// The `libnvrtc.so.<major>` files in `dirs` (their sonames: not the `.alt` variant, not the
+/// builtins), with their major versions, directory by directory, by name within each.
+fn nvrtc_files(dirs: &[PathBuf]) -> Vec<(u32, PathBuf)> {
+    let mut files = Vec::new();
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut found: Vec<(u32, PathBuf)> = entries
+            .filter_map(|entry| {
+                let path = entry.ok()?.path();
+                let major = path.file_name()?.to_str()?.strip_prefix("libnvrtc.so.")?;
+                if !major.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                Some((major.parse().ok()?, path))
+            })
+            .collect();
+        found.sort_by(|a, b| a.1.cmp(&b.1));
+        files.extend(found);
+    }
+    files
+}
+
+/// The file to load from `files`: the newest major version not newer than the driver's
+/// (`driver_major`, when a driver loads), else the newest; the first of equals.
+fn preferred(files: &[(u32, PathBuf)], driver_major: Option<u32>) -> Option<&Path> {
+    let key = |&&(major, _): &&(u32, PathBuf)| (driver_major.is_none_or(|d| major <= d), major);
+    files
+        .iter()
+        .rev()
+        .max_by_key(key)
+        .map(|(_, path)| path.as_path())
+}
+
+/// The driver's major CUDA version, when a driver loads.
+fn driver_major() -> Option<u32> {
+    let version = super::module::driver_version().ok()?;
+    u32::try_from(version / 1000).ok()
 }
 
 /// Calls `nvrtcVersion` of `library` (mapped from `path`).
@@ -362,6 +443,69 @@ mod tests {
             }
             Err(e) => panic!("wrong variant: {e:?}"),
         }
+    }
+
+    /// Only `libnvrtc.so.<major>` files count (not the `.alt` variant, the builtins or the
+    /// unversioned link), directory by directory; the pick is the driver's major version, else
+    /// the newest not newer than the driver, else the newest, and the first directory's of
+    /// equals.
+    #[test]
+    fn wheel_nvrtc_of_the_drivers_major_version_is_preferred() {
+        let root = std::env::temp_dir().join(format!("sdp4bit-probe-{}", std::process::id()));
+        let cu13 = root.join("nvidia/cu13/lib");
+        let cu12 = root.join("nvidia/cuda_nvrtc/lib");
+        let other = root.join("other/lib");
+        for (dir, names) in [
+            (
+                &cu13,
+                &[
+                    "libnvrtc.so.13",
+                    "libnvrtc.alt.so.13",
+                    "libnvrtc-builtins.so.13.0",
+                ][..],
+            ),
+            (
+                &cu12,
+                &["libnvrtc.so.12", "libnvrtc.so", "libnvrtc.so.12.x"][..],
+            ),
+            (&other, &["libnvrtc.so.13"][..]),
+        ] {
+            std::fs::create_dir_all(dir).unwrap();
+            for name in names {
+                std::fs::write(dir.join(name), b"").unwrap();
+            }
+        }
+        let dirs = [
+            cu13.clone(),
+            root.join("missing"),
+            cu12.clone(),
+            other.clone(),
+        ];
+        let files = nvrtc_files(&dirs);
+        let (v13, v12) = (cu13.join("libnvrtc.so.13"), cu12.join("libnvrtc.so.12"));
+        assert_eq!(
+            files,
+            [
+                (13, v13.clone()),
+                (12, v12.clone()),
+                (13, other.join("libnvrtc.so.13"))
+            ]
+        );
+        for (driver, wanted) in [
+            (Some(12), &v12),
+            (Some(13), &v13),
+            (Some(14), &v13),
+            (Some(11), &v13),
+            (None, &v13),
+        ] {
+            assert_eq!(
+                preferred(&files, driver),
+                Some(wanted.as_path()),
+                "{driver:?}"
+            );
+        }
+        assert_eq!(preferred(&[], Some(13)), None);
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     /// A library without a symbol the backend needs is refused, naming the symbol.

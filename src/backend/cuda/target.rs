@@ -7,13 +7,18 @@
 //! the fallback for a device newer than every architecture the NVRTC knows: PTX for the
 //! newest virtual architecture at or below the device's, which the driver compiles for the
 //! device when the module loads.
+//!
+//! Either image must come from an NVRTC the driver is promised to load: a CUBIN from an NVRTC
+//! of the driver's major CUDA version or older, PTX from one no newer than the driver (which
+//! must know the PTX's ISA version). [`check_driver`] refuses any other pairing, naming both
+//! versions, rather than leaving the driver to fail or not.
 
 use std::ffi::c_int;
 
 use cudarc::nvrtc::sys;
 
 use super::compile::{Arch, Target};
-use super::probe;
+use super::probe::{self, NVRTC_LIBRARY_VAR, NvrtcLibrary};
 use crate::error::{Error, Result};
 
 /// The image chosen for a device, and why (for telemetry and error messages).
@@ -90,6 +95,41 @@ pub fn choose(device: Arch, supported: &[Arch], nvrtc: (u32, u32)) -> Result<Tar
     }
 }
 
+/// Refuses `target` made by `nvrtc` when the driver (`cuDriverGetVersion`'s `driver`, 1000 *
+/// major + 10 * minor) is not promised to load it: a CUBIN needs a driver of the NVRTC's major
+/// version or newer, PTX one of its version or newer. The error names both versions and what to
+/// install.
+pub fn check_driver(target: Target, nvrtc: &NvrtcLibrary, driver: i32) -> Result<()> {
+    let (major, minor) = nvrtc.version;
+    let needed = match target {
+        Target::Cubin(_) => (major, 0),
+        Target::Ptx(_) => (major, minor),
+    };
+    let have = (
+        u32::try_from(driver / 1000).unwrap_or(0),
+        u32::try_from(driver % 1000 / 10).unwrap_or(0),
+    );
+    if needed <= have {
+        return Ok(());
+    }
+    let (driver_major, driver_minor) = have;
+    let package = match driver_major {
+        13.. => "nvidia-cuda-nvrtc".to_string(),
+        _ => format!("nvidia-cuda-nvrtc-cu{driver_major}"),
+    };
+    Err(Error::Cuda(format!(
+        "NVRTC {major}.{minor} ({}) is newer than the CUDA {driver_major}.{driver_minor} \
+         driver: its {target} needs a CUDA {}.{} driver or newer. Update the driver, or use an \
+         NVRTC for CUDA {driver_major}.{driver_minor} (`pip install \
+         '{package}=={driver_major}.{driver_minor}.*'` puts it in site-packages/nvidia/*/lib, \
+         where sdp4bit looks when the loader finds no NVRTC; or name it with \
+         {NVRTC_LIBRARY_VAR})",
+        nvrtc.path.display(),
+        needed.0,
+        needed.1,
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +175,54 @@ mod tests {
             "{}",
             choice.reason
         );
+    }
+
+    /// An NVRTC of `version` (a CUDA 13 wheel's path, for the messages).
+    fn nvrtc(version: (u32, u32)) -> NvrtcLibrary {
+        NvrtcLibrary {
+            path: "/wheels/libnvrtc.so.13".into(),
+            version,
+            builtins: "/wheels/libnvrtc-builtins.so.13.0".into(),
+        }
+    }
+
+    /// A CUBIN loads on drivers of the NVRTC's major version or newer, whatever the minor
+    /// versions; an older major version is refused, naming both versions, the NVRTC and what to
+    /// install.
+    #[test]
+    fn cubin_needs_the_nvrtcs_major_version() {
+        let cubin = Target::Cubin(Arch::SM_90);
+        for (version, driver) in [((13, 0), 13000), ((13, 2), 13000), ((12, 9), 13010)] {
+            check_driver(cubin, &nvrtc(version), driver).expect("promised to load");
+        }
+        let e = check_driver(cubin, &nvrtc((13, 0)), 12090).expect_err("CUDA 12 driver");
+        let message = e.to_string();
+        for needle in [
+            "NVRTC 13.0 (/wheels/libnvrtc.so.13) is newer than the CUDA 12.9 driver",
+            "CUBIN for sm_90 needs a CUDA 13.0 driver",
+            "pip install 'nvidia-cuda-nvrtc-cu12==12.9.*'",
+            "SDP4BIT_NVRTC_LIBRARY",
+        ] {
+            assert!(message.contains(needle), "{needle}: {message}");
+        }
+    }
+
+    /// PTX loads only on drivers at least as new as the NVRTC, minor version included.
+    #[test]
+    fn ptx_needs_the_nvrtcs_version() {
+        let ptx = Target::Ptx(Arch::SM_90);
+        for (version, driver) in [((13, 0), 13000), ((12, 9), 12090), ((12, 9), 13000)] {
+            check_driver(ptx, &nvrtc(version), driver).expect("the driver knows the PTX");
+        }
+        let e = check_driver(ptx, &nvrtc((13, 1)), 13000).expect_err("PTX of CUDA 13.1");
+        let message = e.to_string();
+        assert!(
+            message.contains("PTX for compute_90 needs a CUDA 13.1 driver")
+                && message.contains("'nvidia-cuda-nvrtc==13.0.*'"),
+            "{message}"
+        );
+        check_driver(Target::Cubin(Arch::SM_90), &nvrtc((13, 1)), 13000)
+            .expect("its CUBIN loads on CUDA 13.0");
     }
 
     /// A device older than everything the NVRTC targets is an error naming both.
