@@ -192,7 +192,9 @@ def side_streams_of_their_own(rank, world, device):
     priority, handed out round-robin: where ProcessGroupNCCL takes its streams):
 
     - ``in_pool``: whether a pool stream is one of them; ``distinct``: the two differ;
-    - ``priorities``: theirs; ``greatest``: the device's greatest (numerically lowest).
+    - ``priorities``: theirs; ``torch_greatest``: the greatest (numerically lowest) priority
+      torch's own streams can have: torch clamps its range (to -3 in torch 2.11), the side
+      streams take the device's own greatest from the driver (-5 on an H100).
     """
     torch.cuda.set_device(device)
     dev = torch.device(device)
@@ -206,7 +208,7 @@ def side_streams_of_their_own(rank, world, device):
         "distinct": sides[0] != sides[1],
         "priorities": [groups.side_stream(dev, kind).priority
                        for kind in ("reduce_scatter", "all_gather")],
-        "greatest": torch.cuda.Stream.priority_range()[1],
+        "torch_greatest": torch.cuda.Stream.priority_range()[1],
     }
     groups.close()
     return out
