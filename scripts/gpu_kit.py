@@ -400,29 +400,29 @@ def stage_bench(ctx: Context, limit: float) -> str:
     return checked(status, output, "the GPU benchmark", r"kernels reach")
 
 
-def model_estimates() -> dict[str, str]:
-    """The static model's estimate (fraction of HBM) per kernel, from
-    bench/results/kernels.md."""
+def model_estimates() -> tuple[float, dict[str, str]]:
+    """The static model's HBM bandwidth (TB/s) and its estimate (fraction of it) per kernel,
+    from bench/results/kernels.md."""
     text = (ROOT / "bench" / "results" / "kernels.md").read_text()
+    hbm = float(re.search(r"^- HBM\w*: ([\d.]+) TB/s", text, re.M).group(1))
     rows = re.findall(r"^\| `(\w+)` \|.*\| \*\*(\d+%)\*\* \|$", text, re.M)
-    return dict(rows)
+    return hbm, dict(rows)
 
 
 def with_model_estimates(table: str) -> str:
-    """The benchmark's kernel table with the measured fraction of the copy's bandwidth and the
-    static model's estimate side by side."""
-    estimates = model_estimates()
+    """The benchmark's kernel table with, beside each row, its measured bandwidth as a fraction
+    of the HBM bandwidth the static model assumes and the model's estimate of that fraction."""
+    hbm, estimates = model_estimates()
     lines = []
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| row |"):
-            line += " model (kernels.md) |"
+            line += f" of HBM ({hbm:g} TB/s) | model (kernels.md) |"
         elif line.startswith("|---") and len(cells) == 9:
-            line += "---:|"
-        elif line.startswith("| (") and len(cells) == 9:
-            line += f" {estimates.get(cells[1], '-')} |"
-        elif line.startswith("| baseline"):
-            line += " - |"
+            line += "---:|---:|"
+        elif line.startswith(("| (", "| baseline")) and len(cells) == 9:
+            measured = f"{float(cells[6]) / (hbm * 1e3):.0%}"
+            line += f" {measured} | {estimates.get(cells[1], '-')} |"
         lines.append(line)
     return "\n".join(lines)
 

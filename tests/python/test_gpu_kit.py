@@ -80,18 +80,18 @@ def test_dry_run_without_a_gpu_skips_every_gpu_stage(kit, tmp_path):
 
 
 def test_report_joins_the_benchmark_with_the_static_model():
-    estimates = gpu_kit.model_estimates()
-    assert estimates["grad_quantize_first"].endswith("%"), estimates
+    hbm, estimates = gpu_kit.model_estimates()
+    assert hbm == 3.35 and estimates["grad_quantize_first"].endswith("%"), (hbm, estimates)
     table = "\n".join([
         "| row | kernel | read MiB | written MiB | median us | min us | GB/s | x copy | target |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
-        "| baseline: copy | - | 1 | 1 | 1 | 1 | 2000.0 | 1.00 | - |",
-        "| (1) grad first | grad_quantize_first | 1 | 1 | 1 | 1 | 1800.0 | 0.90 | met |"])
+        "| baseline: copy | - | 1 | 1 | 1 | 1 | 3015.0 | 1.00 | - |",
+        "| (1) grad first | grad_quantize_first | 1 | 1 | 1 | 1 | 670.0 | 0.22 | met |"])
     joined = gpu_kit.with_model_estimates(table).splitlines()
-    assert joined[0].endswith("| model (kernels.md) |")
-    assert joined[1].endswith("|---:|")
-    assert joined[2].endswith("| - |")
-    assert joined[3].endswith(f"| {estimates['grad_quantize_first']} |")
+    assert joined[0].endswith("| of HBM (3.35 TB/s) | model (kernels.md) |")
+    assert joined[1].endswith("|---:|---:|")
+    assert joined[2].endswith("| 90% | - |")
+    assert joined[3].endswith(f"| 20% | {estimates['grad_quantize_first']} |")
 
 
 def test_cost_against_a_gemm_step():
