@@ -9,9 +9,10 @@ CPU. Each shim below answers one such assumption and names the megatron-core lin
 it (0.16.1 / 0.19.2). :func:`install` applies, process-wide, the shims the installed
 megatron-core needs, detected from its sources (a shim whose call is absent is left out);
 :func:`cuda_as_cpu` is the scoped one, entered around the optimizer's construction, its
-``step()`` and checkpoint calls. What the caller does besides (docs/megatron.md, "Running on
-CPU"): ``TransformerConfig(use_cpu_initialization=True)``, the model wrapped in
-``Float16Module`` as Megatron-LM wraps it, an explicit causal attention mask,
+``step()`` and checkpoint calls, a pipeline schedule's step and the construction of a model
+whose word embedding is tied across pipeline stages. What the caller does besides
+(docs/megatron.md, "Running on CPU"): ``TransformerConfig(use_cpu_initialization=True)``, the
+model wrapped in ``Float16Module`` as Megatron-LM wraps it, an explicit causal attention mask,
 ``model_parallel_cuda_manual_seed`` after :func:`install` (it seeds the CPU tracker), and
 ``OptimizerConfig(loss_scale=...)`` where the found-inf check is wanted (bf16 without a loss
 scale has no grad scaler, hence no check).
@@ -182,7 +183,9 @@ class _CudaAsCpu(TorchFunctionMode):
       counter (pipeline_parallel/schedules.py:2138 / 2292 in 1F1B);
     - ``Tensor.cuda()`` and ``Tensor.to('cuda')`` return the tensor where it is: gathering
       optimizer state for the fully reshardable checkpoint formats
-      (optimizer/distrib_optimizer.py:1089 / 1374);
+      (optimizer/distrib_optimizer.py:1089 / 1374), the last pipeline stage's copy of the
+      tied word embedding before it is all-reduced from the first
+      (models/common/language_module/language_module.py:244 / 307);
     - ``Tensor.type()`` answers the ``torch.cuda.*`` name of the tensor's dtype, as the
       optimizer's parameter-type checks expect (optimizer/distrib_optimizer.py:361,420,582 /
       401,466,758; optimizer/optimizer.py:671,690 / 1009,1028; optimizer/clip_grads.py:167 /
@@ -208,7 +211,8 @@ class _CudaAsCpu(TorchFunctionMode):
 def cuda_as_cpu():
     """The scoped shim (see :class:`_CudaAsCpu`): enter it around ``get_megatron_optimizer``,
     ``optimizer.step()``, the optimizer's (sharded) state-dict calls,
-    ``dist_checkpointing.save`` / ``load`` and a pipeline schedule's step. Scoped rather than process-wide because it answers
-    ``Tensor.type()`` with a CUDA name, which only those calls should see."""
+    ``dist_checkpointing.save`` / ``load``, a pipeline schedule's step and building a model
+    whose embedding is tied across pipeline stages. Scoped rather than process-wide because it
+    answers ``Tensor.type()`` with a CUDA name, which only those calls should see."""
     with _CudaAsCpu():
         yield

@@ -11,6 +11,7 @@ it. Byte-level language modelling: a vocabulary of 256, tokens are bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -64,37 +65,75 @@ def _cuda_as_cpu():
     return megatron_cpu.cuda_as_cpu() if _DEVICE.type == "cpu" else contextlib.nullcontext()
 
 
-def transformer_config(shape: Shape):
+def transformer_config(shape: Shape, sequence_parallel: bool = False):
+    """The model's config, with the parallel sizes :func:`initialize` set up (as Megatron-LM
+    fills them in from its flags: the tied embedding and sequence parallelism read them)."""
+    from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.width, num_attention_heads=shape.heads,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         use_cpu_initialization=_DEVICE.type == "cpu", hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
     )
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm for megatron-core under sequence parallelism, which its fallback
+    without Apex or Transformer Engine (``WrappedTorchNorm``, ``transformer/torch_norm.py:32 /
+    50``) refuses: as Apex's FusedLayerNorm does, each rank normalises its part of the sequence
+    and the weight and bias are marked ``sequence_parallel``, so that finalize_model_grads sums
+    their gradients over the tensor-parallel group."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = config.sequence_parallel
+
+
+def _layer_spec(layers: int, sequence_parallel: bool):
+    """megatron-core's local layer spec; with sequence parallelism, the spec of a block of
+    `layers` such layers whose norms (the final one too) are :class:`SequenceParallelLayerNorm`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec()
+    if not sequence_parallel:
+        return spec
+    norms = {"input_layernorm": SequenceParallelLayerNorm,
+             "pre_mlp_layernorm": SequenceParallelLayerNorm}
+    layer = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers,
+                                      layer_norm=SequenceParallelLayerNorm)
+
+
 def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process: bool = True,
-                **ddp_options):
-    """A bf16 GPTModel (learned absolute positions, output layer tied to the embedding when
-    one stage holds both) in ``Float16Module`` and megatron-core's DDP with the distributed
-    optimizer's buffers; `ddp_options` go to ``DistributedDataParallelConfig`` (e.g.
+                sequence_parallel: bool = False, **ddp_options):
+    """A bf16 GPTModel (learned absolute positions, the output layer tied to the word
+    embedding, as Megatron-LM ties them by default: across the first and the last pipeline
+    stage when they are different) in ``Float16Module`` and megatron-core's DDP with the
+    distributed optimizer's buffers; `sequence_parallel` with tensor parallelism (and one
+    pipeline stage); `ddp_options` go to ``DistributedDataParallelConfig`` (e.g.
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``; fp32 gradient buffers
-    unless ``grad_reduce_in_fp32=False``). The same `seed`
-    gives every data-parallel replica the same initial weights. On a CUDA device the model
-    is moved there before wrapping, as Megatron-LM's get_model does (the layers megatron-core
-    does not allocate itself, e.g. the position embedding and layer norms, start on the CPU)."""
+    unless ``grad_reduce_in_fp32=False``). The same `seed` gives every data-parallel replica
+    the same initial weights. On a CUDA device the model is moved there before wrapping, as
+    Megatron-LM's get_model does (the layers megatron-core does not allocate itself, e.g. the
+    position embedding and layer norms, start on the CPU)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config(shape)
+    config = transformer_config(shape, sequence_parallel)
     torch.manual_seed(seed)
-    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                   max_sequence_length=shape.context, pre_process=pre_process,
-                   post_process=post_process,
-                   share_embeddings_and_output_weights=pre_process and post_process)
+    # The scoped shim: the last stage copies the tied embedding with Tensor.cuda() before
+    # it all-reduces it from the first stage.
+    with _cuda_as_cpu():
+        gpt = GPTModel(config, _layer_spec(shape.layers, sequence_parallel), vocab_size=VOCAB,
+                       max_sequence_length=shape.context, pre_process=pre_process,
+                       post_process=post_process, share_embeddings_and_output_weights=True)
     if _DEVICE.type == "cuda":
         gpt.cuda(_DEVICE)
     ddp_config = DistributedDataParallelConfig(

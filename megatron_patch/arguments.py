@@ -11,6 +11,10 @@
                                       --sdp4bit-weight-codec qw (ablations), --sdp4bit-seed 7
     --sdp4bit-ranks-per-node N        ranks per node (default: LOCAL_WORLD_SIZE)
     --sdp4bit-telemetry-interval N    report bytes and quantization error every N iterations
+    --sdp4bit-replica-check-interval N
+                                      every N iterations, check that the copies of parameters
+                                      Megatron keeps identical across tensor-parallel ranks and
+                                      pipeline stages are (megatron_core.check_replicated_params)
 
 ``--sdp4bit-grad-quant-start-iter`` is a deprecated alias of
 ``--sdp4bit-grad-quant-start-step`` (Megatron counts iterations; one optimizer step each).
@@ -49,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="every N iterations, log bytes sent and the quantization error "
                             "against an exact collective (costs one uncompressed collective "
                             "on those iterations; 0 = off)")
+    group.add_argument("--sdp4bit-replica-check-interval", type=int, default=0,
+                       help="every N iterations, check that the parameters Megatron keeps "
+                            "identical across tensor-parallel ranks and the word embedding "
+                            "tied across pipeline stages hold the same bits, naming the first "
+                            "that differs (0 = off)")
     return parser
 
 

@@ -39,7 +39,8 @@ def _wrap(parse_args):
             megatron_core.enable(config, local_world_size=parsed.sdp4bit_ranks_per_node,
                                  iteration=_megatron_iteration,
                                  telemetry_interval=parsed.sdp4bit_telemetry_interval,
-                                 tensorboard_writer=_megatron_tensorboard_writer)
+                                 tensorboard_writer=_megatron_tensorboard_writer,
+                                 replica_check_interval=parsed.sdp4bit_replica_check_interval)
         return parsed
 
     parse_args_with_sdp4bit.sdp4bit_original = parse_args

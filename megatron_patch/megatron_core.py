@@ -18,6 +18,13 @@ A bucket group's collectives are set up at its first gradient sync (after set-up
 resume), when every replica holds the same parameters: qWD takes its first differences
 against them, so set-up checks that they really are the same on every rank and raises
 otherwise.
+
+Megatron also keeps copies bit-identical outside the DP group: parameters replicated across
+tensor-parallel ranks, and the word embedding tied between the first and the last pipeline
+stage. The ``exact_params`` knob makes the replicated ones (by default) travel exact beside
+the compressed bucket; the tied embedding's bucket is numbered alike on both stages, so that
+both draw the same random numbers (docs/megatron.md, "Parameters kept exact").
+:func:`check_replicated_params` compares the copies.
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from sdp4bit import Config, GradReduceScatter, Handle, ProcessGroups, Sdp4bitError, WeightAllGather
+from sdp4bit import (Config, GradReduceScatter, Handle, ProcessGroups, Sdp4bitError,
+                     WeightAllGather, limits)
 from sdp4bit._patching import Patches
 from sdp4bit.integration import WireCounter, local_shard, log_route_notice, require_bf16
-from sdp4bit.replicas import check_replicas_identical
+from sdp4bit.replicas import check_replicas_identical, checksums_across
 from sdp4bit.telemetry import ErrorStats, Telemetry
 
 logger = logging.getLogger("sdp4bit")
@@ -52,6 +60,9 @@ class _Settings:
     iteration: object = None
     telemetry: Telemetry = field(default_factory=lambda: Telemetry(0))
     bucket_groups: list = field(default_factory=list)  # those set up, in set-up order
+    models: list = field(default_factory=list)  # DDP models built since enable, in order
+    replica_check_interval: int = 0  # check_replicated_params every N gradient syncs (0: never)
+    replica_checks: int = 0  # gradient syncs of the first model so far
 
 
 _SETTINGS: _Settings | None = None
@@ -72,17 +83,84 @@ def _ddp_class():
 def _ddp_init(self, *args, **kwargs):
     """DistributedDataParallel.__init__, then numbers its buckets: in buffer order, counting
     on from earlier models (model chunks), so the numbering (which seeds each bucket's random
-    streams) does not depend on how buckets are grouped or when they first communicate."""
+    streams) does not depend on how buckets are grouped or when they first communicate. The
+    bucket of the word embedding tied across pipeline stages (megatron-core gives it a bucket
+    of its own, laid out alike on the first and the last stage) takes the largest id on both
+    stages, so that their all-gathers give the same bits. Each bucket also records where its
+    exact parameters (the ``exact_params`` knob) lie."""
     _PATCHES.original("__init__")(self, *args, **kwargs)
-    if _SETTINGS is not None:
-        for buffer in self.buffers + self.expert_parallel_buffers:
-            for bucket in buffer.buckets:
-                bucket.sdp4bit_bucket_id = _SETTINGS.next_bucket_id
-                _SETTINGS.next_bucket_id += 1
+    settings = _SETTINGS
+    if settings is None:
+        return
+    tied_id = limits().max_bucket_id
+    exact = _exact_params(self, settings.config.values()["exact_params"])
+    for buffer in self.buffers + self.expert_parallel_buffers:
+        for bucket in buffer.buckets:
+            if any(getattr(p, "shared_embedding", False) for p in bucket.params_list):
+                bucket_id = tied_id
+            else:
+                bucket_id = settings.next_bucket_id
+                settings.next_bucket_id += 1
+                if bucket_id == tied_id:
+                    raise Sdp4bitError(
+                        f"more than {tied_id} DDP buckets: sdp4bit's random streams number "
+                        f"buckets up to {tied_id - 1} (and {tied_id}, the tied word "
+                        "embedding's); make the buckets larger (bucket_size)")
+            bucket.sdp4bit_bucket_id = bucket_id
+            starts = {p: buffer.param_index_map[p][0] - bucket.offset for p in bucket.params_list}
+            bucket.sdp4bit_exact = sorted((starts[p], starts[p] + p.numel())
+                                          for p in bucket.params_list if p in exact)
+    settings.models.append(self)
+
+
+def _exact_params(ddp, mode: str) -> set:
+    """The parameters of the DDP model `ddp` that the ``exact_params`` knob's `mode` keeps
+    exact: none; those Megatron replicates across tensor-parallel ranks (no
+    ``tensor_model_parallel`` attribute, when TP > 1); or those plus every 1-D parameter (norm
+    weights and biases, every bias) and the embedding tables (the word embedding, tied or not,
+    and learned position embeddings)."""
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    if mode == "none":
+        return set()
+    params = list(ddp.module.parameters())
+    exact = set()
+    if _tensor_parallel_group(ddp).size() > 1:
+        exact.update(p for p in params if not getattr(p, "tensor_model_parallel", False))
+    if mode == "norms-biases-embeddings":
+        exact.update(p for p in params if p.dim() == 1 or getattr(p, "shared_embedding", False))
+        exact.update(m.weight for m in ddp.module.modules()
+                     if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)))
+    return exact
+
+
+def _tensor_parallel_group(ddp):
+    """The tensor-parallel group of a DDP model (its own where megatron-core keeps one)."""
+    group = getattr(ddp, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
+
+
+def _ddp_finish_grad_sync(self, *args, **kwargs):
+    """DistributedDataParallel.finish_grad_sync, after :func:`check_replicated_params` on every
+    `replica_check_interval`-th call for the first model: finalize_model_grads calls it on every
+    rank after the pipeline schedule, when each stage's forward has gathered every parameter
+    and no rank waits for another's activations."""
+    settings = _SETTINGS
+    if (settings is not None and settings.replica_check_interval and settings.models
+            and self is settings.models[0]):
+        if settings.replica_checks % settings.replica_check_interval == 0:
+            check_replicated_params(settings.models)
+        settings.replica_checks += 1
+    return _PATCHES.original("finish_grad_sync")(self, *args, **kwargs)
 
 
 def enable(config: Config, local_world_size: int | None = None,
-           iteration=None, telemetry_interval: int = 0, tensorboard_writer=None) -> None:
+           iteration=None, telemetry_interval: int = 0, tensorboard_writer=None,
+           replica_check_interval: int = 0) -> None:
     """Routes the distributed optimizer's collectives through sdp4bit with `config`.
 
     Call it on every rank before the DDP model is built. `local_world_size` (ranks per node;
@@ -93,19 +171,26 @@ def enable(config: Config, local_world_size: int | None = None,
     restore it with :func:`load_state_dict`. Every `telemetry_interval` steps (0: never) each
     bucket group reports bytes sent and the quantization error of its gradients and
     parameters against Megatron's exact collectives (:mod:`sdp4bit.telemetry`) to the
-    ``sdp4bit`` logger and `tensorboard_writer` (a writer, or a callable returning one).
+    ``sdp4bit`` logger and `tensorboard_writer` (a writer, or a callable returning one). Every
+    `replica_check_interval` gradient syncs (0: never; the first one included) of the first DDP
+    model built, :func:`check_replicated_params` runs on all of them before the sync.
     """
     global _SETTINGS
     description = config.describe()  # raises Sdp4bitError for a bad preset or knob
+    if not isinstance(replica_check_interval, int) or replica_check_interval < 0:
+        raise ValueError(f"sdp4bit: replica_check_interval must be a non-negative int, got "
+                         f"{replica_check_interval!r}")
     cls = _bucket_group_class()
     _PATCHES.install(cls, "start_grad_sync", _start_grad_sync)
     _PATCHES.install(cls, "start_param_sync", _start_param_sync)
     _PATCHES.install(_ddp_class(), "__init__", _ddp_init)
+    _PATCHES.install(_ddp_class(), "finish_grad_sync", _ddp_finish_grad_sync)
     _SETTINGS = _Settings(
         config,
         local_world_size,
         iteration=iteration,
         telemetry=Telemetry(telemetry_interval, tensorboard_writer),
+        replica_check_interval=replica_check_interval,
     )
     logger.info("sdp4bit enabled: %s", description)
 
@@ -144,6 +229,67 @@ class BucketGroupHandle:
             finish()
 
 
+class _ExactElements:
+    """The elements of one bucket that travel exact beside its compressed collectives
+    (docs/megatron.md, "Parameters kept exact"): their indices in the bucket, the same on every
+    DP rank, and which of them lie in this rank's shard. Each path is one asynchronous
+    all-reduce over the DP group of the elements, issued before the compressed collective
+    starts and completed after it, from the training thread in program order."""
+
+    def __init__(self, ranges: list[tuple[int, int]], device: torch.device, rank: int,
+                 shard_len: int) -> None:
+        index = torch.cat([torch.arange(start, end) for start, end in ranges])
+        first = rank * shard_len
+        low, high = torch.searchsorted(index, torch.tensor([first, first + shard_len])).tolist()
+        self.mine = slice(low, high)  # this rank's elements, in `index`
+        self.index = index.to(device)
+        self.own_index = self.index[self.mine]
+        self.in_shard = self.own_index - first
+        self.set_up_values: torch.Tensor | None = None  # this rank's, as the bucket was set up
+
+    def start_grads(self, grads: torch.Tensor, group):
+        """Issues the fp32 sum over `group` of every rank's exact elements of `grads`."""
+        values = grads.index_select(0, self.index).float()
+        return dist.all_reduce(values, group=group, async_op=True), values
+
+    def finish_grads(self, pending, shard: torch.Tensor) -> None:
+        """Completes :meth:`start_grads` and writes the sums of this rank's elements into
+        `shard`, over what the compressed reduce-scatter gave them."""
+        work, values = pending
+        work.wait()
+        shard.index_copy_(0, self.in_shard, values[self.mine].to(shard.dtype))
+
+    def keep_set_up_values(self, params: torch.Tensor) -> None:
+        """Keeps this rank's exact elements of `params` as the bucket's all-gather is set up
+        (qWD's first reference)."""
+        self.set_up_values = params.index_select(0, self.own_index)
+
+    def start_params(self, params: torch.Tensor, group):
+        """Takes this rank's new exact values out of `params`, putting back the values kept at
+        set-up, and issues their all-gather over `group`. The compressed all-gather then
+        carries the set-up values, which qWD encodes exactly: its reference for them never
+        changes, since they always go this way, so their difference is 0 and so is its code,
+        and every replica's apply leaves them as they were. The exact values go as a byte-wise
+        SUM all-reduce of every rank's exact elements, each byte non-zero on its owner only,
+        which adds nothing to it."""
+        values = torch.zeros(len(self.index), dtype=params.dtype, device=params.device)
+        values[self.mine] = params.index_select(0, self.own_index)
+        params.index_copy_(0, self.own_index, self.set_up_values)
+        return dist.all_reduce(values.view(torch.uint8), group=group, async_op=True), values
+
+    def finish_params(self, pending, params: torch.Tensor) -> None:
+        """Completes :meth:`start_params` and writes every owner's exact values into
+        `params`."""
+        work, values = pending
+        work.wait()
+        params.index_copy_(0, self.index, values)
+
+    def wire_bytes(self, world: int, element_bytes: int) -> int:
+        """Bytes one rank sends in one all-reduce of the elements, `element_bytes` each, over
+        `world` ranks, as a ring sends them (a reduce-scatter, then an all-gather)."""
+        return 2 * (world - 1) * len(self.index) * element_bytes // world
+
+
 @dataclass
 class _BucketGroupState:
     """sdp4bit's per-bucket-group state, kept on the bucket group."""
@@ -151,17 +297,35 @@ class _BucketGroupState:
     groups: ProcessGroups
     grad: list[GradReduceScatter]
     weight: list[WeightAllGather]
+    # Per bucket: the exact elements of a bucket that mixes them with compressed ones, or None.
+    exact: list[_ExactElements | None]
+    # Per bucket: whether all of it is exact, its collectives then the uncompressed codecs'.
+    all_exact: list[bool]
     grad_step: int = 0  # gradient syncs so far: the optimizer step being computed
     # No gradient sync since set-up (or resume): the replicas hold identical parameters.
     fresh: bool = True
 
+    def count_grads(self, wire: WireCounter, step: int) -> None:
+        """Adds the bytes of this group's gradient sync at `step` to `wire`, the exact
+        parameters' among them (fp32 sums)."""
+        for rs, exact, all_exact in zip(self.grad, self.exact, self.all_exact):
+            wire.add_grad(rs, step, exact=all_exact)
+            if exact is not None and rs.quantizes_at(step):
+                wire.add_exact(exact.wire_bytes(self.groups.size, 4))
+
+    def count_weights(self, wire: WireCounter) -> None:
+        """Adds the bytes of this group's parameter sync to `wire`, the exact parameters'
+        among them (bf16 values)."""
+        for ag, exact, all_exact in zip(self.weight, self.exact, self.all_exact):
+            wire.add_weight(ag, exact=all_exact)
+            if exact is not None:
+                wire.add_exact(exact.wire_bytes(self.groups.size, 2))
+
     def wire_bytes(self, step: int) -> WireCounter:
         """Bytes of this group's gradient and parameter sync at `step`, and uncompressed."""
         wire = WireCounter()
-        for rs in self.grad:
-            wire.add_grad(rs, step)
-        for ag in self.weight:
-            wire.add_weight(ag)
+        self.count_grads(wire, step)
+        self.count_weights(wire)
         return wire
 
 
@@ -204,7 +368,7 @@ def _state(bucket_group) -> _BucketGroupState | None:
     ):
         return None
     groups = _groups_for(settings, bucket_group.intra_distributed_optimizer_instance_group)
-    grads = []
+    grads, exact, all_exact = [], [], []
     for bucket in bucket_group.buckets:
         if bucket.grad_data.dtype not in (torch.float32, torch.bfloat16):
             raise Sdp4bitError(
@@ -216,8 +380,15 @@ def _state(bucket_group) -> _BucketGroupState | None:
                 "this DDP model was built before megatron_patch.megatron_core.enable(); "
                 "enable sdp4bit first, then build the model"
             )
-        grads.append(GradReduceScatter(groups, settings.config, bucket.grad_data.numel(),
-                                       bucket_id, device=bucket.grad_data.device))
+        ranges = bucket.sdp4bit_exact
+        exact_numel = sum(end - start for start, end in ranges)
+        all_exact.append(exact_numel == sum(p.numel() for p in bucket.params_list))
+        exact.append(_ExactElements(ranges, bucket.grad_data.device, groups.rank,
+                                    bucket.grad_data.numel() // groups.size)
+                     if ranges and not all_exact[-1] else None)
+        config = Config("baseline") if all_exact[-1] else settings.config
+        grads.append(GradReduceScatter(groups, config, bucket.grad_data.numel(), bucket_id,
+                                       device=bucket.grad_data.device))
     log_route_notice(f"bucket group of buckets {[rs.bucket_id for rs in grads]}", grads)
     weights = []
     if settings.config.compresses_weights:
@@ -226,10 +397,13 @@ def _state(bucket_group) -> _BucketGroupState | None:
         check_replicas_identical([b.param_data for b in bucket_group.buckets],
                                  _dp_group(groups))
         weights = [
-            WeightAllGather(groups, settings.config, bucket.param_data, rs.bucket_id)
+            WeightAllGather(groups, rs.config, bucket.param_data, rs.bucket_id)
             for bucket, rs in zip(bucket_group.buckets, grads)
         ]
-    state = _BucketGroupState(groups, grads, weights)
+        for bucket, elements in zip(bucket_group.buckets, exact):
+            if elements is not None:
+                elements.keep_set_up_values(bucket.param_data)
+    state = _BucketGroupState(groups, grads, weights, exact, all_exact)
     first = settings.iteration() if settings.iteration is not None else 0
     state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
     bucket_group._sdp4bit = state
@@ -299,37 +473,41 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
     state = None if force_all_reduce else _state(self)
     if state is not None:
         state.fresh = False
-    if (state is None or not _SETTINGS.config.compresses_grads
-            or not state.grad[0].quantizes_at(state.grad_step)):
+    if state is None or not any(rs.quantizes_at(state.grad_step) for rs in state.grad):
         if state is not None:
             state.grad_step += 1
         return _PATCHES.original("start_grad_sync")(self, force_all_reduce)
     _prepare_grads(self, force_all_reduce)
     cfg = self.ddp_config
     rank, size = state.groups.rank, state.groups.size
+    dp_group = _dp_group(state.groups)
     step = state.grad_step
     telemetry = _SETTINGS.telemetry
     set_up = len(_SETTINGS.bucket_groups)  # bucket groups reporting each step
-    exact = [] if telemetry.due(step) else None
-    handles = []
-    for bucket, rs in zip(self.buckets, state.grad):
+    reference = [] if telemetry.due(step) else None
+    handles, pending = [], []
+    for bucket, rs, exact in zip(self.buckets, state.grad, state.exact):
         # fp32 and bf16 buckets alike go straight in: a bf16 bucket is read as fp32 and its
         # shard rounded back to bf16 by the collective (docs/numerics.md §7.5).
         data = bucket.grad_data
-        if exact is not None:
+        if reference is not None:
             # The reference sums the fp32 values, as the collective does.
-            exact.append(_exact_reduce_scatter(data.float(), state.groups))
+            reference.append(_exact_reduce_scatter(data.float(), state.groups))
+        # Read before the collective overwrites this rank's shard of the bucket.
+        pending.append(exact.start_grads(data, dp_group) if exact is not None else None)
         handles.append(rs.start(data, local_shard(data, rank, size), step))
     state.grad_step += 1
 
     def finish():
-        if exact is not None:
+        for bucket, exact, started in zip(self.buckets, state.exact, pending):
+            if exact is not None:
+                exact.finish_grads(started, local_shard(bucket.grad_data, rank, size))
+        if reference is not None:
             got = [local_shard(b.grad_data, rank, size) for b in self.buckets]
             wire = WireCounter()
-            for rs in state.grad:
-                wire.add_grad(rs, step)
+            state.count_grads(wire, step)
             telemetry.report("grad", step, set_up, wire.sent, wire.uncompressed,
-                             ErrorStats.of(got, exact))
+                             ErrorStats.of(got, reference), exact=wire.exact)
         if cfg.average_in_collective:
             for bucket in self.buckets:
                 local_shard(bucket.grad_data, rank, size).div_(size)
@@ -365,19 +543,26 @@ def _start_param_sync(self, force_sync: bool = False):
     step = state.grad_step - 1
     telemetry = _SETTINGS.telemetry
     set_up = len(_SETTINGS.bucket_groups)  # bucket groups reporting each step
-    exact = None
+    reference = None
     if telemetry.due(step):
-        exact = [_exact_all_gather(bucket.param_data, state.groups) for bucket in self.buckets]
+        reference = [_exact_all_gather(b.param_data, state.groups) for b in self.buckets]
+    dp_group = _dp_group(state.groups)
+    # The exact elements leave the buckets before the compressed all-gather reads them.
+    pending = [exact.start_params(bucket.param_data, dp_group) if exact is not None else None
+               for bucket, exact in zip(self.buckets, state.exact)]
     handles = [ag.start(bucket.param_data, step) for bucket, ag in zip(self.buckets, state.weight)]
-    finish = None
-    if exact is not None:
-        def finish():
+
+    def finish():
+        for bucket, exact, started in zip(self.buckets, state.exact, pending):
+            if exact is not None:
+                exact.finish_params(started, bucket.param_data)
+        if reference is not None:
             wire = WireCounter()
-            for ag in state.weight:
-                wire.add_weight(ag)
+            state.count_weights(wire)
             got = [bucket.param_data for bucket in self.buckets]
             telemetry.report("param", step, set_up, wire.sent, wire.uncompressed,
-                             ErrorStats.of(got, exact))
+                             ErrorStats.of(got, reference), exact=wire.exact)
+
     handle = BucketGroupHandle(handles, finish)
     if self.ddp_config.overlap_param_gather and not force_sync:
         self.param_gather_handle = handle
@@ -423,14 +608,62 @@ def load_state_dict(saved: dict) -> None:
     _SETTINGS.resume_steps = {int(k): int(v) for k, v in saved["grad_steps"].items()}
 
 
-def wire_bytes(ddp_model, step: int) -> tuple[int, int]:
-    """(bytes sent, bytes the uncompressed collectives would send) by this rank in one training
-    step of `ddp_model` (a megatron-core DistributedDataParallel), summed over bucket groups."""
-    sent = baseline = 0
+def _wire(ddp_model, step: int) -> WireCounter:
+    wire = WireCounter()
     for bucket_group in _bucket_groups(ddp_model):
         state = getattr(bucket_group, "_sdp4bit", None)
         if state is not None:
-            wire = state.wire_bytes(step)
-            sent, baseline = sent + wire.sent, baseline + wire.uncompressed
-    return sent, baseline
+            state.count_grads(wire, step)
+            state.count_weights(wire)
+    return wire
 
+
+def wire_bytes(ddp_model, step: int) -> tuple[int, int]:
+    """(bytes sent, bytes the uncompressed collectives would send) by this rank in one training
+    step of `ddp_model` (a megatron-core DistributedDataParallel), summed over bucket groups."""
+    return _wire(ddp_model, step).pair()
+
+
+def exact_wire_bytes(ddp_model, step: int) -> int:
+    """Of the bytes :func:`wire_bytes` counts as sent, those that carried the parameters kept
+    exact (the ``exact_params`` knob)."""
+    return _wire(ddp_model, step).exact
+
+
+def check_replicated_params(models) -> None:
+    """Raises :class:`Sdp4bitError`, naming the first parameter that differs and the ranks
+    that hold other bits, unless the copies Megatron keeps identical outside the DP group are
+    bit-identical: across the tensor-parallel group every parameter without
+    ``tensor_model_parallel``, across the embedding group the word embedding tied between the
+    first and the last pipeline stage. `models` is a DDP model or a list of model chunks.
+    Collective over both groups: call it on every rank at the same point, with the parameters
+    gathered (``enable(replica_check_interval=N)`` calls it as the gradient sync starts).
+    Compares checksums of the bits (:func:`sdp4bit.replicas.checksums_across`)."""
+    from megatron.core import parallel_state
+
+    models = list(models) if isinstance(models, (list, tuple)) else [models]
+    named = [(name, p) for model in models for name, p in model.module.named_parameters()]
+    tp_group = _tensor_parallel_group(models[0])
+    if tp_group.size() > 1:
+        _check_copies([(n, p) for n, p in named if not getattr(p, "tensor_model_parallel", False)],
+                      tp_group, "tensor-parallel")
+    tied = [(n, p) for n, p in named if getattr(p, "shared_embedding", False)]
+    embedding_group = parallel_state.get_embedding_group(check_initialized=False)
+    if (tied and embedding_group is not None
+            and dist.get_rank() in dist.get_process_group_ranks(embedding_group)):
+        _check_copies(tied, embedding_group, "embedding")
+
+
+def _check_copies(named: list, group, what: str) -> None:
+    """Raises :class:`Sdp4bitError` naming the first of `named` (name, tensor) whose bits
+    differ across `group` (the `what` group)."""
+    sums = checksums_across([p.detach() for _, p in named], group)
+    differs = (sums != sums[0]).any(dim=0).nonzero()
+    if len(differs):
+        index = int(differs[0])
+        ranks = dist.get_process_group_ranks(group)
+        others = [ranks[r] for r in range(len(ranks)) if sums[r, index] != sums[0, index]]
+        raise Sdp4bitError(
+            f"parameter {named[index][0]} differs across the {what} group {ranks}: ranks "
+            f"{others} hold other bits than rank {ranks[0]} ({int(differs.numel())} of "
+            f"{len(named)} tensors that Megatron keeps identical there differ)")

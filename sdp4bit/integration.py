@@ -1,7 +1,7 @@
 """What every framework integration (megatron-core, DeepSpeed, FSDP2) shares: the shard of a
 bucket a DP rank owns, the bf16 requirement of the weight codecs, the count of bytes sent
-against the uncompressed collectives, and the log line when a topology forces the slower
-one-level route."""
+against the uncompressed collectives, the log line when a topology forces the slower
+one-level route, and the refusal of the exact parameters only megatron_patch implements."""
 
 from __future__ import annotations
 
@@ -36,10 +36,12 @@ def require_bf16(dtypes: Iterable[torch.dtype], what: str, remedy: str) -> None:
 @dataclass
 class WireCounter:
     """Bytes this rank sent through sdp4bit's collectives, and what the uncompressed
-    collectives would have sent for the same calls."""
+    collectives would have sent for the same calls; `exact` of the bytes sent carried
+    parameters kept exact (megatron_patch's ``exact_params``)."""
 
     sent: int = 0
     uncompressed: int = 0
+    exact: int = 0
 
     def add(self, sent: int, uncompressed: int) -> None:
         """One call that sent `sent` bytes where the framework's own collective would have
@@ -47,15 +49,26 @@ class WireCounter:
         self.sent += sent
         self.uncompressed += uncompressed
 
-    def add_grad(self, rs: GradReduceScatter, step: int) -> None:
-        """One reduce-scatter of `rs` at `step`."""
-        self.sent += rs.wire_bytes(step).total
+    def add_grad(self, rs: GradReduceScatter, step: int, exact: bool = False) -> None:
+        """One reduce-scatter of `rs` at `step`; `exact`: of a bucket kept exact whole."""
+        sent = rs.wire_bytes(step).total
+        self.sent += sent
+        self.exact += sent if exact else 0
         self.uncompressed += rs.baseline_wire_bytes().total
 
-    def add_weight(self, ag) -> None:
-        """One all-gather of `ag` (a :class:`~sdp4bit.WeightAllGather`)."""
-        self.sent += ag.wire_bytes().total
+    def add_weight(self, ag, exact: bool = False) -> None:
+        """One all-gather of `ag` (a :class:`~sdp4bit.WeightAllGather`); `exact`: of a bucket
+        kept exact whole."""
+        sent = ag.wire_bytes().total
+        self.sent += sent
+        self.exact += sent if exact else 0
         self.uncompressed += ag.baseline_wire_bytes().total
+
+    def add_exact(self, sent: int) -> None:
+        """Bytes sent beside the compressed collectives by the exact path of some elements
+        (counted in nothing uncompressed: the collectives' own counts hold those elements)."""
+        self.sent += sent
+        self.exact += sent
 
     def pair(self) -> tuple[int, int]:
         """(sent, uncompressed)."""
@@ -69,3 +82,14 @@ def log_route_notice(where: str, reduce_scatters: Iterable[GradReduceScatter]) -
     notices = {rs.notice() for rs in reduce_scatters} - {None}
     for notice in sorted(notices):
         logger.warning("sdp4bit %s: %s", where, notice)
+
+
+def refuse_exact_embeddings(config, framework: str) -> None:
+    """Raises :class:`Sdp4bitError` when `config` asks for ``exact_params`` that only the
+    megatron-core integration implements (``norms-biases-embeddings``): `framework` (named in
+    the message) compresses every parameter. Its other values hold there as they are: it has
+    no tensor-parallel copies (it refuses tensor parallelism), so none are replicated."""
+    if config.values()["exact_params"] == "norms-biases-embeddings":
+        raise Sdp4bitError(f"exact_params=norms-biases-embeddings is implemented for "
+                           f"megatron-core (megatron_patch) only; {framework} compresses every "
+                           "parameter (exact_params=replicated or none)")

@@ -1,5 +1,7 @@
-"""The check that every DP replica holds the same parameter buffers, which the weight codecs
-need when they set up (qWD sends differences from the values every replica holds)."""
+"""Checks that copies of parameters hold the same bits: every DP replica's buffers, which the
+weight codecs need when they set up (qWD sends differences from the values every replica
+holds), and any tensors across a group (megatron_patch compares the copies Megatron keeps
+identical across tensor-parallel ranks and pipeline stages)."""
 
 from __future__ import annotations
 
@@ -29,15 +31,23 @@ def _checksum(buffer: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def check_replicas_identical(buffers: list[torch.Tensor], group) -> None:
-    """Raises :class:`Sdp4bitError` on every rank of `group` unless all of them hold the same
-    `buffers` (contiguous bf16 or other 16-bit tensors), compared by a position-weighted
-    checksum of their bits, all-gathered over `group`."""
-    sums = [_checksum(b) for b in buffers]
-    # On the buffers' device: an NCCL group exchanges CUDA tensors, gloo takes either.
+def checksums_across(tensors: list[torch.Tensor], group) -> torch.Tensor:
+    """Every rank of `group`'s checksums of its `tensors` (contiguous 16-bit tensors, the same
+    number on every rank): a position-weighted sum of each tensor's bits, all-gathered over
+    `group`; an int64 CPU tensor of (ranks of `group`) x (tensors)."""
+    sums = [_checksum(t) for t in tensors]
+    # On the tensors' device: an NCCL group exchanges CUDA tensors, gloo takes either.
     mine = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
+    return torch.stack(every).cpu()
+
+
+def check_replicas_identical(buffers: list[torch.Tensor], group) -> None:
+    """Raises :class:`Sdp4bitError` on every rank of `group` unless all of them hold the same
+    `buffers` (contiguous bf16 or other 16-bit tensors), compared by
+    :func:`checksums_across`."""
+    every = checksums_across(buffers, group)
     differing = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
     if differing:
         raise Sdp4bitError(

@@ -1,4 +1,5 @@
-"""Telemetry of the compressed collectives: bytes sent against the uncompressed baseline, and
+"""Telemetry of the compressed collectives: bytes sent against the uncompressed baseline (and
+those of them that carried parameters kept exact), and
 at a configurable interval the quantization error, measured against Megatron's own exact
 collective run on the same data (which costs one uncompressed collective on those steps only).
 Reported through the ``sdp4bit`` logger and, when one is given, a tensorboard writer."""
@@ -53,6 +54,7 @@ class _Step:
     reports: int = 0
     sent: int = 0
     baseline: int = 0
+    exact: int = 0
     error: ErrorStats = field(default_factory=ErrorStats)
 
 
@@ -71,12 +73,14 @@ class Telemetry:
         return self.interval > 0 and step % self.interval == 0
 
     def report(self, what: str, step: int, groups: int, sent: int, baseline: int,
-               error: ErrorStats) -> None:
-        """One bucket group's numbers for `what` ("grad" or "param") at `step`, of `groups`."""
+               error: ErrorStats, exact: int = 0) -> None:
+        """One bucket group's numbers for `what` ("grad" or "param") at `step`, of `groups`;
+        `exact` of the `sent` bytes carried parameters kept exact."""
         acc = self._open.setdefault((what, step), _Step())
         acc.reports += 1
         acc.sent += sent
         acc.baseline += baseline
+        acc.exact += exact
         acc.error.merge(error)
         if acc.reports >= groups:
             del self._open[(what, step)]
@@ -85,6 +89,7 @@ class Telemetry:
     def _emit(self, what: str, step: int, acc: _Step) -> None:
         e = acc.error
         values = {"bytes_sent": acc.sent, "bytes_uncompressed": acc.baseline,
+                  "bytes_exact": acc.exact,
                   "rel_l2_error": e.rel_l2, "max_abs_error": e.max_abs, "nonfinite": e.nonfinite}
         writer = self._writer() if callable(self._writer) else self._writer
         if writer is not None:
@@ -93,7 +98,8 @@ class Telemetry:
         if not dist.is_initialized() or dist.get_rank() == 0:
             ratio = f"{acc.baseline / acc.sent:.2f}x less" if acc.sent else "nothing sent"
             logger.info(
-                f"sdp4bit {what} step {step}: {acc.sent:,d} B sent vs {acc.baseline:,d} B "
+                f"sdp4bit {what} step {step}: {acc.sent:,d} B sent ({acc.exact:,d} B of them "
+                f"exact) vs {acc.baseline:,d} B "
                 f"({ratio}); error rel-L2 {e.rel_l2:.3e}, max {e.max_abs:.3e}, "
                 f"{e.nonfinite} new non-finite"
             )

@@ -54,6 +54,21 @@ pub enum GradCodec {
     Zeropp,
 }
 
+/// Which parameters an integration keeps out of the codecs, sending their gradient sums and
+/// values exact beside the compressed bucket (docs/megatron.md, "Parameters kept exact"). The
+/// core only validates it and agrees it across ranks (it is part of the fingerprint); the
+/// megatron-core integration acts on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExactParams {
+    /// Every parameter is compressed.
+    None,
+    /// Parameters replicated across tensor-parallel ranks (the default), which Megatron keeps
+    /// bit-identical there.
+    Replicated,
+    /// Those, every norm and bias (1-D parameters) and the embedding tables.
+    NormsBiasesEmbeddings,
+}
+
 /// Named starting points; a preset only chooses defaults, every knob stays settable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Preset {
@@ -117,6 +132,8 @@ pub struct Config {
     pub grad_quant_start_step: u64,
     /// Training seed: the Philox key of every stochastic rounding.
     pub seed: u64,
+    /// Parameters sent exact by the integrations that support it.
+    pub exact_params: ExactParams,
 }
 
 /// Largest group size accepted for any codec.
@@ -242,6 +259,7 @@ impl Config {
             pipeline_chunks: None,
             grad_quant_start_step: 0,
             seed: DEFAULT_SEED,
+            exact_params: ExactParams::Replicated,
         }
     }
 
@@ -266,8 +284,9 @@ impl Config {
     /// (stochastic|nearest), `grad_codec` (none|tlq-hs|tlq|qsdp|global-qsgd|zeropp; resets the
     /// gradient knobs), `grad_intra_bits`, `grad_inter_bits`, `grad_group_size`,
     /// `hadamard_block` (0 = off), `grad_rounding`, `global_qsgd_bits` (auto|8|16),
-    /// `pipeline_chunks`, `grad_quant_start_step`, `seed`. A knob the current codec does not
-    /// use is an error rather than silently ignored.
+    /// `pipeline_chunks`, `grad_quant_start_step`, `seed`, `exact_params`
+    /// (none|replicated|norms-biases-embeddings). A knob the current codec does not use is an
+    /// error rather than silently ignored.
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
         let w = self.weight.codec;
         let g = self.grad.codec;
@@ -323,6 +342,7 @@ impl Config {
             }
             "grad_quant_start_step" => self.grad_quant_start_step = parse(key, value)?,
             "seed" => self.seed = parse(key, value)?,
+            "exact_params" => self.exact_params = parse(key, value)?,
             _ => {
                 return Err(Error::Config(format!(
                     "unknown knob '{key}' (value '{value}'); known knobs: {}",
@@ -508,6 +528,13 @@ pub const KNOBS: &[Knob] = &[
         values: ANY_U64,
         doc: "seed of the stochastic-rounding random streams",
     },
+    Knob {
+        name: "exact_params",
+        values: KnobValues::Names(&["none", "replicated", "norms-biases-embeddings"]),
+        doc: "parameters whose gradients and values travel exact beside the compressed bucket \
+              (megatron-core): none, those replicated across tensor-parallel ranks, or those plus \
+              every norm, bias and embedding table",
+    },
 ];
 
 impl Config {
@@ -542,6 +569,7 @@ impl Config {
                     ),
                     "grad_quant_start_step" => Some(self.grad_quant_start_step.to_string()),
                     "seed" => Some(self.seed.to_string()),
+                    "exact_params" => Some(self.exact_params.to_string()),
                     other => unreachable!("knob {other} has no value"),
                 };
                 (knob.name, value)
@@ -637,6 +665,8 @@ named_enum!(WeightCodec, "weight codec",
 named_enum!(GradCodec, "gradient codec",
     None => "none", TlqHs => "tlq-hs", Tlq => "tlq", Qsdp => "qsdp",
     GlobalQsgd => "global-qsgd", Zeropp => "zeropp");
+named_enum!(ExactParams, "exact_params value",
+    None => "none", Replicated => "replicated", NormsBiasesEmbeddings => "norms-biases-embeddings");
 named_enum!(Preset, "preset",
     Sdp4bit => "sdp4bit", Qsdp => "qsdp", GlobalQsgd => "global-qsgd",
     Zeropp => "zeropp", Baseline => "baseline");
@@ -679,11 +709,12 @@ impl fmt::Display for Config {
         }
         write!(
             f,
-            ";chunks={};grad_start={};seed={}",
+            ";chunks={};grad_start={};seed={};exact={}",
             self.pipeline_chunks
                 .map_or("auto".to_string(), |p| p.to_string()),
             self.grad_quant_start_step,
-            self.seed
+            self.seed,
+            self.exact_params
         )
     }
 }

@@ -34,5 +34,5 @@ pub mod plan;
 pub mod rng;
 pub mod self_check;
 
-pub use config::{Config, GradCodec, Preset, Rounding, WeightCodec};
+pub use config::{Config, ExactParams, GradCodec, Preset, Rounding, WeightCodec};
 pub use error::{Error, Result};

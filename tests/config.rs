@@ -2,8 +2,8 @@
 
 use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::config::{
-    DEFAULT_SEED, GROUP_QUANTUM, GradConfig, KNOBS, MAX_GROUP_SIZE, MAX_PIPELINE_CHUNKS,
-    WeightConfig,
+    DEFAULT_SEED, ExactParams, GROUP_QUANTUM, GradConfig, KNOBS, MAX_GROUP_SIZE,
+    MAX_PIPELINE_CHUNKS, WeightConfig,
 };
 use sdp4bit::{Config, Error, GradCodec, Preset, Rounding, WeightCodec};
 use sdp4bit_test_support::random::SplitMix64;
@@ -13,10 +13,12 @@ use Rounding::{Nearest, Stochastic};
 /// Golden fingerprint of `Config::preset(Preset::Sdp4bit)`. Ranks of different builds compare
 /// fingerprints before the first collective, so this value must not change while the preset
 /// means the same exchanges: a change means old and new builds refuse to work together. It
-/// changed once, deliberately, when the preset's `pipeline_chunks` became `auto` (old builds
-/// exchange one chunk, new ones several: they must refuse each other, not hang).
+/// changed deliberately when the preset's `pipeline_chunks` became `auto` (old builds
+/// exchange one chunk, new ones several: they must refuse each other, not hang), and when
+/// `exact_params` came in (with tensor parallelism new builds send the replicated parameters
+/// exact besides, old ones do not).
 /// (FNV-1a 64 of the canonical string pinned in `canonical_form_of_every_preset`.)
-const SDP4BIT_FINGERPRINT: u64 = 0x023a_acbf_2fe6_fb44;
+const SDP4BIT_FINGERPRINT: u64 = 0xec57_17ec_5ca4_dc96;
 
 /// FNV-1a 64 written out (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -264,6 +266,17 @@ fn every_knob_can_be_set() {
     assert_eq!(c.grad_quant_start_step, 1000);
     let c = set(Preset::Sdp4bit, &[("seed", "18446744073709551615")]);
     assert_eq!(c.seed, u64::MAX);
+    for (v, want) in [
+        ("none", ExactParams::None),
+        ("replicated", ExactParams::Replicated),
+        (
+            "norms-biases-embeddings",
+            ExactParams::NormsBiasesEmbeddings,
+        ),
+    ] {
+        let c = set(Preset::Baseline, &[("exact_params", v)]);
+        assert_eq!(c.exact_params, want, "exact_params={v}");
+    }
     // Hadamard is allowed on every two-level codec, also tlq and zeropp.
     let c = set(Preset::Zeropp, &[("hadamard_block", "16")]);
     assert_eq!(c.grad.hadamard_block, Some(16));
@@ -316,7 +329,7 @@ fn every_knob_can_be_set() {
     c.set("grad_codec", "tlq-hs").unwrap();
     c.set("weight_codec", "qwd").unwrap();
     assert_eq!(c, Config::preset(Preset::Sdp4bit));
-    assert_eq!(KNOBS.len(), 14);
+    assert_eq!(KNOBS.len(), 15);
 }
 
 #[test]
@@ -427,6 +440,10 @@ fn bad_values_are_errors_naming_knob_and_value() {
         &["grad_codec", "fp8"],
     );
     mentions(
+        &fail(Preset::Sdp4bit, &[("exact_params", "biases")]),
+        &["exact_params", "biases", "norms-biases-embeddings"],
+    );
+    mentions(
         &fail(Preset::Sdp4bit, &[("weight_codec", "int2")]),
         &["weight_codec", "int2"],
     );
@@ -501,27 +518,29 @@ fn canonical_form_of_every_preset() {
             Preset::Sdp4bit,
             "sdp4bit-config-v1;weight=qwd(bits=4,group=2048,rounding=stochastic);\
              grad=tlq-hs(intra_bits=8,inter_bits=4,group=128,hadamard=32,rounding=stochastic);\
-             chunks=auto;grad_start=0;seed=1234",
+             chunks=auto;grad_start=0;seed=1234;exact=replicated",
         ),
         (
             Preset::Qsdp,
             "sdp4bit-config-v1;weight=qsdp(bits=8,group=1024,rounding=stochastic);\
-             grad=qsdp(bits=8,group=1024,rounding=stochastic);chunks=auto;grad_start=0;seed=1234",
+             grad=qsdp(bits=8,group=1024,rounding=stochastic);chunks=auto;grad_start=0;seed=1234;\
+             exact=replicated",
         ),
         (
             Preset::GlobalQsgd,
             "sdp4bit-config-v1;weight=none;grad=global-qsgd(bits=auto,rounding=stochastic);\
-             chunks=auto;grad_start=0;seed=1234",
+             chunks=auto;grad_start=0;seed=1234;exact=replicated",
         ),
         (
             Preset::Zeropp,
             "sdp4bit-config-v1;weight=zeropp(bits=8,group=2048,rounding=nearest);\
              grad=zeropp(intra_bits=4,inter_bits=4,group=128,hadamard=0,rounding=nearest);\
-             chunks=auto;grad_start=0;seed=1234",
+             chunks=auto;grad_start=0;seed=1234;exact=replicated",
         ),
         (
             Preset::Baseline,
-            "sdp4bit-config-v1;weight=none;grad=none;chunks=auto;grad_start=0;seed=1234",
+            "sdp4bit-config-v1;weight=none;grad=none;chunks=auto;grad_start=0;seed=1234;\
+             exact=replicated",
         ),
     ];
     for (p, s) in want {
@@ -539,13 +558,14 @@ fn canonical_form_of_every_preset() {
             ("global_qsgd_bits", "16"),
             ("seed", "9"),
             ("pipeline_chunks", "2"),
+            ("exact_params", "norms_biases_embeddings"),
         ],
     )
     .unwrap();
     assert_eq!(
         c.to_string(),
         "sdp4bit-config-v1;weight=none;grad=global-qsgd(bits=16,rounding=stochastic);\
-         chunks=2;grad_start=0;seed=9"
+         chunks=2;grad_start=0;seed=9;exact=norms-biases-embeddings"
     );
 }
 
@@ -564,7 +584,7 @@ fn sdp4bit_fingerprint_is_pinned() {
 }
 
 /// One alternative value per knob (key, value, preset where it applies).
-const CHANGES: [(Preset, &str, &str); 20] = [
+const CHANGES: [(Preset, &str, &str); 22] = [
     (Preset::Sdp4bit, "weight_codec", "qw"),
     (Preset::Sdp4bit, "weight_bits", "8"),
     (Preset::Sdp4bit, "weight_group_size", "1024"),
@@ -585,6 +605,8 @@ const CHANGES: [(Preset, &str, &str); 20] = [
     (Preset::Sdp4bit, "grad_quant_start_step", "1"),
     (Preset::Sdp4bit, "seed", "1235"),
     (Preset::Baseline, "seed", "0"),
+    (Preset::Sdp4bit, "exact_params", "none"),
+    (Preset::Zeropp, "exact_params", "norms-biases-embeddings"),
 ];
 
 #[test]
@@ -622,7 +644,7 @@ fn fingerprint_changes_with_every_knob() {
 fn fingerprint_equal_iff_configs_equal() {
     // Random override sequences: among all valid configs reached, equal fingerprints (and
     // equal canonical forms) must mean equal configs and vice versa.
-    let values: [(&str, &[&str]); 14] = [
+    let values: [(&str, &[&str]); 15] = [
         ("weight_codec", &["none", "qwd", "qw", "qsdp", "zeropp"]),
         ("weight_bits", &["4", "8"]),
         ("weight_group_size", &["32", "1024", "2048"]),
@@ -640,6 +662,10 @@ fn fingerprint_equal_iff_configs_equal() {
         ("pipeline_chunks", &["auto", "1", "2", "3"]),
         ("grad_quant_start_step", &["0", "5"]),
         ("seed", &["1", "2"]),
+        (
+            "exact_params",
+            &["none", "replicated", "norms-biases-embeddings"],
+        ),
     ];
     let mut rng = SplitMix64::new(0xc0f1_0001);
     let mut seen: Vec<Config> = Vec::new();

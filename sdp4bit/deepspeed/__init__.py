@@ -12,10 +12,14 @@ The section takes ``preset``, ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``)
 and the core's knobs (:func:`sdp4bit.knobs`). Stages 1 and 2: :mod:`.zero12`; stage 3:
 :mod:`.zero3`. Features the integration does not handle (offload, MoE, ZeRO++'s own
 quantization, hierarchical partitioning) are refused with an error: nothing falls back to
-uncompressed traffic silently.
+uncompressed traffic silently. So is model parallelism (an ``mpu`` with tensor or pipeline
+parallelism, as Megatron-DeepSpeed passes): its ranks hold copies of parameters (norms, biases,
+tied embeddings) that each rank's DP group would compress differently.
 """
 
 from __future__ import annotations
+
+import torch.distributed as dist
 
 from ..errors import Sdp4bitError
 from . import zero3, zero12
@@ -52,6 +56,15 @@ def attach(optimizer, settings: Settings) -> None:
     config = settings.config
     if not (config.compresses_weights or config.compresses_grads):
         return  # the baseline preset: DeepSpeed's own collectives, untouched
+    model_parallel = getattr(optimizer, "model_parallel_group", None)
+    if model_parallel is not None and dist.get_world_size(model_parallel) > 1:
+        raise Sdp4bitError(
+            f"this ZeRO optimizer has a model-parallel group of "
+            f"{dist.get_world_size(model_parallel)} ranks (the mpu's tensor or pipeline "
+            "parallelism): they hold copies of parameters (norms, biases, tied embeddings) "
+            "that sdp4bit would compress separately in each rank's DP group, so the copies "
+            "would drift apart; sdp4bit's DeepSpeed integration supports data parallelism "
+            "only (Megatron models: megatron_patch, whose exact_params keeps them identical)")
     if type(optimizer) is DeepSpeedZeroOptimizer_Stage3:
         return zero3.attach(optimizer, settings)
     if isinstance(optimizer, DeepSpeedZeroOptimizer):

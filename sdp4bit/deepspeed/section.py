@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..config import Config, knobs, presets
 from ..errors import Sdp4bitError
+from ..integration import refuse_exact_embeddings
 
 #: The section's name (top level: DeepSpeed rejects unknown keys in zero_optimization).
 SECTION = "sdp4bit"
@@ -54,7 +55,9 @@ def settings_from_config(ds_config: dict) -> Settings | None:
         raise Sdp4bitError(f'"{SECTION}.ranks_per_node" must be a positive integer, got '
                            f"{ranks_per_node!r}")
     overrides = {name: section[name] for name in knob_names if name in section}
-    return Settings(Config.from_knobs(preset, overrides).validate(), ranks_per_node)
+    config = Config.from_knobs(preset, overrides).validate()
+    refuse_exact_embeddings(config, "the DeepSpeed integration")
+    return Settings(config, ranks_per_node)
 
 
 def load_config(config) -> dict:

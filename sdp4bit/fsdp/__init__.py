@@ -17,7 +17,10 @@ core's. A preset given by name reads ``sdp4bit`` as qsdp weights (:func:`preset_
 :class:`~sdp4bit.Config` with qWD weights is refused.
 
 Refused with an error naming the problem, never run uncompressed: HSDP and replicated
-parameters (their all-reduce would go uncompressed), a reduce op other than AVG or SUM
+parameters (their all-reduce would go uncompressed), parameters on a device mesh of more than
+one dimension (tensor parallelism: the copies of replicated parameters on the other dimension
+would be compressed separately and drift apart), ``exact_params=norms-biases-embeddings``
+(megatron-core only), a reduce op other than AVG or SUM
 (``set_gradient_divide_factor`` without ``set_force_sum_reduction_for_comms(True)``),
 re-gathers over a smaller group (``reshard_after_forward=<int>``), and, with a weight codec,
 parameters not all-gathered as bf16.
@@ -34,6 +37,7 @@ import torch.nn as nn
 from ..config import Config
 from ..errors import Sdp4bitError
 from ..groups import ProcessGroups
+from ..integration import refuse_exact_embeddings
 from ..telemetry import Telemetry
 from ._torch import Unit, fsdp2, units
 
@@ -89,6 +93,7 @@ def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
     """
     api = fsdp2()
     config = _fsdp_config(config)
+    refuse_exact_embeddings(config, "sdp4bit.fsdp")
     if not isinstance(first_step, int) or first_step < 0:
         raise ValueError(f"sdp4bit: first_step must be a non-negative int, got {first_step!r}")
     if getattr(model, _ATTRIBUTE, None) is not None:

@@ -74,7 +74,10 @@ class Unit:
 
     def shard_group(self):
         """The process group the unit shards its parameters over; refuses a unit that also
-        replicates them (HSDP, or replicate()), whose all-reduce would go uncompressed."""
+        replicates them (HSDP, or replicate()), whose all-reduce would go uncompressed, and
+        one whose parameters live on a mesh of more dimensions than the one it shards over
+        (tensor parallelism), whose copies of replicated parameters on the other dimensions
+        would be compressed separately and drift apart."""
         mesh_info = _attribute(self.param_group, "mesh_info", "FSDPParamGroup")
         if _attribute(mesh_info, "replicate_mesh_dim", "DataParallelMeshInfo") is not None:
             kind = "HSDP" if hasattr(mesh_info, "shard_process_group") else "replicate()"
@@ -82,6 +85,19 @@ class Unit:
                 f"{self.label} replicates its parameters over a mesh dimension ({kind}); "
                 "their all-reduce between replicas would go uncompressed: shard over a 1-D "
                 "data-parallel mesh")
+        shard_mesh = _attribute(mesh_info, "mesh", "FSDPMeshInfo")
+        for param in self.params():
+            mesh = param.device_mesh
+            if mesh.ndim > 1:
+                names = mesh.mesh_dim_names or tuple(f"dim {d}" for d in range(mesh.ndim))
+                others = [n for n in names if n not in (shard_mesh.mesh_dim_names or ())]
+                raise Sdp4bitError(
+                    f"{self.label} has parameters on the {mesh.ndim}-D device mesh {names}: "
+                    f"besides the data-parallel dimension it shards over, the mesh dimension "
+                    f"{', '.join(map(repr, others))} (tensor parallelism) holds copies of the "
+                    "parameters it replicates (norms, biases), which sdp4bit would compress "
+                    "separately in each data-parallel group, so the copies would drift apart; "
+                    "sdp4bit.fsdp supports a 1-D data-parallel mesh")
         return _attribute(mesh_info, "shard_process_group", "FSDPMeshInfo")
 
     def comms(self) -> tuple[object, object]:

@@ -266,3 +266,51 @@ def route_notice(rank, world):
         engine.step()
     deepspeed_zero.detach(optimizer)
     return records.messages
+
+
+class TensorParallelMpu:
+    """What Megatron-DeepSpeed hands DeepSpeed as ``mpu``: W ranks as TP = 2 (consecutive
+    ranks) x DP = W / 2."""
+
+    def __init__(self, rank: int, world: int):
+        tp = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        dp = [dist.new_group(list(range(t, world, 2))) for t in range(2)]
+        self.tp, self.dp = tp[rank // 2], dp[rank % 2]
+
+    def get_model_parallel_group(self):
+        return self.tp
+
+    def get_model_parallel_world_size(self):
+        return dist.get_world_size(self.tp)
+
+    def get_model_parallel_rank(self):
+        return dist.get_rank(self.tp)
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+    def get_data_parallel_world_size(self):
+        return dist.get_world_size(self.dp)
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank(self.dp)
+
+
+def model_parallel_refused(rank, world, stage):
+    """The sdp4bit section with an mpu of TP = 2: refused once DeepSpeed built the ZeRO
+    optimizer. Returns the error's message."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+    from sdp4bit import Sdp4bitError
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    try:
+        deepspeed_zero.initialize(model=model, model_parameters=model.parameters(),
+                                  config=_ds_config(stage, 1, {"preset": "qsdp"}),
+                                  mpu=TensorParallelMpu(rank, world))
+    except Sdp4bitError as error:
+        return str(error)
+    raise AssertionError("model parallelism was not refused")

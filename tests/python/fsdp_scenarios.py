@@ -251,6 +251,21 @@ def telemetry(rank, world, steps, interval):
     return writer.scalars
 
 
+def _tensor_parallel(mesh) -> nn.Module:
+    """The model with each block tensor-parallel over ``mesh["tp"]`` (column-wise, then
+    row-wise) and every unit sharded over ``mesh["dp"]``: FSDP2 on a 2-D mesh."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(1234)
+    model = Net()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(block, mp_policy=FP32_REDUCE, mesh=mesh["dp"])
+    fully_shard(model, mp_policy=FP32_REDUCE, mesh=mesh["dp"])
+    return model
+
+
 def _expect_error(fragment: str, action) -> str:
     try:
         action()
@@ -266,7 +281,8 @@ def _step(model):
 
 
 def refusals(rank, world):
-    """What sdp4bit cannot serve stops on every rank with a message naming it (needs W = 4);
+    """What sdp4bit cannot serve stops on every rank with a message naming it (needs W = 4:
+    HSDP, and tensor parallelism on a 2-D mesh, over 2 x 2 ranks);
     nodes of unequal size log the one-level route once. Returns the messages."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -274,6 +290,11 @@ def refusals(rank, world):
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     seen.append(_expect_error("replicates its parameters over a mesh dimension (HSDP)",
                               lambda: sdp4bit.fsdp.enable(build(mesh=mesh))))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    seen.append(_expect_error("FSDP unit 'blocks.0' has parameters on the 2-D device mesh "
+                              "('dp', 'tp'): besides the data-parallel dimension it shards "
+                              "over, the mesh dimension 'tp'",
+                              lambda: sdp4bit.fsdp.enable(_tensor_parallel(mesh))))
 
     def enable_and_step(model, fragment, config="sdp4bit"):
         sdp4bit.fsdp.enable(model, config)

@@ -90,7 +90,8 @@ def _grad_snapshot(chunk) -> list[torch.Tensor]:
 def _check_grad_shards_against_core(chunk, before):
     """Each bucket's reduced shard equals the Rust core's in-process reduce-scatter of every
     DP rank's (scaled) bucket, byte for byte (a bf16 bucket: of its fp32 values, rounded to
-    bf16)."""
+    bf16), but for the elements kept exact (``exact_params``), which hold the fp32 sums (DP =
+    2 in these tests: a sum of two values is the same in either order)."""
     dp = _dp_group()
     rank, world = dist.get_rank(dp), dist.get_world_size(dp)
     buckets = [(g, i, b) for g in chunk.bucket_groups for i, b in enumerate(g.buckets)]
@@ -103,7 +104,12 @@ def _check_grad_shards_against_core(chunk, before):
         dist.all_gather(every, grad, group=dp)
         expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
             rs.config.spec(), state.groups.node_labels, rs.bucket_id, step,
-            torch.stack(every).float())[rank].to(grad.dtype)
+            torch.stack(every).float())[rank]
+        exact = state.exact[idx]
+        if exact is not None:
+            assert world == 2
+            expected[exact.in_shard] = torch.stack(every).float()[:, exact.own_index].sum(0)
+        expected = expected.to(grad.dtype)
         got = local_shard(bucket.grad_data, rank, world)
         bits = torch.int32 if got.dtype == torch.float32 else torch.int16
         assert torch.equal(got.view(bits), expected.view(bits)), (
@@ -435,3 +441,171 @@ def route_notice(rank, world, steps):
     integration.disable()
     gpt.shutdown()
     return len(ddp.bucket_groups), records.messages
+
+
+#: The layouts of :func:`copies_across_groups` on W = 4: (TP, PP, sequence parallelism, ranks
+#: per node). TP = 2: DP groups {0, 2} and {1, 3}, a rank per node (one level between nodes)
+#: or both on one node (one level inside it); PP = 2: stages {0, 1} and {2, 3}, embedding
+#: groups {0, 2} and {1, 3}.
+LAYOUTS = {"tp": (2, 1, False, 2), "tp-sp": (2, 1, True, 4), "pp": (1, 2, False, 1)}
+
+
+def _same_across(tensors: list[torch.Tensor], group) -> list[bool]:
+    """Whether each of `tensors` holds the same bits on every rank of `group`."""
+    bits = torch.cat([t.detach().reshape(-1).view(torch.int16) for t in tensors]).to(torch.int32)
+    every = [torch.empty_like(bits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, bits, group=group)
+    same = torch.stack([e == every[0] for e in every]).all(dim=0)
+    return [bool(part.all()) for part in same.split([t.numel() for t in tensors])]
+
+
+def _differing_copies(ddp) -> tuple[list[str], bool]:
+    """(the parameters without ``tensor_model_parallel`` whose bits differ across the TP
+    group, whether the word embedding tied across pipeline stages differs across the
+    embedding group), compared bit for bit."""
+    from megatron.core import parallel_state
+
+    named = list(ddp.module.named_parameters())
+    replicated = [(n, p) for n, p in named if not getattr(p, "tensor_model_parallel", False)]
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    differing = []
+    if tp_group.size() > 1:
+        same = _same_across([p for _, p in replicated], tp_group)
+        differing = [n for (n, _), alike in zip(replicated, same) if not alike]
+    tied = [p for _, p in named if getattr(p, "shared_embedding", False)]
+    tied_differs = bool(tied) and not all(_same_across(
+        tied, parallel_state.get_embedding_group(check_initialized=False)))
+    return differing, tied_differs
+
+
+def _forward_step(first: bool, last: bool):
+    """The pipeline schedule's forward step: inputs on the first stage, labels on the last."""
+
+    def forward_step(data_iterator, model):
+        data = next(data_iterator)
+        positions = torch.arange(SHAPE.context).unsqueeze(0).expand(BATCH, SHAPE.context)
+        output = model(data[:, :-1] if first else None, positions,
+                       gpt.causal_mask(SHAPE.context), labels=data[:, 1:] if last else None)
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def copies_across_groups(rank, world, layout, variants, steps):
+    """Trains each of `variants`, (name, preset or None for Megatron's own collectives, knobs,
+    overlap of gradient and parameter syncs), `steps` steps on `layout` (LAYOUTS) as
+    Megatron-LM does: megatron-core's schedule, then its finalize_model_grads (the DP gradient
+    sync, the sequence-parallel norms' and the tied embedding's all-reduces). The copies
+    Megatron keeps identical (:func:`_differing_copies`) are compared as every step's
+    finalize starts (every parameter gathered by its forward: the previous step's update) and
+    after the last step; sdp4bit's own check (``replica_check_interval=1``) runs there too,
+    and a variant ends where it raises. The variant "tied ids differ" numbers the tied
+    embedding's bucket apart on the last stage, as before both stages agreed on it. Returns,
+    per variant: the comparisons, (step, message) of the check's error or None, the bytes one
+    step sent and those of them that went exact, and how many parameters are replicated
+    across the TP group."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from sdp4bit import Sdp4bitError, limits
+
+    tp, pp, sequence_parallel, ranks_per_node = LAYOUTS[layout]
+    gpt.initialize(SEED, tp=tp, pp=pp)
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    schedule = get_forward_backward_func()
+    results = {}
+    for name, preset, knobs, overlap in variants:
+        if preset is not None:
+            integration.enable(Config.from_knobs(preset, {"seed": 5, **knobs}),
+                               local_world_size=ranks_per_node, replica_check_interval=1)
+        ddp = gpt.build_model(SHAPE, SEED, pre_process=first, post_process=last,
+                              sequence_parallel=sequence_parallel, overlap_grad_reduce=overlap,
+                              overlap_param_gather=overlap, bucket_size=BUCKET)
+        if name.startswith("tied ids differ") and last:
+            for bucket in (b for buffer in ddp.buffers for b in buffer.buckets):
+                if any(getattr(p, "shared_embedding", False) for p in bucket.params_list):
+                    bucket.sdp4bit_bucket_id = limits().max_bucket_id - 1
+        optimizer = gpt.build_optimizer([ddp], lr=LR)
+        compared = []
+
+        def finalize(*args, **kwargs):
+            compared.append(_differing_copies(ddp))
+            return finalize_model_grads(*args, **kwargs)
+
+        ddp.config.finalize_model_grads_func = finalize
+        check = None
+        for step in range(steps):
+            gpt.zero_grads([ddp], optimizer)
+            try:
+                with megatron_cpu.cuda_as_cpu():  # the schedule counts tokens on "cuda"
+                    schedule(forward_step_func=_forward_step(first, last),
+                             data_iterator=iter([windows(step, dp_rank)]), model=[ddp],
+                             num_microbatches=1, seq_length=SHAPE.context,
+                             micro_batch_size=BATCH)
+            except Sdp4bitError as error:
+                check = (step, str(error))
+                break
+            stepped, _ = gpt.optimizer_step(optimizer)
+            assert stepped
+        else:
+            gpt.flush_param_sync([ddp])
+            compared.append(_differing_copies(ddp))
+        wire = (0, 0)
+        if preset is not None:
+            wire = (integration.wire_bytes(ddp, steps - 1)[0],
+                    integration.exact_wire_bytes(ddp, steps - 1))
+            integration.disable()
+        replicated = sum(not getattr(p, "tensor_model_parallel", False)
+                         for p in ddp.module.parameters())
+        results[name] = {"compared": compared, "check": check, "wire": wire,
+                         "replicated": replicated}
+    gpt.shutdown()
+    return results
+
+
+def exact_elements_beside_qwd(rank, world, put_back, steps):
+    """One bf16 bucket of 2 x 4096 elements all-gathered with qWD (W = 2) while elements
+    in both shards travel exact (megatron_patch's ``_ExactElements``), as the integration
+    runs them, checked every step: after the compressed all-gather, before the exact values
+    are written, the exact elements still hold their values from before it (this rank's own
+    the set-up values put back); after, every rank holds every owner's exact new values and
+    the replicas are bit-identical. `put_back` False skips putting the set-up values back
+    (the control: qWD's differences are then not 0 there). Returns per step whether the exact
+    elements held their values through the compressed all-gather."""
+    from megatron_patch.megatron_core import _ExactElements
+    from sdp4bit import ProcessGroups, WeightAllGather
+
+    groups = ProcessGroups.create(local_world_size=1)
+    numel, ranges = 2 * 4096, [(100, 164), (4000, 4200), (8000, 8192)]
+    params = torch.randn(numel, generator=torch.Generator().manual_seed(3)).bfloat16()
+    all_gather = WeightAllGather(groups, Config("sdp4bit"), params, bucket_id=0)
+    exact = _ExactElements(ranges, params.device, rank, numel // world)
+    exact.keep_set_up_values(params)
+    noise = torch.Generator().manual_seed(10 + rank)
+    held = []
+    for step in range(steps):
+        local_shard(params, rank, world).sub_(
+            1e-2 * torch.randn(numel // world, generator=noise).bfloat16())
+        new = params[exact.own_index].clone()
+        if put_back:
+            pending = exact.start_params(params, dist.group.WORLD)
+        before = params[exact.index].clone()
+        all_gather.start(params, step).wait()
+        held.append(torch.equal(params[exact.index].view(torch.int16),
+                                before.view(torch.int16)))
+        if put_back:
+            exact.finish_params(pending, params)
+            every = [None] * world
+            dist.all_gather_object(every, new)  # each rank owns another number of them
+            assert torch.equal(params[exact.index], torch.cat(every))
+            assert _same_across([params], dist.group.WORLD) == [True]
+    groups.close()
+    return held

@@ -74,6 +74,8 @@ def test_loss_tracks_the_baseline():
     ({"preset": "sdp4bit", "weight_bits": 3}, "weight_bits=3"),
     ({"ranks_per_node": 0}, "ranks_per_node"),
     ({"enabled": "yes"}, "enabled"),
+    ({"exact_params": "norms-biases-embeddings"},
+     "exact_params=norms-biases-embeddings is implemented for megatron-core"),
     ("sdp4bit", "must be an object"),
 ])
 def test_bad_sections_are_rejected(section, fragment):
@@ -91,6 +93,14 @@ def test_stages_it_cannot_serve_are_rejected_before_deepspeed_starts(stage, sect
     with pytest.raises(Sdp4bitError) as error:
         deepspeed_zero.initialize(model=torch.nn.Linear(4, 4), config=config)
     assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_model_parallelism_is_refused(stage):
+    # Megatron-DeepSpeed passes an mpu; with TP = 2 its ranks hold copies of parameters that
+    # each DP group would compress differently.
+    for message in run_ranks(4, ds.model_parallel_refused, stage, env=CPU):
+        assert "has a model-parallel group of 2 ranks" in message, message
 
 
 def test_disabled_section_changes_nothing():

@@ -112,7 +112,7 @@ def test_telemetry_reports_bytes_and_error_at_the_interval():
 
 def test_what_it_cannot_serve_is_refused_on_every_rank():
     per_rank = run_ranks(4, fs.refusals)
-    assert all(len(seen) == 6 for seen in per_rank)
+    assert all(len(seen) == 7 for seen in per_rank)
 
 
 def test_preset_names_read_qwd_as_qsdp():
@@ -129,6 +129,8 @@ def test_preset_names_read_qwd_as_qsdp():
 @pytest.mark.parametrize("config, error, fragment", [
     (Config("sdp4bit"), Sdp4bitError, "qWD (weight_codec=qwd)"),
     (Config("sdp4bit", weight_bits=3), Sdp4bitError, "weight_bits=3"),
+    (Config("qsdp", exact_params="norms-biases-embeddings"), Sdp4bitError,
+     "exact_params=norms-biases-embeddings is implemented for megatron-core"),
     ("sdp5bit", Sdp4bitError, "sdp5bit"),
     (42, TypeError, "a sdp4bit.Config or a preset name"),
 ])

@@ -55,6 +55,7 @@ STANDIN = {
             s = integration._SETTINGS
             print("config", s.config.describe())
             print("ranks per node", s.local_world_size, "iteration", s.iteration())
+            print("replica check interval", s.replica_check_interval)
     """,
 }
 
@@ -80,13 +81,15 @@ def launch(standin, *flags):
 def test_flags_reach_the_script_and_enable_sdp4bit(standin):
     done = launch(standin, "--sdp4bit", "--sdp4bit-grad-inter-bits", "8", "--own-flag", "3",
                   "--micro-batch-size", "2", "--sdp4bit-ranks-per-node", "8",
-                  "--sdp4bit-grad-quant-start-step", "100", "--sdp4bit-telemetry-interval", "100")
+                  "--sdp4bit-grad-quant-start-step", "100", "--sdp4bit-telemetry-interval", "100",
+                  "--sdp4bit-exact-params", "none", "--sdp4bit-replica-check-interval", "50")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "own flag 3 micro batch 2" in out
     assert "enabled True" in out
     assert "inter_bits=8" in out and "weight=qwd" in out and "grad_start=100" in out
     assert "ranks per node 8 iteration 7" in out
+    assert "exact=none" in out and "replica check interval 50" in out
 
 
 def test_without_sdp4bit_flags_nothing_changes(standin):

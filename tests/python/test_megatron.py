@@ -1,6 +1,8 @@
 """megatron-core's real GPTModel, DDP and DistributedOptimizer (gloo, CPU) with the sdp4bit
 integration: the test command runs this file against megatron-core 0.16.1 and 0.19.2."""
 
+import pytest
+
 import megatron_scenarios as ms
 from harness import run_ranks
 
@@ -162,3 +164,96 @@ def test_degraded_route_is_logged_once_per_bucket_group():
     for bucket_groups, messages in per_rank:
         notices = [m for m in messages if "unequal" in m]
         assert bucket_groups > 1 and len(notices) == bucket_groups, messages
+
+
+def test_exact_elements_keep_their_values_through_the_qwd_all_gather():
+    # The set-up values put back give qWD differences of exactly 0 there, so every replica's
+    # apply leaves the exact elements as they were (then they get the owners' exact values);
+    # the control, without putting them back, changes them.
+    for held in run_ranks(2, ms.exact_elements_beside_qwd, True, 6):
+        assert held == [True] * 6, held
+    for held in run_ranks(2, ms.exact_elements_beside_qwd, False, 6):
+        assert not any(held), held
+
+
+def test_a_negative_replica_check_interval_is_refused():
+    with pytest.raises(ValueError, match="replica_check_interval must be a non-negative int"):
+        ms.integration.enable(ms.Config("sdp4bit"), replica_check_interval=-1)
+    assert not ms.integration.is_enabled()
+
+
+#: Steps of the copies test, each compared across the TP and the embedding group.
+COPY_STEPS = 20
+#: Per layout (megatron_scenarios.LAYOUTS): (name, preset or None for Megatron's own
+#: collectives, knobs, overlapped syncs). The names ending in "(control)" show the comparison
+#: failing: nothing kept exact across TP ranks, the tied embedding's buckets numbered apart.
+COPY_VARIANTS = {
+    "tp": [
+        ("megatron", None, {}, False),
+        ("sdp4bit", "sdp4bit", {}, False),
+        ("sdp4bit overlapped, 2 chunks", "sdp4bit", {"pipeline_chunks": "2"}, True),
+        ("qsdp overlapped", "qsdp", {}, True),
+        ("zeropp", "zeropp", {}, False),
+        ("global-qsgd", "global-qsgd", {}, False),
+        ("norms, biases, embeddings", "sdp4bit", {"exact_params": "norms-biases-embeddings"},
+         False),
+        ("sdp4bit, nothing exact (control)", "sdp4bit", {"exact_params": "none"}, False),
+        ("qsdp, nothing exact (control)", "qsdp", {"exact_params": "none"}, False),
+    ],
+    "tp-sp": [
+        ("megatron", None, {}, False),
+        ("sdp4bit", "sdp4bit", {}, False),
+        ("sdp4bit overlapped", "sdp4bit", {}, True),
+        ("qsdp", "qsdp", {}, False),
+        ("sdp4bit, nothing exact (control)", "sdp4bit", {"exact_params": "none"}, False),
+    ],
+    "pp": [
+        ("megatron", None, {}, False),
+        ("sdp4bit", "sdp4bit", {}, False),
+        ("sdp4bit overlapped, 2 chunks", "sdp4bit", {"pipeline_chunks": "2"}, True),
+        ("qsdp", "qsdp", {}, False),
+        ("zeropp", "zeropp", {}, False),
+        ("norms, biases, embeddings", "sdp4bit", {"exact_params": "norms-biases-embeddings"},
+         False),
+        ("tied ids differ (control)", "sdp4bit", {}, False),
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", ["tp", "tp-sp", "pp"])
+def test_copies_megatron_keeps_identical_stay_bit_identical(layout):
+    # TP = 2 (with and without sequence parallelism): the parameters replicated across TP
+    # ranks; PP = 2: the word embedding tied between the stages. Compared bit for bit as every
+    # step's gradient sync starts and after the last step, with every preset; the controls
+    # drift, and sdp4bit's check stops them at the first comparison that differs, naming the
+    # first tensor that does.
+    variants = COPY_VARIANTS[layout]
+    per_rank = run_ranks(4, ms.copies_across_groups, layout, variants, COPY_STEPS,
+                         timeout=600)
+    for results in per_rank:
+        for name, preset, knobs, _ in variants:
+            got = results[name]
+            differs = [bool(tp or tied) for tp, tied in got["compared"]]
+            if name.endswith("(control)"):
+                assert any(differs), (layout, name)
+                first = differs.index(True)
+                step, message = got["check"]
+                assert step == first, (layout, name, step, first)
+                tp_names, tied = got["compared"][first]
+                assert (tp_names and tp_names[0] in message) or (tied and any(
+                    n in message for n in ("word_embeddings", "output_layer"))), message
+            else:
+                assert got["check"] is None, (layout, name, got["check"])
+                assert len(differs) == COPY_STEPS + 1 and not any(differs), (layout, name)
+            if preset is None:
+                continue
+            sent, exact = got["wire"]
+            mode = knobs.get("exact_params", "replicated")
+            # Bytes: the replicated parameters' exact paths cost bytes under TP only; the tied
+            # embedding costs nothing (its whole bucket does, kept exact).
+            keeps = mode == "norms-biases-embeddings" or (mode == "replicated" and layout != "pp")
+            assert (exact > 0) == keeps and sent > exact, (layout, name, sent, exact)
+        if layout != "pp":
+            # 2 layers x (2 norms' weight and bias, 2 row-parallel biases), the final norm's
+            # weight and bias, the position embedding.
+            assert results["megatron"]["replicated"] == 15
