@@ -13,10 +13,6 @@
 use std::collections::BTreeSet;
 
 use sdp4bit::Error;
-use sdp4bit::backend::cuda::abi::{
-    SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
-    SdpWeightEncode,
-};
 use sdp4bit::backend::cuda::compile::{Arch, compile};
 use sdp4bit::backend::cuda::probe;
 use sdp4bit::backend::cuda::source::{HEADERS, Kernel, KernelSource, SOURCES};
@@ -48,8 +44,8 @@ fn files_on_disk(extension: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// The embedded sources are exactly the files of `kernels/` (a new .cu must be registered in
-/// `source.rs`, or it would be neither compiled nor tested).
+/// The embedded sources are exactly the files of `kernels/` (build.rs lists them; a file left
+/// out would be neither compiled nor tested).
 #[test]
 fn every_kernel_file_is_embedded() {
     let embedded: BTreeSet<String> = SOURCES.iter().map(|s| s.file.to_owned()).collect();
@@ -157,36 +153,10 @@ fn warnings_come_back_in_the_log() {
     assert!(compiled.log.contains("unused_variable"), "{}", compiled.log);
 }
 
-/// The launch signature the backend uses for `kernel`: device pointers, then the parameter
-/// struct's size (its `#[repr(C)]` mirror in `abi`).
-fn signature(kernel: Kernel) -> (usize, usize) {
-    match kernel {
-        Kernel::GradQuantizeFirst => (3, size_of::<SdpGradFirst>()),
-        Kernel::GradRequantizeSecond => (3, size_of::<SdpGradSecond>()),
-        Kernel::GradReduceFinal => (2, size_of::<SdpGradFinal>()),
-        Kernel::WeightEncode => (3, size_of::<SdpWeightEncode>()),
-        Kernel::WeightApply => (3, size_of::<SdpWeightApply>()),
-        Kernel::GlobalAbsmax
-        | Kernel::GlobalQuantizeI8
-        | Kernel::GlobalQuantizeI16
-        | Kernel::GlobalDequantizeI8
-        | Kernel::GlobalDequantizeI16
-        | Kernel::GlobalAbsmaxBf16
-        | Kernel::GlobalQuantizeI8Bf16
-        | Kernel::GlobalQuantizeI16Bf16
-        | Kernel::GlobalDequantizeI8Bf16
-        | Kernel::GlobalDequantizeI16Bf16 => (2, size_of::<SdpGlobal>()),
-        Kernel::GradQuantizeFirstBf16 => (3, size_of::<SdpGradFirst>()),
-        Kernel::GradReduceFinalBf16 => (2, size_of::<SdpGradFinal>()),
-        Kernel::GradWidenBf16 | Kernel::GradNarrowBf16 | Kernel::GradRoundBf16 => {
-            (2, size_of::<SdpConvert>())
-        }
-    }
-}
-
-/// The parameter list of every entry point in the PTX is what the launches pass: 64-bit
-/// pointers, then one 8-byte-aligned struct of exactly the Rust mirror's size (so the ABI
-/// header and `abi.rs` agree with what NVRTC compiled, without a GPU).
+/// The parameter list of every entry point in the PTX is what the launches pass (the kernel
+/// table's pointers, which `Kernels::launch` checks its arguments against): 64-bit pointers,
+/// then one 8-byte-aligned struct of exactly the Rust mirror's size (so the ABI header and
+/// `abi.rs` agree with what NVRTC compiled, without a GPU).
 #[test]
 fn entry_parameters_match_the_abi_mirrors() {
     if !nvrtc_available("entry_parameters_match_the_abi_mirrors") {
@@ -207,7 +177,7 @@ fn entry_parameters_match_the_abi_mirrors() {
                 .map(str::trim)
                 .filter(|l| l.starts_with(".param"))
                 .collect();
-            let (pointers, bytes) = signature(kernel);
+            let (pointers, bytes) = (kernel.pointers().len(), kernel.params_size());
             let mut want: Vec<String> = (0..pointers)
                 .map(|i| format!(".param .u64 {name}_param_{i},"))
                 .collect();

@@ -208,24 +208,29 @@ struct StructWord {
     const char* what;
 };
 
-// The words the parameter struct `args` of kernel `name` names: Global-QSGD's absmax word
-// (rounding and dequantization scaled by the all-reduced absmax, read) and status word (a
-// dequantization summing rank blocks, written).
-std::vector<StructWord> struct_words(const std::string& name, const std::vector<uint8_t>& args)
+// The words the parameter struct `args` of kernel `k` addresses (SDP4BIT_STRUCT_WORDS of
+// sdp4bit_abi.h: Global-QSGD's absmax word, read, and status word, written), those not 0.
+std::vector<StructWord> struct_words(const HostKernel& k, const std::vector<uint8_t>& args)
 {
-    const bool quantize = name.rfind("global_quantize", 0) == 0;
-    const bool dequantize = name.rfind("global_dequantize", 0) == 0;
+    struct Field {
+        const char* params;
+        size_t offset;
+        bool write;
+        const char* what;
+    };
+#define SDP_WORD(params, field, written) Field{#params, offsetof(params, field), (written) != 0, #field " word"},
+    static constexpr Field fields[] = {SDP4BIT_STRUCT_WORDS(SDP_WORD)};
+#undef SDP_WORD
     std::vector<StructWord> words;
-    if ((!quantize && !dequantize) || args.size() != sizeof(sdp_global)) {
-        return words;
-    }
-    sdp_global p{};
-    std::memcpy(&p, args.data(), sizeof p);
-    if (p.absmax != 0) {
-        words.push_back(StructWord{p.absmax, false, "absmax word"});
-    }
-    if (dequantize && p.status != 0) {
-        words.push_back(StructWord{p.status, true, "status word"});
+    for (const Field& f : fields) {
+        uint64_t addr = 0;
+        if (std::strcmp(f.params, k.params) != 0 || f.offset + sizeof addr > args.size()) {
+            continue;
+        }
+        std::memcpy(&addr, args.data() + f.offset, sizeof addr);
+        if (addr != 0) {
+            words.push_back(StructWord{addr, f.write, f.what});
+        }
     }
     return words;
 }
@@ -388,9 +393,9 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
     }
     const size_t last = f->params.back().first;
     std::vector<uint8_t> args(block.begin() + static_cast<long>(last), block.end());
-    // Global-QSGD's kernels may reach device words whose addresses are fields of their
-    // parameter struct: accesses like a pointer argument's.
-    for (const StructWord& w : struct_words(f->name, args)) {
+    // A kernel may reach device words whose addresses are fields of its parameter struct
+    // (Global-QSGD's): accesses like a pointer argument's.
+    for (const StructWord& w : struct_words(k, args)) {
         std::string why;
         Allocation* a = check_range(w.addr, 4, ctx->device, why);
         if (a == nullptr) {

@@ -14,6 +14,7 @@ use std::process::Output;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
+use half::bf16;
 use sdp4bit::Error;
 use sdp4bit::backend::Backend;
 use sdp4bit::backend::cuda::{Cuda, DeviceSpan, Kernels, Stream};
@@ -172,7 +173,8 @@ fn fault_bad_pointers_are_refused() {
 
 /// Work on a second stream reading what the first wrote, without an event between them, is a
 /// race the driver refuses (whatever the timing); with cuEventRecord / cuStreamWaitEvent it
-/// is fine.
+/// is fine. What a kernel writes is every pointer its prototype declares non-const (here
+/// `grad_narrow_bf16`'s second, which the emulation once took for a read).
 #[test]
 fn fault_missing_stream_wait() {
     let Some(output) = run_isolated("fault_missing_stream_wait", || {
@@ -210,6 +212,20 @@ fn fault_missing_stream_wait() {
             .expect_err("an unordered copy");
         assert!(e.to_string().contains("cuMemcpyDtoDAsync"), "{e}");
         assert_faults(&["race on allocation", "nothing orders the two"]);
+        device.first.synchronize().expect("synchronize");
+        device.second.synchronize().expect("synchronize");
+        let mut narrow = first.alloc::<bf16>(1000).expect("narrow");
+        let mut c = first.alloc::<bf16>(1000).expect("c");
+        first
+            .convert(Cuda::src(&a), Cuda::dst(&mut narrow))
+            .expect("grad_narrow_bf16");
+        second
+            .copy(Cuda::src(&narrow), Cuda::dst(&mut c))
+            .expect_err("an unordered copy of a kernel's output");
+        assert_faults(&[
+            "that kernel grad_narrow_bf16 on",
+            "writes, and nothing orders the two",
+        ]);
         device.first.synchronize().expect("synchronize");
         device.second.synchronize().expect("synchronize");
     }) else {

@@ -109,6 +109,8 @@ fn nvrtc_newer_than_the_driver_is_refused() {
         "images::nvrtc_newer_than_the_driver_is_refused",
         &[(DRIVER_VERSION, Some("12090"))],
         || {
+            // The driver first: the probe asks it which NVRTC of SDP4BIT_NVRTC_DIRS to take.
+            emulation();
             let (major, minor) = probe::nvrtc_library().expect("NVRTC").version;
             if major < 13 {
                 println!("skipped: NVRTC {major}.{minor} is not newer than a CUDA 12.9 driver");
@@ -195,15 +197,17 @@ fn older_device_is_an_error() {
 }
 
 /// The CUDA 13 NVRTC these tests load by path: `SDP4BIT_CUDA_TEST_NVRTC` (how a child gets
-/// it), else the one on this process's `LD_LIBRARY_PATH` (the test command puts the wheel's
-/// there); `None`, to skip, unless `SDP4BIT_REQUIRE_NVRTC=1`.
+/// it), else the one in a directory of this process's `LD_LIBRARY_PATH` (the test command
+/// puts the wheel's there) or `SDP4BIT_NVRTC_DIRS` (cargo points it at the wheel's, see
+/// build.rs); `None`, to skip, unless `SDP4BIT_REQUIRE_NVRTC=1`.
 fn wheel_nvrtc() -> Option<PathBuf> {
     let found = std::env::var_os("SDP4BIT_CUDA_TEST_NVRTC")
         .map(PathBuf::from)
         .or_else(|| {
-            std::env::var_os("LD_LIBRARY_PATH")
-                .iter()
-                .flat_map(std::env::split_paths)
+            ["LD_LIBRARY_PATH", probe::NVRTC_DIRS_VAR]
+                .into_iter()
+                .filter_map(std::env::var_os)
+                .flat_map(|dirs| std::env::split_paths(&dirs).collect::<Vec<_>>())
                 .map(|dir| dir.join("libnvrtc.so.13"))
                 .find(|path| path.exists())
         });
@@ -211,9 +215,10 @@ fn wheel_nvrtc() -> Option<PathBuf> {
         assert_ne!(
             std::env::var("SDP4BIT_REQUIRE_NVRTC").as_deref(),
             Ok("1"),
-            "SDP4BIT_REQUIRE_NVRTC=1 but no libnvrtc.so.13 on LD_LIBRARY_PATH"
+            "SDP4BIT_REQUIRE_NVRTC=1 but no libnvrtc.so.13 on LD_LIBRARY_PATH or in \
+             SDP4BIT_NVRTC_DIRS"
         );
-        println!("skipped: no libnvrtc.so.13 on LD_LIBRARY_PATH");
+        println!("skipped: no libnvrtc.so.13 on LD_LIBRARY_PATH or in SDP4BIT_NVRTC_DIRS");
     }
     found
 }

@@ -11,21 +11,11 @@
 namespace emu {
 namespace {
 
-// The kernels whose pointer parameter i is written (bit i), by name: the pointees that are
-// not const in the declarations of cuda_shim.h.
-unsigned written_pointers(const std::string& name)
-{
-    if (name == "grad_reduce_final" || name.rfind("global_", 0) == 0) {
-        return 1u << 1;
-    }
-    return 1u << 2;
-}
-
 std::vector<HostKernel> make_host_kernels()
 {
     std::vector<HostKernel> kernels;
     for (const KernelEntry& k : kKernels) {
-        kernels.push_back(HostKernel{k.name, k.pointers, k.param_bytes, written_pointers(k.name), &k});
+        kernels.push_back(HostKernel{k.name, k.params, k.pointers, k.param_bytes, k.written, &k});
     }
     return kernels;
 }

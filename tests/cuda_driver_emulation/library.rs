@@ -13,11 +13,13 @@
 //! that instead of building its own.
 
 use std::ffi::{CStr, OsString, c_char, c_int, c_void};
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
+use sdp4bit::backend::cuda::probe;
 use sdp4bit_test_support::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
 
 /// g++ flags of every translation unit besides [`KERNEL_HOST_FLAGS`]: position-independent,
@@ -61,7 +63,8 @@ fn root() -> &'static Path {
 }
 
 fn build_and_load() -> Result<Emulation, String> {
-    let path = match std::env::var_os(LIBRARY_VAR) {
+    let built = std::env::var_os(LIBRARY_VAR);
+    let path = match &built {
         Some(built) => PathBuf::from(built),
         None => build_in_temp_dir()?,
     };
@@ -69,7 +72,27 @@ fn build_and_load() -> Result<Emulation, String> {
     // set up static state.
     let library = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
         .map_err(|e| format!("load {}: {e}", path.display()))?;
+    // In the parent process (a child may run without NVRTC on purpose), once the driver is
+    // loaded, since the probe asks it which NVRTC to prefer.
+    if built.is_none() {
+        require_nvrtc();
+    }
     Ok(Emulation { path, library })
+}
+
+/// Stops the process, with one line saying what to run, when NVRTC cannot be loaded: nearly
+/// every test of this binary needs it, and would otherwise fail with the probe's error each.
+fn require_nvrtc() {
+    if let Err(e) = probe::nvrtc() {
+        // Straight to the process's stderr: the test harness captures `eprintln!`.
+        let _ = writeln!(
+            std::io::stderr(),
+            "error: the CUDA driver emulation tests need NVRTC: run `source scripts/env.sh && \
+             sdp4bit_nvrtc` once (bash scripts/test.sh does), which installs it into .cache/, \
+             where cargo test finds it ({e})"
+        );
+        std::process::exit(1);
+    }
 }
 
 /// The prefix of the build directories, followed by the building process's id.

@@ -332,10 +332,13 @@ CUresult context_check(const char* call, Context** ctx);
 // The host build of one kernel of kernels/ (run through tests/kernel_emulator's warp scheduler).
 struct HostKernel {
     const char* name;
+    // The C name of its parameter struct.
+    const char* params;
     // Leading pointer parameters, then one parameter struct of `param_bytes`.
     unsigned pointers;
     size_t param_bytes;
-    // Bit i: pointer parameter i is written (its pointee is not const).
+    // Bit i: pointer parameter i is written (its pointee is not const in the kernel's
+    // prototype).
     unsigned written;
     // The emulator's entry (opaque here).
     const void* entry;

@@ -47,59 +47,36 @@ use emulator::grad::{convert_case, grad_case};
 use emulator::weight::weight_case;
 use emulator::{Case, Coverage, emulate_family};
 
-/// The kernels of the grouped gradient reduce-scatter with two levels.
-const TWO_LEVEL_GRAD_KERNELS: [Kernel; 5] = [
-    Kernel::GradQuantizeFirst,
-    Kernel::GradRequantizeSecond,
-    Kernel::GradReduceFinal,
-    Kernel::GradQuantizeFirstBf16,
-    Kernel::GradReduceFinalBf16,
-];
+/// The parameter structs of the grouped gradient reduce-scatter with two levels: its family is
+/// every kernel taking one of them (by the kernel table), fp32 and bf16 variants alike.
+const TWO_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_second", "sdp_grad_final"];
 
-/// The kernels of a one-level gradient reduce-scatter (QSDP always runs one level).
-const ONE_LEVEL_GRAD_KERNELS: [Kernel; 4] = [
-    Kernel::GradQuantizeFirst,
-    Kernel::GradReduceFinal,
-    Kernel::GradQuantizeFirstBf16,
-    Kernel::GradReduceFinalBf16,
-];
+/// Those of a one-level gradient reduce-scatter (QSDP always runs one level).
+const ONE_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_final"];
 
-/// The conversions of bf16 gradients (the uncompressed routes of a bf16 bucket).
-const CONVERT_KERNELS: [Kernel; 3] = [
-    Kernel::GradWidenBf16,
-    Kernel::GradNarrowBf16,
-    Kernel::GradRoundBf16,
-];
+/// Those of the conversions of bf16 gradients (the uncompressed routes of a bf16 bucket).
+const CONVERT: &[&str] = &["sdp_convert"];
 
-/// The kernels of the quantized weight all-gather.
-const WEIGHT_KERNELS: [Kernel; 2] = [Kernel::WeightEncode, Kernel::WeightApply];
+/// Those of the quantized weight all-gather.
+const WEIGHT: &[&str] = &["sdp_weight_encode", "sdp_weight_apply"];
 
-/// Global-QSGD's kernels.
-const GLOBAL_KERNELS: [Kernel; 10] = [
-    Kernel::GlobalAbsmax,
-    Kernel::GlobalQuantizeI8,
-    Kernel::GlobalQuantizeI16,
-    Kernel::GlobalDequantizeI8,
-    Kernel::GlobalDequantizeI16,
-    Kernel::GlobalAbsmaxBf16,
-    Kernel::GlobalQuantizeI8Bf16,
-    Kernel::GlobalQuantizeI16Bf16,
-    Kernel::GlobalDequantizeI8Bf16,
-    Kernel::GlobalDequantizeI16Bf16,
-];
+/// Global-QSGD's.
+const GLOBAL: &[&str] = &["sdp_global"];
+
+/// The kernels whose parameter struct is one of `structs`: what a family's cases must launch.
+fn family(structs: &[&str]) -> Vec<Kernel> {
+    Kernel::ALL
+        .into_iter()
+        .filter(|k| structs.contains(&k.params()))
+        .collect()
+}
 
 #[test]
 fn every_kernel_belongs_to_an_emulated_family() {
-    let families = [
-        &TWO_LEVEL_GRAD_KERNELS[..],
-        &ONE_LEVEL_GRAD_KERNELS,
-        &WEIGHT_KERNELS,
-        &GLOBAL_KERNELS,
-        &CONVERT_KERNELS,
-    ];
+    let families = [TWO_LEVEL_GRAD, ONE_LEVEL_GRAD, WEIGHT, GLOBAL, CONVERT];
     for kernel in Kernel::ALL {
         assert!(
-            families.iter().any(|f| f.contains(&kernel)),
+            families.iter().any(|f| f.contains(&kernel.params())),
             "no emulated family launches {}",
             kernel.name()
         );
@@ -110,7 +87,7 @@ fn every_kernel_belongs_to_an_emulated_family() {
 fn tlq_hs_gradients() {
     emulate_family(
         "TLq-HS gradients",
-        &TWO_LEVEL_GRAD_KERNELS,
+        &family(TWO_LEVEL_GRAD),
         |rand, coverage| grad_cases(GradCodec::TlqHs, rand, coverage),
     );
 }
@@ -119,7 +96,7 @@ fn tlq_hs_gradients() {
 fn tlq_gradients() {
     emulate_family(
         "TLq gradients",
-        &TWO_LEVEL_GRAD_KERNELS,
+        &family(TWO_LEVEL_GRAD),
         |rand, coverage| grad_cases(GradCodec::Tlq, rand, coverage),
     );
 }
@@ -128,7 +105,7 @@ fn tlq_gradients() {
 fn zeropp_gradients() {
     emulate_family(
         "ZeRO++ gradients",
-        &TWO_LEVEL_GRAD_KERNELS,
+        &family(TWO_LEVEL_GRAD),
         |rand, coverage| grad_cases(GradCodec::Zeropp, rand, coverage),
     );
 }
@@ -137,49 +114,49 @@ fn zeropp_gradients() {
 fn qsdp_gradients() {
     emulate_family(
         "QSDP gradients",
-        &ONE_LEVEL_GRAD_KERNELS,
+        &family(ONE_LEVEL_GRAD),
         |rand, coverage| grad_cases(GradCodec::Qsdp, rand, coverage),
     );
 }
 
 #[test]
 fn qwd_weights() {
-    emulate_family("qWD weights", &WEIGHT_KERNELS, |rand, coverage| {
+    emulate_family("qWD weights", &family(WEIGHT), |rand, coverage| {
         weight_cases(WeightCodec::Qwd, rand, coverage)
     });
 }
 
 #[test]
 fn qw_weights() {
-    emulate_family("qW weights", &WEIGHT_KERNELS, |rand, coverage| {
+    emulate_family("qW weights", &family(WEIGHT), |rand, coverage| {
         weight_cases(WeightCodec::Qw, rand, coverage)
     });
 }
 
 #[test]
 fn qsdp_weights() {
-    emulate_family("QSDP weights", &WEIGHT_KERNELS, |rand, coverage| {
+    emulate_family("QSDP weights", &family(WEIGHT), |rand, coverage| {
         weight_cases(WeightCodec::Qsdp, rand, coverage)
     });
 }
 
 #[test]
 fn zeropp_weights() {
-    emulate_family("ZeRO++ weights", &WEIGHT_KERNELS, |rand, coverage| {
+    emulate_family("ZeRO++ weights", &family(WEIGHT), |rand, coverage| {
         weight_cases(WeightCodec::Zeropp, rand, coverage)
     });
 }
 
 #[test]
 fn global_qsgd() {
-    emulate_family("Global-QSGD", &GLOBAL_KERNELS, global_cases);
+    emulate_family("Global-QSGD", &family(GLOBAL), global_cases);
 }
 
 #[test]
 fn gradient_conversions() {
     emulate_family(
         "gradient conversions",
-        &CONVERT_KERNELS,
+        &family(CONVERT),
         |rand, coverage| {
             let sizes: &[usize] = match coverage {
                 Coverage::Full => &[1, 3, 4, 5, 255, 1000, 4097, 10_007, 70_001],

@@ -243,36 +243,9 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernels' signatures. Declared here, ahead of every kernel translation unit, so that a
-// definition in kernels/*.cu that differs from them ("conflicting declaration of C function")
-// fails the build instead of being called with the wrong arguments by emulator.cpp.
+// The kernels' prototypes (sdp4bit_abi.h declares them from the kernel table,
+// sdp4bit_kernels.h), ahead of every kernel translation unit, so that a definition in
+// kernels/*.cu that differs from them ("conflicting declaration of C function") fails the
+// build instead of being called with the wrong arguments by emulator.cpp.
 
 #include "sdp4bit_abi.h"
-
-extern "C" {
-void grad_quantize_first(const float* bucket, const uint32_t* dests, uint8_t* out,
-                         sdp_grad_first args);
-void grad_requantize_second(const uint8_t* recv, const uint32_t* dests, uint8_t* out,
-                            sdp_grad_second args);
-void grad_reduce_final(const uint8_t* recv, float* shard, sdp_grad_final args);
-void weight_encode(const uint16_t* new_shard, const uint16_t* reference, uint8_t* out,
-                   sdp_weight_encode args);
-void weight_apply(const uint8_t* recv, const uint16_t* own_reference, uint16_t* params,
-                  sdp_weight_apply args);
-void global_absmax(const float* bucket, uint32_t* abs_bits, sdp_global args);
-void global_quantize_i8(const float* bucket, int8_t* out, sdp_global args);
-void global_quantize_i16(const float* bucket, int16_t* out, sdp_global args);
-void global_dequantize_i8(const int8_t* sum, float* out, sdp_global args);
-void global_dequantize_i16(const int16_t* sum, float* out, sdp_global args);
-void grad_quantize_first_bf16(const sdp_bf16* bucket, const uint32_t* dests, uint8_t* out,
-                              sdp_grad_first args);
-void grad_reduce_final_bf16(const uint8_t* recv, sdp_bf16* shard, sdp_grad_final args);
-void global_absmax_bf16(const sdp_bf16* bucket, uint32_t* abs_bits, sdp_global args);
-void global_quantize_i8_bf16(const sdp_bf16* bucket, int8_t* out, sdp_global args);
-void global_quantize_i16_bf16(const sdp_bf16* bucket, int16_t* out, sdp_global args);
-void global_dequantize_i8_bf16(const int8_t* sum, sdp_bf16* out, sdp_global args);
-void global_dequantize_i16_bf16(const int16_t* sum, sdp_bf16* out, sdp_global args);
-void grad_widen_bf16(const sdp_bf16* src, float* dst, sdp_convert args);
-void grad_narrow_bf16(const float* src, sdp_bf16* dst, sdp_convert args);
-void grad_round_bf16(const sdp_bf16* src, sdp_bf16* dst, sdp_convert args);
-}

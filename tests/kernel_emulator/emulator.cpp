@@ -36,6 +36,8 @@
 #include <string>
 #include <sys/mman.h>
 #include <thread>
+#include <tuple>
+#include <type_traits>
 #include <ucontext.h>
 #include <unistd.h>
 #include <utility>
@@ -80,104 +82,66 @@ P params_of(const void* bytes)
 
 struct KernelEntry {
     const char* name;
+    // The C name of its parameter struct.
+    const char* params;
     unsigned pointers;
     size_t param_bytes;
+    // Bit i: pointer parameter i is written (its pointee is not const).
+    unsigned written;
     void (*call)(void* const* p, const void* params);
 };
 
-// The most pointer arguments a kernel takes.
-constexpr unsigned kMaxPointers = 3;
+// What the emulator needs of a kernel, read from its prototype (declared by sdp4bit_abi.h from
+// the kernel table): its leading pointer parameters and its parameter struct.
+template <class Function>
+struct Signature;
 
-constexpr KernelEntry kKernels[] = {
-    {"grad_quantize_first", 3, sizeof(sdp_grad_first),
-     [](void* const* p, const void* a) {
-         grad_quantize_first((const float*)p[0], (const uint32_t*)p[1], (uint8_t*)p[2],
-                             params_of<sdp_grad_first>(a));
-     }},
-    {"grad_requantize_second", 3, sizeof(sdp_grad_second),
-     [](void* const* p, const void* a) {
-         grad_requantize_second((const uint8_t*)p[0], (const uint32_t*)p[1], (uint8_t*)p[2],
-                                params_of<sdp_grad_second>(a));
-     }},
-    {"grad_reduce_final", 2, sizeof(sdp_grad_final),
-     [](void* const* p, const void* a) {
-         grad_reduce_final((const uint8_t*)p[0], (float*)p[1], params_of<sdp_grad_final>(a));
-     }},
-    {"weight_encode", 3, sizeof(sdp_weight_encode),
-     [](void* const* p, const void* a) {
-         weight_encode((const uint16_t*)p[0], (const uint16_t*)p[1], (uint8_t*)p[2],
-                       params_of<sdp_weight_encode>(a));
-     }},
-    {"weight_apply", 3, sizeof(sdp_weight_apply),
-     [](void* const* p, const void* a) {
-         weight_apply((const uint8_t*)p[0], (const uint16_t*)p[1], (uint16_t*)p[2],
-                      params_of<sdp_weight_apply>(a));
-     }},
-    {"global_absmax", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_absmax((const float*)p[0], (uint32_t*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_quantize_i8", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_quantize_i8((const float*)p[0], (int8_t*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_quantize_i16", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_quantize_i16((const float*)p[0], (int16_t*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_dequantize_i8", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_dequantize_i8((const int8_t*)p[0], (float*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_dequantize_i16", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_dequantize_i16((const int16_t*)p[0], (float*)p[1], params_of<sdp_global>(a));
-     }},
-    {"grad_quantize_first_bf16", 3, sizeof(sdp_grad_first),
-     [](void* const* p, const void* a) {
-         grad_quantize_first_bf16((const sdp_bf16*)p[0], (const uint32_t*)p[1], (uint8_t*)p[2],
-                                  params_of<sdp_grad_first>(a));
-     }},
-    {"grad_reduce_final_bf16", 2, sizeof(sdp_grad_final),
-     [](void* const* p, const void* a) {
-         grad_reduce_final_bf16((const uint8_t*)p[0], (sdp_bf16*)p[1], params_of<sdp_grad_final>(a));
-     }},
-    {"global_absmax_bf16", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_absmax_bf16((const sdp_bf16*)p[0], (uint32_t*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_quantize_i8_bf16", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_quantize_i8_bf16((const sdp_bf16*)p[0], (int8_t*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_quantize_i16_bf16", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_quantize_i16_bf16((const sdp_bf16*)p[0], (int16_t*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_dequantize_i8_bf16", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_dequantize_i8_bf16((const int8_t*)p[0], (sdp_bf16*)p[1], params_of<sdp_global>(a));
-     }},
-    {"global_dequantize_i16_bf16", 2, sizeof(sdp_global),
-     [](void* const* p, const void* a) {
-         global_dequantize_i16_bf16((const int16_t*)p[0], (sdp_bf16*)p[1], params_of<sdp_global>(a));
-     }},
-    {"grad_widen_bf16", 2, sizeof(sdp_convert),
-     [](void* const* p, const void* a) {
-         grad_widen_bf16((const sdp_bf16*)p[0], (float*)p[1], params_of<sdp_convert>(a));
-     }},
-    {"grad_narrow_bf16", 2, sizeof(sdp_convert),
-     [](void* const* p, const void* a) {
-         grad_narrow_bf16((const float*)p[0], (sdp_bf16*)p[1], params_of<sdp_convert>(a));
-     }},
-    {"grad_round_bf16", 2, sizeof(sdp_convert),
-     [](void* const* p, const void* a) {
-         grad_round_bf16((const sdp_bf16*)p[0], (sdp_bf16*)p[1], params_of<sdp_convert>(a));
-     }},
+template <class... Args>
+struct Signature<void (*)(Args...)> {
+    static constexpr unsigned pointers = sizeof...(Args) - 1;
+    template <size_t i>
+    using Arg = std::tuple_element_t<i, std::tuple<Args...>>;
+    using Params = Arg<pointers>;
 };
 
-static_assert(std::all_of(std::begin(kKernels), std::end(kKernels),
-                          [](const KernelEntry& k) { return k.pointers <= kMaxPointers; }));
+// Calls `kernel` with the pointers `p` and the parameter struct whose bytes are at `params`.
+template <auto kernel, size_t... i>
+void call_kernel(void* const* p, const void* params, std::index_sequence<i...>)
+{
+    using S = Signature<decltype(kernel)>;
+    kernel(static_cast<typename S::template Arg<i>>(p[i])..., params_of<typename S::Params>(params));
+}
+
+// The pointer parameters of `kernel` whose pointee is not const, as bits.
+template <auto kernel, size_t... i>
+constexpr unsigned written_pointers(std::index_sequence<i...>)
+{
+    using S = Signature<decltype(kernel)>;
+    static_assert((std::is_pointer_v<typename S::template Arg<i>> && ...), "pointers first, then one struct");
+    return (0u | ... | ((std::is_const_v<std::remove_pointer_t<typename S::template Arg<i>>> ? 0u : 1u) << i));
+}
+
+template <auto kernel>
+constexpr KernelEntry kernel_entry(const char* name, const char* params)
+{
+    using S = Signature<decltype(kernel)>;
+    return {name, params, S::pointers, sizeof(typename S::Params),
+            written_pointers<kernel>(std::make_index_sequence<S::pointers>()),
+            [](void* const* p, const void* a) { call_kernel<kernel>(p, a, std::make_index_sequence<S::pointers>()); }};
+}
+
+// One entry per line of the kernel table.
+#define SDP_KERNEL(name, params, ...) kernel_entry<&name>(#name, #params),
+constexpr KernelEntry kKernels[] = {
+#include "sdp4bit_kernels.h"
+};
+#undef SDP_KERNEL
+
+// The most pointer arguments a kernel takes.
+constexpr unsigned kMaxPointers = std::max_element(std::begin(kKernels), std::end(kKernels),
+                                                   [](const KernelEntry& a, const KernelEntry& b) {
+                                                       return a.pointers < b.pointers;
+                                                   })->pointers;
 
 const KernelEntry* find_kernel(const std::string& name)
 {

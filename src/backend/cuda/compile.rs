@@ -1,10 +1,11 @@
 //! NVRTC compilation of one kernel source to a CUBIN for one architecture (with its PTX), or
 //! to PTX only for a virtual architecture (see [`super::target`] for which is used when).
 //!
-//! The sources include `sdp4bit_abi.h` and `common.cuh`; both are handed to NVRTC in memory
-//! (cudarc's `create_program` passes no headers, so the program is created here through
-//! `nvrtcCreateProgram` itself). Options pin the arithmetic docs/numerics.md §1.4 needs for
-//! bit-identity with the CPU backend: no FMA contraction, IEEE division, no flush-to-zero.
+//! The sources include the headers of `kernels/` (`common.cuh`, `sdp4bit_abi.h` and the kernel
+//! table it includes), which are handed to NVRTC in memory (cudarc's `create_program` passes no
+//! headers, so the program is created here through `nvrtcCreateProgram` itself). Options pin
+//! the arithmetic docs/numerics.md §1.4 needs for bit-identity with the CPU backend: no FMA
+//! contraction, IEEE division, no flush-to-zero.
 
 use std::ffi::{CString, c_char, c_int};
 use std::fmt;

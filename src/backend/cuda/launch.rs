@@ -2,12 +2,13 @@
 //! passes of `backend::cpu` argument for argument.
 //!
 //! A launch checks the buffer sizes against the plan, builds the kernel's parameter struct
-//! (`abi`), and enqueues the kernel on the caller's stream with `cuLaunchKernel`: no
-//! allocation, no host synchronisation, no wait for the result. Buffers are raw device
-//! pointers ([`DeviceSpan`]) so the torch extension can pass `tensor.data_ptr()` and its
-//! current stream ([`Stream`]). Errors are values; the kernels themselves cannot report
-//! errors, so corrupt received slabs decode to NaN where the CPU returns `Error::Decode`
-//! (see `kernels/common.cuh`).
+//! (`abi`), checks its arguments against the kernel's line of the kernel table (pointer count,
+//! element sizes, struct), and enqueues the kernel on the caller's stream with
+//! `cuLaunchKernel`: no allocation, no host synchronisation, no wait for the result. Buffers
+//! are raw device pointers ([`DeviceSpan`]) so the torch extension can pass
+//! `tensor.data_ptr()` and its current stream ([`Stream`]). Errors are values; the kernels
+//! themselves cannot report errors, so corrupt received slabs decode to NaN where the CPU
+//! returns `Error::Decode` (see `kernels/common.cuh`).
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -15,7 +16,7 @@ use std::marker::PhantomData;
 use half::bf16;
 
 use super::abi::{
-    SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
+    AbiParams, SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
     SdpWeightEncode, to_u32,
 };
 use super::module::{Kernels, driver_error};
@@ -160,6 +161,22 @@ impl<T> DeviceSpan<T> {
     fn range(&self) -> (u64, u64) {
         (self.addr, self.addr + self.bytes())
     }
+
+    /// The span as a kernel's pointer argument.
+    fn arg(&self) -> Arg {
+        Arg {
+            addr: self.addr,
+            element_bytes: size_of::<T>(),
+        }
+    }
+}
+
+/// A pointer argument of a launch: a device address (0 for one the kernel does not use) and
+/// the size of the elements it points to.
+#[derive(Debug, Clone, Copy)]
+struct Arg {
+    addr: u64,
+    element_bytes: usize,
 }
 
 /// Fails when the written range `out` overlaps any of the read ranges `inputs`.
@@ -196,15 +213,19 @@ pub fn absmax_from_bits(bits: u32) -> f32 {
 
 impl Kernels {
     /// Enqueues `kernel` over `units` work units (`per_block` per block at a time) with the
-    /// argument values `args` (pointers to each argument, in the kernel's order).
-    fn launch(
+    /// pointer arguments `pointers` and the parameter struct `params`, after checking them
+    /// against the kernel's line of the kernel table: as many pointers, each to elements of the
+    /// declared size, and the declared struct.
+    fn launch<P: AbiParams>(
         &self,
         kernel: Kernel,
         stream: Stream,
         units: u64,
         per_block: u64,
-        args: &mut [*mut c_void],
+        pointers: &[Arg],
+        params: &P,
     ) -> Result<()> {
+        check_args::<P>(kernel, pointers)?;
         if units == 0 {
             return Ok(());
         }
@@ -217,13 +238,24 @@ impl Kernels {
         let cap = u64::from(self.multiprocessors()) * BLOCKS_PER_MULTIPROCESSOR;
         // At most `cap` (a u32 times 32), so the conversion cannot fail.
         let grid = u32::try_from(units.div_ceil(per_block).min(cap)).unwrap_or(u32::MAX);
+        // The driver reads each argument's value through a pointer to it.
+        let mut addrs = [0u64; Kernel::MAX_POINTERS];
+        let mut params = *params;
+        let mut args = [std::ptr::null_mut::<c_void>(); Kernel::MAX_POINTERS + 1];
+        for (i, arg) in pointers.iter().enumerate() {
+            addrs[i] = arg.addr;
+            args[i] = std::ptr::from_mut(&mut addrs[i]).cast();
+        }
+        args[pointers.len()] = std::ptr::from_mut(&mut params).cast();
+        let args = &mut args[..=pointers.len()];
         self.with_context(|| {
             // SAFETY: the function handle comes from a module loaded in this device's primary
-            // context, which is current; `args` points to one value per kernel parameter, of
-            // the parameter's size (device pointers as u64, the #[repr(C)] mirror of the
-            // parameter struct), alive for the call (the driver copies them); the device
-            // buffers are valid per the `DeviceSpan::from_raw` and `Stream::from_raw`
-            // contracts and sized by the checks of the caller.
+            // context, which is current; `args` points to one value per kernel parameter (the
+            // count checked above against the kernel table, whose prototypes the kernels'
+            // definitions match), of the parameter's size (device pointers as u64, the
+            // #[repr(C)] mirror of the parameter struct), alive for the call (the driver copies
+            // them); the device buffers are valid per the `DeviceSpan::from_raw` and
+            // `Stream::from_raw` contracts and sized by the checks of the caller.
             unsafe {
                 driver::launch_kernel(
                     self.function(kernel),
@@ -271,20 +303,20 @@ impl Kernels {
             out.range(),
             &[bucket.range(), dests.range()],
         )?;
-        let mut params = SdpGradFirst::new(layout, rng)?;
+        let params = SdpGradFirst::new(layout, rng)?;
         // The kernel's work units: per chunk, first-level peer and second-level peer, the
         // chunk's Gc groups for that destination in units of GRAD_FIRST_GROUPS_PER_UNIT.
         let units = u64::from(params.shards.chunks)
             * u64::from(params.peers1)
             * u64::from(params.peers2)
             * u64::from(params.groups_per_chunk).div_ceil(GRAD_FIRST_GROUPS_PER_UNIT);
-        let (mut a0, mut a1, mut a2) = (bucket.addr(), dests.addr(), out.addr());
         self.launch(
             grad_variant::<G>(Kernel::GradQuantizeFirst, Kernel::GradQuantizeFirstBf16),
             stream,
             units,
             GROUPS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut params)],
+            &[bucket.arg(), dests.arg(), out.arg()],
+            &params,
         )
     }
 
@@ -304,7 +336,7 @@ impl Kernels {
         rng: &UniformStream,
         out: DeviceSpan<u8>,
     ) -> Result<()> {
-        let mut params = SdpGradSecond::new(layout, my_x1, chunk, rng)?;
+        let params = SdpGradSecond::new(layout, my_x1, chunk, rng)?;
         let (first, second) = (layout.first, layout.last());
         check_index("first-level index", my_x1, first.peers)?;
         check_index("pipeline chunk", chunk, layout.bucket.chunks)?;
@@ -325,13 +357,13 @@ impl Kernels {
             &[recv.range(), dests.range()],
         )?;
         let units = (second.peers * second.slab.groups) as u64;
-        let (mut a0, mut a1, mut a2) = (recv.addr(), dests.addr(), out.addr());
         self.launch(
             Kernel::GradRequantizeSecond,
             stream,
             units,
             GROUPS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut params)],
+            &[recv.arg(), dests.arg(), out.arg()],
+            &params,
         )
     }
 
@@ -357,15 +389,14 @@ impl Kernels {
         )?;
         shard.check("gradient shard", layout.bucket.shard_len, 1)?;
         check_disjoint("gradient shard", shard.range(), &[recv.range()])?;
-        let mut params = SdpGradFinal::new(layout, chunk)?;
-        let units = last.slab.groups as u64;
-        let (mut a0, mut a1) = (recv.addr(), shard.addr());
+        let params = SdpGradFinal::new(layout, chunk)?;
         self.launch(
             grad_variant::<G>(Kernel::GradReduceFinal, Kernel::GradReduceFinalBf16),
             stream,
-            units,
+            last.slab.groups as u64,
             GROUPS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+            &[recv.arg(), shard.arg()],
+            &params,
         )
     }
 
@@ -396,24 +427,27 @@ impl Kernels {
         new.check("new weight shard", shard_len, 1)?;
         // The second input is filled in for difference encodings; an empty range overlaps nothing.
         let mut inputs = [new.range(), (0, 0)];
-        let reference_addr = match encoding {
+        let reference_arg = match encoding {
             WeightEncoding::Difference => {
                 reference.check("reference shard", shard_len, 1)?;
                 inputs[1] = reference.range();
-                reference.addr()
+                reference.arg()
             }
-            WeightEncoding::Direct => 0,
+            WeightEncoding::Direct => Arg {
+                addr: 0,
+                ..reference.arg()
+            },
         };
         out.check("weight send buffer", layout.byte_len(), SLAB_ALIGN)?;
         check_disjoint("weight send buffer", out.range(), &inputs)?;
-        let mut params = SdpWeightEncode::new(layout, encoding, shard_len, first_index, rng)?;
-        let (mut a0, mut a1, mut a2) = (new.addr(), reference_addr, out.addr());
+        let params = SdpWeightEncode::new(layout, encoding, shard_len, first_index, rng)?;
         self.launch(
             Kernel::WeightEncode,
             stream,
             layout.groups as u64,
             GROUPS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut params)],
+            &[new.arg(), reference_arg, out.arg()],
+            &params,
         )
     }
 
@@ -450,25 +484,28 @@ impl Kernels {
         )?;
         params.check("param bucket", plan.numel, 1)?;
         let mut inputs = [recv.range(), (0, 0)];
-        let reference_addr = match encoding {
+        let reference_arg = match encoding {
             WeightEncoding::Difference => {
                 own_reference.check("own reference shard", plan.shard_len, 1)?;
                 inputs[1] = own_reference.range();
-                own_reference.addr()
+                own_reference.arg()
             }
-            WeightEncoding::Direct => 0,
+            WeightEncoding::Direct => Arg {
+                addr: 0,
+                ..own_reference.arg()
+            },
         };
         check_disjoint("param bucket", params.range(), &inputs)?;
-        let mut args = SdpWeightApply::new(layout, encoding, plan, me)?;
+        let args = SdpWeightApply::new(layout, encoding, plan, me)?;
         let g = layout.spec.group_size;
         let units = (plan.world * plan.shard_len.div_ceil(g)) as u64;
-        let (mut a0, mut a1, mut a2) = (recv.addr(), reference_addr, params.addr());
         self.launch(
             Kernel::WeightApply,
             stream,
             units,
             GROUPS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut a2), arg(&mut args)],
+            &[recv.arg(), reference_arg, params.arg()],
+            &args,
         )
     }
 
@@ -492,14 +529,13 @@ impl Kernels {
             unsafe { driver::memset_d8_async(abs_bits.addr, 0, 4, stream.raw()) }
                 .map_err(driver_error("cuMemsetD8Async"))
         })?;
-        let mut params = SdpGlobal::absmax(bucket.len());
-        let (mut a0, mut a1) = (bucket.addr(), abs_bits.addr());
         self.launch(
             grad_variant::<G>(Kernel::GlobalAbsmax, Kernel::GlobalAbsmaxBf16),
             stream,
             bucket.len() as u64,
             ELEMENTS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+            &[bucket.arg(), abs_bits.arg()],
+            &SdpGlobal::absmax(bucket.len()),
         )
     }
 
@@ -547,7 +583,7 @@ impl Kernels {
         &self,
         stream: Stream,
         bucket: DeviceSpan<G>,
-        mut params: SdpGlobal,
+        params: SdpGlobal,
         read: &[(u64, u64)],
         out: DeviceSpan<T>,
     ) -> Result<()> {
@@ -561,13 +597,13 @@ impl Kernels {
         let mut inputs = vec![bucket.range()];
         inputs.extend_from_slice(read);
         check_disjoint("integer send buffer", out.range(), &inputs)?;
-        let (mut a0, mut a1) = (bucket.addr(), out.addr());
         self.launch(
             kernel,
             stream,
             bucket.len() as u64,
             ELEMENTS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+            &[bucket.arg(), out.arg()],
+            &params,
         )
     }
 
@@ -652,7 +688,7 @@ impl Kernels {
         &self,
         stream: Stream,
         sum: DeviceSpan<T>,
-        mut params: SdpGlobal,
+        params: SdpGlobal,
         read: &[(u64, u64)],
         out: DeviceSpan<G>,
     ) -> Result<()> {
@@ -666,13 +702,13 @@ impl Kernels {
         let mut inputs = vec![sum.range()];
         inputs.extend_from_slice(read);
         check_disjoint("gradient shard", out.range(), &inputs)?;
-        let (mut a0, mut a1) = (sum.addr(), out.addr());
         self.launch(
             kernel,
             stream,
             sum.len() as u64,
             ELEMENTS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+            &[sum.arg(), out.arg()],
+            &params,
         )
     }
 }
@@ -700,18 +736,37 @@ impl Kernels {
         src.check("conversion source", src.len(), 1)?;
         dst.check("conversion destination", src.len(), 1)?;
         check_disjoint("conversion destination", dst.range(), &[src.range()])?;
-        let mut params = SdpConvert {
-            numel: src.len() as u64,
-        };
-        let (mut a0, mut a1) = (src.addr(), dst.addr());
         self.launch(
             kernel,
             stream,
             src.len() as u64,
             ELEMENTS_PER_BLOCK,
-            &mut [arg(&mut a0), arg(&mut a1), arg(&mut params)],
+            &[src.arg(), dst.arg()],
+            &SdpConvert {
+                numel: src.len() as u64,
+            },
         )
     }
+}
+
+/// Fails unless `pointers` and a `P` are what the kernel table declares for `kernel`: as many
+/// pointers, each to elements of the declared size, and the declared struct.
+fn check_args<P: AbiParams>(kernel: Kernel, pointers: &[Arg]) -> Result<()> {
+    let declared = kernel.pointers();
+    let sizes_agree = pointers
+        .iter()
+        .zip(declared)
+        .all(|(arg, pointer)| arg.element_bytes == pointer.element_bytes);
+    if pointers.len() == declared.len() && sizes_agree && P::C_NAME == kernel.params() {
+        return Ok(());
+    }
+    Err(Error::Cuda(format!(
+        "launch of {}: the arguments ({pointers:?}, a {}) are not what \
+         kernels/sdp4bit_kernels.h declares ({declared:?}, a {})",
+        kernel.name(),
+        P::C_NAME,
+        kernel.params()
+    )))
 }
 
 /// `fp32` for an fp32 gradient element, `bf16` for a bf16 one: the kernel variant of `G`.
@@ -728,11 +783,6 @@ fn check_positive_k(k: i32) -> Result<()> {
             "Global-QSGD's largest code K must be positive, got {k}"
         )))
     }
-}
-
-/// A kernel argument: a pointer to its value.
-fn arg<T>(value: &mut T) -> *mut c_void {
-    (value as *mut T).cast()
 }
 
 /// Checks the `dests` table's length against `layout`.
@@ -764,8 +814,26 @@ fn int_width_error(bits: u8) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::GRAD_FIRST_GROUPS_PER_UNIT;
-    use crate::backend::cuda::source::SOURCES;
+    use super::{Arg, GRAD_FIRST_GROUPS_PER_UNIT, check_args};
+    use crate::backend::cuda::abi::{SdpConvert, SdpGlobal};
+    use crate::backend::cuda::source::{Kernel, SOURCES};
+
+    /// A launch's arguments are checked against the kernel table: the pointers' count and
+    /// element sizes, and the parameter struct.
+    #[test]
+    fn launch_arguments_follow_the_kernel_table() {
+        let arg = |element_bytes| Arg {
+            addr: 256,
+            element_bytes,
+        };
+        let widen = Kernel::GradWidenBf16;
+        assert!(check_args::<SdpConvert>(widen, &[arg(2), arg(4)]).is_ok());
+        let e = check_args::<SdpConvert>(widen, &[arg(4), arg(4)]).unwrap_err();
+        assert!(e.to_string().contains("grad_widen_bf16"), "{e}");
+        assert!(check_args::<SdpConvert>(widen, &[arg(2)]).is_err());
+        assert!(check_args::<SdpConvert>(widen, &[arg(2), arg(4), arg(1)]).is_err());
+        assert!(check_args::<SdpGlobal>(widen, &[arg(2), arg(4)]).is_err());
+    }
 
     #[test]
     fn grad_first_units_are_the_kernels() {

@@ -1,10 +1,7 @@
 //! One emulator case: its buffers, its kernel launches and the outputs expected of them, and
 //! the case file the emulator reads (format: `tests/kernel_emulator/emulator.cpp`).
 
-use sdp4bit::backend::cuda::abi::{
-    SdpConvert, SdpGlobal, SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply,
-    SdpWeightEncode,
-};
+use sdp4bit::backend::cuda::abi::AbiParams;
 use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::codec::slab::SlabLayout;
 
@@ -61,25 +58,6 @@ struct Launch {
     params: Vec<u8>,
     /// (byte offset in `params`, buffer): the buffer's address goes there.
     addresses: Vec<(usize, Buf)>,
-}
-
-/// The launch parameter structs of `abi`: `#[repr(C)]` with fixed-width fields and no padding
-/// (abi.rs asserts their sizes, the sums of their fields), so every byte is initialised.
-pub(crate) trait AbiParams: Copy {}
-impl AbiParams for SdpGradFirst {}
-impl AbiParams for SdpGradSecond {}
-impl AbiParams for SdpGradFinal {}
-impl AbiParams for SdpWeightEncode {}
-impl AbiParams for SdpWeightApply {}
-impl AbiParams for SdpGlobal {}
-impl AbiParams for SdpConvert {}
-
-/// The bytes `cuLaunchKernel` would copy for `params`.
-fn param_bytes<T: AbiParams>(params: &T) -> Vec<u8> {
-    // SAFETY: `params` is a live value of a type without padding (see `AbiParams`), so its
-    // `size_of::<T>()` bytes are initialised and readable as u8.
-    unsafe { std::slice::from_raw_parts((params as *const T).cast::<u8>(), size_of::<T>()) }
-        .to_vec()
 }
 
 /// One case: buffers (inputs and outputs), the launches that run on them in order, and the
@@ -150,7 +128,8 @@ impl Case {
 
     /// Launches `kernel` over `units` work units (`per_block` per block), as
     /// `backend::cuda::launch` does, but with a grid of 1, 2 or 3 blocks (grid-stride loops) or
-    /// `units / per_block` blocks (rounded up), and one of three warp orders.
+    /// `units / per_block` blocks (rounded up), and one of three warp orders. `params` must be
+    /// the struct the kernel table declares for `kernel`.
     pub(crate) fn launch<T: AbiParams>(
         &mut self,
         kernel: Kernel,
@@ -159,6 +138,7 @@ impl Case {
         pointers: &[Option<Buf>],
         params: &T,
     ) {
+        assert_eq!(T::C_NAME, kernel.params(), "{}'s parameters", kernel.name());
         let grid = match self.shapes.below(4) {
             0 => 1,
             1 => 2,
@@ -171,7 +151,7 @@ impl Case {
             order: self.shapes.below(3) as u32,
             order_seed: self.shapes.next_u64(),
             pointers: pointers.to_vec(),
-            params: param_bytes(params),
+            params: bytemuck::bytes_of(params).to_vec(),
             addresses: Vec::new(),
         });
     }
