@@ -3,13 +3,15 @@
 Trains megatron-core's GPTModel with its real DistributedOptimizer (examples/gpt_cpu/train.py)
 on W = 4 gloo ranks as 2 nodes x 2 ranks on CPU (forked by cpu_support/rank_launcher.py, which
 imports the libraries once for all runs), once per row and seed: baseline, qW, qWD,
-TLq, TLq-HS, SDP4Bit, QSDP, Global-QSGD, ZeRO++-style; and a byte-level GPT under PyTorch
-FSDP2 (examples/fsdp2/train.py, sdp4bit.fsdp) with FSDP's own numerics (FSDP2) and with QSDP's
-weight and gradient codecs (FSDP2 QSDP). Every row runs the seeds of --seeds, and the rows
+TLq, TLq-HS, SDP4Bit, QSDP, Global-QSGD, ZeRO++-style; the same model at TP = 2 x DP = 2
+(train.py --tp 2), with Megatron's own collectives (baseline TP=2) and the sdp4bit preset
+(SDP4Bit TP=2); and a byte-level GPT under PyTorch FSDP2 (examples/fsdp2/train.py,
+sdp4bit.fsdp) with FSDP's own numerics (FSDP2) and with QSDP's weight and gradient codecs
+(FSDP2 QSDP). Every row runs the seeds of --seeds, and the rows
 that decide the study's precision target, SDP4Bit and its baseline, run more
 (--deciding-seeds). A seed fixes the initial weights, the data order and sdp4bit's random
 streams, so each row's difference from its reference row (a baseline trained by the same
-script: baseline for the Megatron rows, FSDP2 for the FSDP2 rows) is taken seed by seed
+script and layout: baseline, baseline TP=2 or FSDP2) is taken seed by seed
 (paired), over the row's own seeds. Writes, to --out: convergence.md
 (each row's mean final validation loss over held-out tokens, its paired difference from its
 reference with a 95% interval, the relative error of the gradient reduce-scatter and of the
@@ -53,6 +55,7 @@ from rank_launcher import RankLauncher  # noqa: E402  (cpu_support, put on the p
 TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
 FSDP_TRAIN = ROOT / "examples" / "fsdp2" / "train.py"
 BASELINE = "baseline"
+TP_BASELINE = "baseline TP=2"
 FSDP_BASELINE = "FSDP2"
 #: Ranks of every run (2 nodes x 2), and the longest a run may take before it is stopped.
 WORLD = 4
@@ -89,6 +92,9 @@ def _preset(name: str, *knobs: str) -> tuple[str, ...]:
     return args
 
 
+#: The TP = 2 rows' layout and batch (train.py's arguments).
+TP2 = ("--tp", "2", "--batch", "16")
+
 ROWS = {row.name: row for row in (
     # Megatron's own collectives, through the integration's uncompressed path.
     Row(BASELINE, _preset("baseline")),
@@ -100,6 +106,13 @@ ROWS = {row.name: row for row in (
     Row("QSDP", _preset("qsdp")),
     Row("Global-QSGD", _preset("global-qsgd")),
     Row("ZeRO++-style", _preset("zeropp")),
+    # TP = 2 x DP = 2: Megatron's TP groups are consecutive ranks, so each node is a TP pair
+    # and each DP group ({0, 2}, {1, 3}) has one rank per node: sdp4bit's gradient
+    # reduce-scatter has one level, 4-bit between nodes. Parameters replicated across the TP
+    # pair travel exact (exact_params=replicated). 16 sequences per DP rank: the 32 per step
+    # of the rows above. Another layout of the model, so differenced against its own baseline.
+    Row(TP_BASELINE, (*_preset("baseline"), *TP2), reference=TP_BASELINE),
+    Row("SDP4Bit TP=2", (*_preset("sdp4bit"), *TP2), reference=TP_BASELINE),
     # A different model (FSDP2's byte-level GPT), so differenced against its own baseline:
     # FSDP's own numerics through sdp4bit.fsdp's uncompressed path, then QSDP's codecs.
     Row(FSDP_BASELINE, _preset("baseline"), FSDP_TRAIN, reference=FSDP_BASELINE),
@@ -137,15 +150,18 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: convergence.json; the machine was shared during most of them, so these are upper bounds)
 #: plus the launch of a run by cpu_support/rank_launcher.py (2.4 s a Megatron run, 5 s an
 #: FSDP2 run, measured on the shared machine): baseline 56 s, SDP4Bit 68 s, the other 7
-#: Megatron rows 427 s together, the 2 FSDP2 rows 180 s together. 20 x (56 + 68) + 3 x (427 +
-#: 180) = 4301 s, 72 minutes, inside the 90 the study may take. Timed end to end on the idle
-#: 2-core machine (2026-11-24, bench/results/convergence_default_timed.md), the default study
-#: took 55.7 minutes, 50 s a run. Launched by torchrun, every run paid 12-24 s more, for the
-#: imports of torch and megatron-core on every rank.
+#: Megatron rows 427 s together, the 2 FSDP2 rows 180 s together, and the 2 TP = 2 rows 98 s
+#: together (their fastest kept runs, launch included, on the shared machine). 20 x (56 + 68)
+#: + 3 x (427 + 180 + 98) = 4595 s, 77 minutes, inside the 90 the study may take. Timed end to
+#: end on the idle 2-core machine (2026-11-24, bench/results/convergence_default_timed.md),
+#: the default study took 55.7 minutes, 50 s a run, before the TP = 2 rows were added (6 runs
+#: more). Launched by torchrun, every run paid 12-24 s more, for the imports of torch and
+#: megatron-core on every rank.
 #: The committed study ran the other rows on 5 seeds (`--seeds 1,2,3,4,5`), for narrower
-#: intervals there; its 85 runs took 147 minutes on the shared machine.
+#: intervals there; its 85 runs took 147 minutes on the shared machine. Its TP = 2 rows ran
+#: later, on 10 seeds (bench/results/convergence.md).
 STEPS = 400
-ESTIMATED_MINUTES = 72
+ESTIMATED_MINUTES = 77
 SEEDS = "1,2,3"
 #: The rows whose paired difference the study's precision target is about (SDP4Bit's interval
 #: narrower than 0.5% of the baseline's loss), and the seeds they run when --seeds is left at
@@ -359,11 +375,19 @@ def report(args, rows: list[Row], summary: dict[str, dict], started: datetime.da
     runs = sum(s["seeds"] for s in summary.values())
     per_run = sum(s["mean_run_seconds"] * s["seeds"] for s in summary.values()) / runs
     models = []
-    if any(row.script == TRAIN for row in rows):
+    megatron_references = [row.name for row in rows if row.is_reference and row.script == TRAIN]
+    if megatron_references:
         models.append(
-            "- model (rows against baseline): megatron-core GPTModel (byte-level, 0.44 M params, "
-            "context 64, width 128, 2 layers, local layer spec), DDP + DistributedOptimizer "
-            "(torch Adam, bf16 params, fp32 main params and gradients, clip 1.0)")
+            f"- model (rows against {' and '.join(megatron_references)}): megatron-core GPTModel "
+            "(byte-level, 0.44 M params, context 64, width 128, 2 layers, local layer spec), "
+            "DDP + DistributedOptimizer (torch Adam, bf16 params, fp32 main params and "
+            "gradients, clip 1.0)")
+    if TP_BASELINE in megatron_references:
+        models.append(
+            f"- layout (rows against {TP_BASELINE}): TP = 2 x DP = 2 (train.py --tp 2), each "
+            "node a TP pair, the DP groups {0, 2} and {1, 3} one rank per node (sdp4bit's "
+            "gradient reduce-scatter: one level, 4-bit between nodes); parameters replicated "
+            "across the TP pair travel exact (exact_params=replicated); 16 sequences per DP rank")
     if any(row.script == FSDP_TRAIN for row in rows):
         models.append(
             f"- model (rows against {FSDP_BASELINE}): examples/fsdp2/train.py's byte-level GPT "
@@ -384,8 +408,8 @@ def report(args, rows: list[Row], summary: dict[str, dict], started: datetime.da
         f"{per_run * runs / 60:.1f} min ({per_run:.0f} s each on average; "
         f"this invocation {elapsed / 60:.1f} min, less where it reused kept runs)",
         *models,
-        "- training: lr 3e-3 with warm-up and cosine decay to 3e-4, 8 sequences per rank per "
-        "step, W = 4 gloo ranks as 2 nodes x 2 ranks",
+        "- training: lr 3e-3 with warm-up and cosine decay to 3e-4, 32 sequences per step (8 "
+        "per DP rank at DP = 4), W = 4 gloo ranks as 2 nodes x 2 ranks",
         f"- validation: the last {args.val_tokens:,d} bytes of the corpus (held out), every "
         "token predicted once; each row's difference is from its reference row (a baseline "
         "trained by the same script, named in the table), paired by seed (same initial "

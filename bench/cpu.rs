@@ -22,7 +22,7 @@ use sdp4bit::codec::slab::SlabLayout;
 use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather, global_k};
-use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
+use sdp4bit::layout::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;
 use sdp4bit::{Config, Preset, Rounding, hadamard};
 
@@ -318,7 +318,7 @@ fn reduce_final_row(opts: &Opts, name: &str, config: &Config) -> Row {
 /// The weight slab layout and bucket plan of `config` for a bf16 bucket of `numel`.
 fn weight_layout(config: &Config, numel: usize) -> (SlabLayout, BucketPlan) {
     let plan = BucketPlan::new(numel, 4, config).expect("bench bucket plans");
-    let spec = config.weight.quant_spec().expect("quantized weight codec");
+    let spec = QuantSpec::of_weights(&config.weight).expect("quantized weight codec");
     let layout = SlabLayout {
         spec,
         groups: plan.padded_shard_len / spec.group_size,

@@ -50,10 +50,11 @@ use rayon::prelude::*;
 use sdp4bit::backend::GradElement;
 use sdp4bit::backend::cpu::{global_qsgd, gradient, weight};
 use sdp4bit::backend::cuda::{DeviceSpan, Kernels, Stream, dest_table, device_count, probe};
+use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::codec::slab::SlabLayout;
 use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::global_k;
-use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
+use sdp4bit::layout::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;
 use sdp4bit::{Config, Preset, Rounding};
 
@@ -430,10 +431,7 @@ fn cpu_last_recv(layout: &GradLayout, seed: u64) -> BenchResult<Vec<u8>> {
 /// The weight slab layout and bucket plan of `config` for a bf16 bucket of `numel`.
 fn weight_layout(config: &Config, numel: usize) -> BenchResult<(SlabLayout, BucketPlan)> {
     let plan = BucketPlan::new(numel, WORLD, config)?;
-    let spec = config
-        .weight
-        .quant_spec()
-        .ok_or("the weight codec quantizes")?;
+    let spec = QuantSpec::of_weights(&config.weight).ok_or("the weight codec quantizes")?;
     let layout = SlabLayout {
         spec,
         groups: plan.padded_shard_len / spec.group_size,

@@ -12,9 +12,8 @@
 //                                         side_stream_handle)
 //       .start(params, step, side_stream_handle) -> Work
 //   torch.classes.sdp4bit.Work.wait() / .is_completed() / .completion_fd()
-//   torch.ops.sdp4bit.schema (presets, knobs, limits as JSON) / describe_config /
-//       config_knobs (JSON) / config_fingerprint / plan_wire_bytes /
-//       simulate_* (in-process reference)
+//   torch.ops.sdp4bit.schema (presets, knobs, limits as JSON) / resolve_config (a config's
+//       record as JSON) / plan_wire_bytes / simulate_* (in-process reference)
 //
 // A bucket lives on the CPU or on one CUDA device, and the two run differently:
 // - CPU buckets (the Rust core's CPU backend, host exchanges): start() queues the collective
@@ -148,11 +147,12 @@ std::string device_problem(c10::Device device) {
   return "CUDA buckets on " + device.str() + " cannot run: " + problem;
 }
 
-// Why the self-check of a CUDA bucket's kernels fails on `device` (a kernel whose bytes differ
+// Why the kernel check of a CUDA bucket's kernels fails on `device` (a kernel whose bytes differ
 // from the host backend's), or "" (also for the CPU). Run before the set-up agreement, so that a
 // failure on one rank fails the set-up on every rank.
-std::string self_check_problem(c10::Device device, const std::string& config,
-                               const std::vector<uint64_t>& labels, int64_t rank, bool weights) {
+std::string kernel_check_problem(c10::Device device, const ffi::ParsedConfig& config,
+                                 const std::vector<uint64_t>& labels, int64_t rank,
+                                 bool weights) {
   if (!device.is_cuda()) return "";
   std::string problem(ffi::cuda_bucket_problem(
       static_cast<size_t>(device.index()), config,
@@ -247,17 +247,11 @@ bool interpreter_finalizing() {
 }
 
 // Releases the GIL (when this thread holds it) while blocking on the executor, so the
-// executor and other Python threads never wait for a thread that waits for them.
-//
-// Taking the GIL back is where interpreter shutdown bites: before Python 3.14, a thread other
-// than the finalizing one that asks for the GIL after shutdown began is ended with
-// pthread_exit(), whose forced unwinding through this noexcept destructor would call
-// std::terminate ("terminate called without an active exception"). Such a thread is parked
-// instead (as Python 3.14 itself does); the process is exiting, which ends it. Methods
-// called from Python run without the GIL already (torch gives it up around the call and takes
-// it back itself, so sdp4bit's exit hook in sdp4bit/groups.py closes every open ProcessGroups
-// and waits for the threads in a wait() before shutdown begins); this guard covers the calls
-// made with the GIL held, such as a Work freed by the garbage collector.
+// executor and other Python threads never wait for a thread that waits for them; a thread
+// other than the finalizing one that would take it back after interpreter shutdown began is
+// parked instead of ended (docs/architecture.md, "Waiting, and the GIL at shutdown", says
+// why). Methods called from Python run without the GIL already; this covers the calls made
+// with it held, such as a Work freed by the garbage collector.
 class WithoutGil {
  public:
   WithoutGil() {
@@ -450,14 +444,10 @@ class ProcessGroups : public torch::CustomClassHolder {
 
   // Runs `job` on the executor after everything queued before it, with `device` current there
   // (executor_device), and waits for it.
-  template <class F>
-  auto run_in_order(std::optional<c10::Device> device, F&& job) -> decltype(job()) {
-    using R = decltype(job());
-    std::optional<R> result;
-    auto done = submit(device, [&] { result.emplace(job()); });
+  void run_in_order(std::optional<c10::Device> device, std::function<void()> job) {
+    auto done = submit(device, std::move(job));
     wait_for(done);
     rethrow_as_torch_error([&] { done.get(); });
-    return std::move(*result);
   }
 
   // Queues `job` on the executor, to run with `device` current there (executor_device);
@@ -574,12 +564,14 @@ class GradReduceScatter : public torch::CustomClassHolder {
     if (problem.empty()) problem = groups_->kind_problem(device_);
     if (problem.empty()) problem = device_problem(device_);
     executor_device_ = groups_->executor_device(device_, problem.empty());
+    // Parsed once, for the kernel check, the agreement and the plan.
+    auto parsed = ffi::parse_config(config);
     if (problem.empty()) {
-      problem = self_check_problem(device_, config, labels, groups_->rank(), false);
+      problem = kernel_check_problem(device_, *parsed, labels, groups_->rank(), false);
     }
-    auto parsed = groups_->run_in_order(executor_device_, [&] {
-      return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
-                                 static_cast<size_t>(numel));
+    groups_->run_in_order(executor_device_, [&] {
+      ffi::agree_on_setup(groups_->comms(), *parsed, problem, bucket_id_,
+                          static_cast<size_t>(numel));
     });
     bucket_ = rethrow_as_torch_error([&] {
       rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
@@ -784,12 +776,14 @@ class WeightAllGather : public torch::CustomClassHolder {
     if (problem.empty()) problem = device_problem(device_);
     executor_device_ = groups_->executor_device(device_, problem.empty());
     auto labels = checked_labels(node_labels);
+    // Parsed once, for the kernel check, the agreement and the plan.
+    auto parsed = ffi::parse_config(config);
     if (problem.empty()) {
-      problem = self_check_problem(device_, config, labels, groups_->rank(), true);
+      problem = kernel_check_problem(device_, *parsed, labels, groups_->rank(), true);
     }
-    auto parsed = groups_->run_in_order(executor_device_, [&] {
-      return ffi::agree_on_setup(groups_->comms(), config, problem, bucket_id_,
-                                 static_cast<size_t>(numel_));
+    groups_->run_in_order(executor_device_, [&] {
+      ffi::agree_on_setup(groups_->comms(), *parsed, problem, bucket_id_,
+                          static_cast<size_t>(numel_));
     });
     rust::Slice<const uint64_t> nodes(labels.data(), labels.size());
     auto rank = static_cast<size_t>(groups_->rank());
@@ -871,16 +865,17 @@ class WeightAllGather : public torch::CustomClassHolder {
 
 namespace {
 
+// `config` parsed, or a torch error saying why it is invalid.
 rust::Box<ffi::ParsedConfig> parse(const std::string& config) {
-  return rethrow_as_torch_error([&] { return ffi::parse_config(config); });
+  auto parsed = ffi::parse_config(config);
+  rethrow_as_torch_error([&] { parsed->check(); });
+  return parsed;
 }
 
-std::string describe_config(const std::string& config) {
-  return std::string(parse(config)->describe());
-}
-
-std::string config_knobs(const std::string& config) {
-  return std::string(parse(config)->knob_values_json());
+// The config as the Python `Config` caches it (JSON; ParsedConfig::record_json).
+std::string resolve_config(const std::string& config) {
+  auto parsed = ffi::parse_config(config);
+  return std::string(rethrow_as_torch_error([&] { return parsed->record_json(); }));
 }
 
 std::string schema() { return std::string(ffi::schema_json()); }
@@ -895,27 +890,20 @@ std::string cuda_device_report(int64_t device) {
 // The NVRTC the CUDA kernels compile with (version and path), or why none loads.
 std::string nvrtc_report() { return std::string(ffi::nvrtc_report()); }
 
-int64_t config_fingerprint(const std::string& config) {
-  uint64_t fingerprint = parse(config)->fingerprint();
-  int64_t out;
-  std::memcpy(&out, &fingerprint, sizeof out);  // the same 64 bits, as torch's int
-  return out;
-}
-
 // Runs every kernel of both collectives for `config`, the DP group of `node_labels` and
 // `rank` on CUDA device `device` and on the host, and fails naming the first kernel whose
 // bytes differ (the check a CUDA bucket runs at its first set-up).
-void cuda_self_check(int64_t device, const std::string& config,
-                     const std::vector<int64_t>& node_labels, int64_t rank) {
+void cuda_kernel_check(int64_t device, const std::string& config,
+                       const std::vector<int64_t>& node_labels, int64_t rank) {
   TORCH_CHECK(device >= 0, "sdp4bit: CUDA device index ", device, " is negative");
   TORCH_CHECK(rank >= 0 && rank < static_cast<int64_t>(node_labels.size()), "sdp4bit: rank ",
               rank, " outside the ", node_labels.size(), "-rank DP group");
   auto parsed = parse(config);
   auto labels = checked_labels(node_labels);
   rethrow_as_torch_error([&] {
-    ffi::cuda_self_check(static_cast<size_t>(device), *parsed,
-                         rust::Slice<const uint64_t>(labels.data(), labels.size()),
-                         static_cast<size_t>(rank));
+    ffi::cuda_kernel_check(static_cast<size_t>(device), *parsed,
+                           rust::Slice<const uint64_t>(labels.data(), labels.size()),
+                           static_cast<size_t>(rank));
   });
 }
 
@@ -1020,14 +1008,12 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def("shard_len", &WeightAllGather::shard_len)
       .def("wire_bytes", &WeightAllGather::wire_bytes)
       .def("baseline_wire_bytes", &WeightAllGather::baseline_wire_bytes);
-  m.def("describe_config(str config) -> str", &describe_config);
-  m.def("config_knobs(str config) -> str", &config_knobs);
+  m.def("resolve_config(str config) -> str", &resolve_config);
   m.def("schema() -> str", &schema);
   m.def("cuda_device_report(int device) -> str", &cuda_device_report);
   m.def("nvrtc_report() -> str", &nvrtc_report);
-  m.def("cuda_self_check(int device, str config, int[] node_labels, int rank) -> ()",
-        &cuda_self_check);
-  m.def("config_fingerprint(str config) -> int", &config_fingerprint);
+  m.def("cuda_kernel_check(int device, str config, int[] node_labels, int rank) -> ()",
+        &cuda_kernel_check);
   m.def("plan_wire_bytes(str config, int[] node_labels, int numel, int step) -> int[]",
         &plan_wire_bytes);
   m.def(

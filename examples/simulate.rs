@@ -17,7 +17,7 @@ use std::time::Instant;
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather, WireBytes, check_ranks_agree};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 
 struct Args {

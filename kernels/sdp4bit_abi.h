@@ -55,7 +55,7 @@ struct sdp_rng {
     uint32_t stream;  // counter word 3: the stream id
 };
 
-// Shard geometry of one bucket (plan::BucketPlan).
+// Shard geometry of one bucket (layout::BucketPlan).
 struct sdp_shards {
     uint64_t shard_len;         // S: real elements per shard
     uint64_t padded_shard_len;  // S_pad

@@ -15,9 +15,6 @@
                                       every N iterations, check that the copies of parameters
                                       Megatron keeps identical across tensor-parallel ranks and
                                       pipeline stages are (megatron_core.check_replicated_params)
-
-``--sdp4bit-grad-quant-start-iter`` is a deprecated alias of
-``--sdp4bit-grad-quant-start-step`` (Megatron counts iterations; one optimizer step each).
 """
 
 from __future__ import annotations
@@ -25,9 +22,6 @@ from __future__ import annotations
 import argparse
 
 from sdp4bit import Config, knobs, presets
-
-#: Deprecated flag names (kept for one release) -> the knob they set.
-_OLD_FLAGS = {"grad-quant-start-iter": "grad_quant_start_step"}
 
 
 def _flag(knob_name: str) -> str:
@@ -44,9 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for knob in knobs():
         group.add_argument(_flag(knob.name), dest=f"sdp4bit_{knob.name}",
                            help=f"{knob.doc} ({knob.accepted()})")
-    for old, knob in _OLD_FLAGS.items():
-        group.add_argument(f"--sdp4bit-{old}", dest=f"sdp4bit_{knob}",
-                           help=f"deprecated: {_flag(knob)}")
     group.add_argument("--sdp4bit-ranks-per-node", type=int,
                        help="ranks per node (default: LOCAL_WORLD_SIZE)")
     group.add_argument("--sdp4bit-telemetry-interval", type=int, default=0,

@@ -93,7 +93,7 @@ def _ddp_init(self, *args, **kwargs):
     if settings is None:
         return
     tied_id = limits().max_bucket_id
-    exact = _exact_params(self, settings.config.values()["exact_params"])
+    exact = _exact_params(self, settings.config.resolved.exact_params)
     for buffer in self.buffers + self.expert_parallel_buffers:
         for bucket in buffer.buckets:
             if any(getattr(p, "shared_embedding", False) for p in bucket.params_list):

@@ -16,7 +16,7 @@ distributed optimizer, Megatron-LM flags and launcher). The cost model:
 
 from . import _native
 from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
-from .config import Config, Knob, Limits, knobs, limits, presets
+from .config import Config, Knob, Limits, Resolved, knobs, limits, presets
 from .errors import Sdp4bitError
 from .groups import ProcessGroups
 
@@ -29,6 +29,7 @@ __all__ = [
     "Knob",
     "Limits",
     "ProcessGroups",
+    "Resolved",
     "Sdp4bitError",
     "WeightAllGather",
     "WireBytes",

@@ -58,23 +58,13 @@ class Handle:
         self._wait_for_host()
 
     def _wait_for_host(self) -> None:
-        """Blocks until the CPU collective completes. The blocking is done in Python's own
-        ``select.poll`` on the collective's completion descriptor (an eventfd the extension's
-        background thread makes readable once the collective has run), never inside a
-        blocking call into the extension: torch gives up the GIL around every call into a
-        TorchScript class and takes it back after it, and a thread taking it back after the
-        interpreter began shutting down is ended by an unwinding that aborts the process
-        ("terminate called without an active exception"). A thread blocked in ``poll`` is
-        ended cleanly instead, as a sleeping one is. ``poll`` (not ``select``) takes
-        descriptors of any number. The final ``wait()`` returns at once and raises the
-        collective's error, if any.
-
-        The completed collective is released here, while this thread still counts as waiting
-        (``counted_wait``, which the exit hook waits for): releasing it frees the tensors it
-        kept alive, and torch may give up the GIL while it frees a tensor, so a thread that
-        freed it later, during interpreter shutdown, would abort the process as above. It is
-        released when ``wait()`` raises too, and a later call raises the same error again, as
-        c10d's ``Work.wait`` does."""
+        """Blocks until the CPU collective completes, in Python's own ``select.poll`` on its
+        completion descriptor, never in a blocking call into the extension, and releases the
+        completed collective while this thread still counts as waiting (``counted_wait``):
+        docs/architecture.md, "Waiting, and the GIL at shutdown", says why. ``poll`` (not
+        ``select``) takes descriptors of any number. The final ``wait()`` returns at once and
+        raises the collective's error, if any; the collective is released when it raises too,
+        and a later call raises the same error again, as c10d's ``Work.wait`` does."""
         if self._work is None:
             if self._error is not None:
                 raise self._error

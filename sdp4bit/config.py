@@ -12,8 +12,9 @@ docs come from the core (``torch.ops.sdp4bit.schema()``) and are never listed ag
 :func:`knobs` returns them, ``help(Config)`` shows them, and the Megatron flags and the
 DeepSpeed config section are made from them.
 
-Building a config checks the Python types only; the core validates it (preset, knob values,
-combinations) in :meth:`Config.validate` and whenever it is used, raising
+Building a config checks the Python types only; the core validates and resolves it (preset,
+knob values, combinations) in one call the first time it is asked (:attr:`Config.resolved`,
+cached on the frozen config; :meth:`Config.validate`, :meth:`Config.values`, ...), raising
 :class:`~sdp4bit.Sdp4bitError` naming the problem. The collectives validate it during their
 collective set-up, so a config that is invalid on one rank only fails on every rank at once
 (naming that rank) instead of leaving the others waiting.
@@ -93,6 +94,23 @@ def limits() -> Limits:
     return Limits(**_native.schema()["limits"])
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """A config as the core resolved it, in one call, cached on the :class:`Config`: what the
+    integrations ask on every parameter and step, without calling into the core again."""
+
+    weight_codec: str  # e.g. "qwd"; "none" where the all-gather is not compressed
+    grad_codec: str  # e.g. "tlq-hs"; "none" where the reduce-scatter is not compressed
+    compresses_weights: bool
+    compresses_grads: bool  # (from grad_quant_start_step)
+    keeps_reference: bool  # every rank keeps the previous weights between steps (qWD)
+    grad_quant_start_step: int
+    exact_params: str
+    values: tuple[tuple[str, str | None], ...]  # every knob's value, None where unused
+    canonical: str  # what the fingerprint hashes
+    fingerprint: int  # the cross-rank fingerprint (64 bits, unsigned)
+
+
 class _ConfigMethods:
     """The methods of :class:`Config` (whose fields are made from the core's knobs)."""
 
@@ -113,11 +131,20 @@ class _ConfigMethods:
             if any(c in part for c in ";="):
                 raise ValueError(f"sdp4bit: config value {part!r} contains ';' or '='")
 
+    @functools.cached_property
+    def resolved(self) -> Resolved:
+        """The config as the core resolves it (validates it: raises :class:`Sdp4bitError`
+        naming the first bad preset, knob or combination); computed once per config."""
+        with translated_errors():
+            record = json.loads(_native.ops().resolve_config(self.spec()))
+        record["values"] = tuple(map(tuple, record["values"]))
+        return Resolved(**record)
+
     def validate(self) -> Config:
-        """Checks the config with the core; raises :class:`Sdp4bitError` naming the first bad
-        preset, knob or combination. Returns the config."""
-        self.values()
+        """Checks the config with the core (:attr:`resolved`). Returns the config."""
+        self.resolved  # noqa: B018
         return self
+
     @classmethod
     def from_knobs(cls, preset: str = "sdp4bit", overrides: dict | None = None) -> Config:
         """A config from a preset and knobs given by name, as text or values (flags, config
@@ -145,35 +172,31 @@ class _ConfigMethods:
 
     def values(self) -> dict[str, str | None]:
         """Every knob's effective value as the core reports it (text), ``None`` where the
-        configured codecs do not use the knob (validates the config)."""
-        with translated_errors():
-            return json.loads(_native.ops().config_knobs(self.spec()))
+        configured codecs do not use the knob."""
+        return dict(self.resolved.values)
 
     def codecs(self) -> tuple[str, str]:
         """(weight codec, gradient codec), ``"none"`` where a side is not compressed (e.g.
         ``("qwd", "tlq-hs")`` for the sdp4bit preset)."""
-        values = self.values()
-        return values["weight_codec"], values["grad_codec"]
+        return self.resolved.weight_codec, self.resolved.grad_codec
 
     @property
     def compresses_weights(self) -> bool:
         """Whether the parameter all-gather is compressed."""
-        return self.codecs()[0] != "none"
+        return self.resolved.compresses_weights
 
     @property
     def compresses_grads(self) -> bool:
         """Whether the gradient reduce-scatter is compressed (from ``grad_quant_start_step``)."""
-        return self.codecs()[1] != "none"
+        return self.resolved.compresses_grads
 
     def describe(self) -> str:
         """The canonical form the core hashes into the cross-rank fingerprint."""
-        with translated_errors():
-            return _native.ops().describe_config(self.spec())
+        return self.resolved.canonical
 
     def fingerprint(self) -> int:
         """The cross-rank fingerprint (64 bits, as an unsigned int)."""
-        with translated_errors():
-            return _native.ops().config_fingerprint(self.spec()) & (2**64 - 1)
+        return self.resolved.fingerprint
 
     def __repr__(self) -> str:
         knobs_set = "".join(f", {name}={value!r}" for name, value in self.overrides())

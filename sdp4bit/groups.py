@@ -24,10 +24,8 @@ logger = logging.getLogger("sdp4bit")
 _OPEN: dict[int, ProcessGroups] = {}
 # How long the exit hook gives woken threads to take the GIL back, seconds.
 _EXIT_GIL_WAIT_S = 10.0
-# Threads inside a collective's wait(): torch gives up the GIL for the call and takes it back
-# after it, which ends the thread (and, unwinding through torch, aborts the process with
-# "terminate called without an active exception") if the interpreter began shutting down
-# meanwhile; the exit hook waits for none to be left.
+# Threads inside a collective's wait(); the exit hook waits for none to be left
+# (docs/architecture.md, "Waiting, and the GIL at shutdown").
 _WAITING = [0]
 _WAITING_LOCK = threading.Lock()
 
@@ -52,21 +50,19 @@ def threads_in_wait() -> int:
 
 @atexit.register
 def _close_open_groups() -> None:
-    """Closes the groups still open when the interpreter exits. atexit handlers run before
-    the interpreter starts shutting down: the collectives in flight complete and the
-    background threads are joined while every Python thread waiting on one of them can still
-    take the GIL back (a thread that needs it during shutdown is ended or parked, never
-    resumed); a rank never exits under a collective its peers are still running. Like
-    :meth:`ProcessGroups.close`, this waits for those collectives (at most the groups'
-    timeout). Registered after torch's import, so it runs before any exit hook of torch's."""
+    """Closes the groups still open when the interpreter exits, before it starts shutting
+    down, then waits (bounded) until no thread is inside a wait() (docs/architecture.md,
+    "Waiting, and the GIL at shutdown"); a rank never exits under a collective its peers are
+    still running. Like :meth:`ProcessGroups.close`, this waits for those collectives (at
+    most the groups' timeout). Registered after torch's import, so it runs before any exit
+    hook of torch's."""
     for groups in list(_OPEN.values()):
         try:
             groups.close()
         except Sdp4bitError as e:
             logger.warning("sdp4bit: closing process groups at exit failed: %s", e)
-    # The threads those collectives woke take the GIL back now, while they still may
-    # (sleeping hands it to them); bounded, so that exit never hangs on a thread that waits
-    # for something else.
+    # Sleeping hands the GIL to the threads those collectives woke; bounded, so that exit
+    # never hangs on a thread that waits for something else.
     deadline = time.monotonic() + _EXIT_GIL_WAIT_S
     while threads_in_wait() > 0 and time.monotonic() < deadline:
         time.sleep(0.001)

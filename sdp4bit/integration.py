@@ -89,7 +89,7 @@ def refuse_exact_embeddings(config, framework: str) -> None:
     megatron-core integration implements (``norms-biases-embeddings``): `framework` (named in
     the message) compresses every parameter. Its other values hold there as they are: it has
     no tensor-parallel copies (it refuses tensor parallelism), so none are replicated."""
-    if config.values()["exact_params"] == "norms-biases-embeddings":
+    if config.resolved.exact_params == "norms-biases-embeddings":
         raise Sdp4bitError(f"exact_params=norms-biases-embeddings is implemented for "
                            f"megatron-core (megatron_patch) only; {framework} compresses every "
                            "parameter (exact_params=replicated or none)")

@@ -160,7 +160,8 @@ def bucket_link_ms(preset: str, elements: float, nodes: int, per_node: int,
     `elements`' reduce-scatter and all-gather (`node_link_bytes`; the baseline as NCCL runs it,
     rings, the least an uncompressed collective sends between nodes)."""
     b, _ = step_bytes(preset, elements, nodes * per_node, per_node)
-    return node_link_bytes(b, per_node, preset != "baseline") * 8 / (rate_mbit * 1e6) * 1e3
+    compressed = Config(preset).compresses_grads
+    return node_link_bytes(b, per_node, compressed) * 8 / (rate_mbit * 1e6) * 1e3
 
 
 def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbps: float,
@@ -194,8 +195,8 @@ def predict(params: float, cluster: Cluster, presets=None, bucket_elements: floa
     rows = []
     for preset in presets:
         mine, base = step_bytes(preset, elements, dp, per_node)
-        t = comm_ms(mine, cluster, elements, buckets, codec_gbps, preset != "baseline",
-                    transport)
+        t = comm_ms(mine, cluster, elements, buckets, codec_gbps,
+                    Config(preset).compresses_grads, transport)
         t_base = comm_ms(base, cluster, elements, buckets, codec_gbps, False, transport)
         row = {"preset": preset, "bytes": sum(mine.grad) + sum(mine.weight),
                "baseline_bytes": sum(base.grad) + sum(base.weight), "comm_ms": t,

@@ -4,7 +4,7 @@
 
 On a host with a CUDA GPU it runs, and reports each outcome:
 
-- the kernels of every preset against the host backend on every GPU (the self-check a CUDA
+- the kernels of every preset against the host backend on every GPU (the kernel check a CUDA
   bucket runs at its first set-up, here for a 2x2 DP group);
 - a one-process NCCL check through torch.distributed: the collectives sdp4bit uses on CUDA
   tensors, with exact expected values, and a CUDA gradient bucket and weight bucket over the
@@ -163,7 +163,7 @@ def check_kernels(device: int) -> str:
 
     ops = _native.ops()
     for preset in presets():
-        ops.cuda_self_check(device, preset, [0, 0, 1, 1], 1)
+        ops.cuda_kernel_check(device, preset, [0, 0, 1, 1], 1)
     return f"presets {', '.join(presets())}: the device's bytes equal the host's"
 
 

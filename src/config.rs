@@ -1,16 +1,16 @@
 //! Codec choices, presets and knobs: the one place where a configuration is built and validated.
 //!
 //! A [`Config`] starts from a [`Preset`] (which only picks defaults) and is refined with
-//! `key=value` overrides ([`Config::set`]). Every value is validated when it is set and the
-//! whole config again by [`Config::validate`]; errors name the knob and the bad value.
-//! [`Config::fingerprint`] is a stable 64-bit hash of the canonical form ([`fmt::Display`]),
-//! so ranks can check that they agree before the first collective.
+//! `key=value` overrides ([`Config::set`]) of the knobs of [`KNOBS`], where each knob is
+//! defined once: its name, accepted values, doc, the codecs it applies to, how it is read and
+//! written. [`Config::validate`] checks the whole config; errors name the knob and the bad
+//! value. [`Config::fingerprint`] is a stable 64-bit hash of the canonical form
+//! ([`fmt::Display`]), so ranks can check that they agree before the first collective.
 
 use std::fmt;
 use std::hash::Hasher;
 use std::str::FromStr;
 
-use crate::codec::quant::QuantSpec;
 use crate::error::{Error, Result};
 
 /// How a real value is rounded to an integer code (docs/numerics.md §1.3).
@@ -97,7 +97,7 @@ pub struct WeightConfig {
     pub rounding: Rounding,
 }
 
-/// Knobs of the gradient codec. Which knobs apply depends on the codec (see [`Config::set`]).
+/// Knobs of the gradient codec. Which knobs apply depends on the codec (see [`KNOBS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GradConfig {
     /// Which codec.
@@ -144,6 +144,38 @@ pub const MAX_PIPELINE_CHUNKS: usize = 64;
 pub const GROUP_QUANTUM: usize = 32;
 /// Default seed of every preset.
 pub const DEFAULT_SEED: u64 = 1234;
+/// The value of a knob left for the core to choose (`pipeline_chunks`, `global_qsgd_bits`).
+pub const AUTO: &str = "auto";
+
+impl WeightCodec {
+    /// Whether the all-gather is compressed (every codec but `none`).
+    pub fn compresses(self) -> bool {
+        self != Self::None
+    }
+
+    /// Whether every rank keeps a reference copy of the weights between steps (qWD's previous
+    /// values), which integrations that free gathered parameters (ZeRO-3, FSDP2) cannot.
+    pub fn keeps_reference(self) -> bool {
+        self == Self::Qwd
+    }
+}
+
+impl GradCodec {
+    /// Whether the reduce-scatter is compressed (every codec but `none`).
+    pub fn compresses(self) -> bool {
+        self != Self::None
+    }
+
+    /// Whether this codec quantizes groups and exchanges them with all-to-alls.
+    pub fn is_grouped(self) -> bool {
+        matches!(self, Self::TlqHs | Self::Tlq | Self::Qsdp | Self::Zeropp)
+    }
+
+    /// Whether the codec runs two levels (intra-node, then inter-node) when the topology allows.
+    pub fn is_two_level(self) -> bool {
+        matches!(self, Self::TlqHs | Self::Tlq | Self::Zeropp)
+    }
+}
 
 impl WeightConfig {
     /// The defaults of each weight codec (docs/numerics.md §4.1).
@@ -159,19 +191,6 @@ impl WeightConfig {
             bits,
             group_size,
             rounding,
-        }
-    }
-
-    /// The group quantizer this codec applies, `None` for the uncompressed codec.
-    pub fn quant_spec(&self) -> Option<QuantSpec> {
-        match self.codec {
-            WeightCodec::None => None,
-            codec => Some(QuantSpec {
-                bits: self.bits,
-                group_size: self.group_size,
-                symmetric: codec != WeightCodec::Qsdp,
-                rounding: self.rounding,
-            }),
         }
     }
 }
@@ -215,32 +234,6 @@ impl GradConfig {
             },
         }
     }
-
-    /// Whether this codec quantizes groups and exchanges them with all-to-alls.
-    pub fn is_grouped(&self) -> bool {
-        matches!(
-            self.codec,
-            GradCodec::TlqHs | GradCodec::Tlq | GradCodec::Qsdp | GradCodec::Zeropp
-        )
-    }
-
-    /// Whether the codec runs two levels (intra-node, then inter-node) when the topology allows.
-    pub fn is_two_level(&self) -> bool {
-        matches!(
-            self.codec,
-            GradCodec::TlqHs | GradCodec::Tlq | GradCodec::Zeropp
-        )
-    }
-
-    /// The quantizer of a level running at `bits`.
-    pub fn quant_spec(&self, bits: u8) -> QuantSpec {
-        QuantSpec {
-            bits,
-            group_size: self.group_size,
-            symmetric: self.codec != GradCodec::Qsdp,
-            rounding: self.rounding,
-        }
-    }
 }
 
 impl Config {
@@ -264,7 +257,7 @@ impl Config {
     }
 
     /// Builds a config from a preset and `(knob, value)` overrides applied in order, then
-    /// validates it. Knob names are those of [`Config::set`].
+    /// validates it. Knob names are those of [`KNOBS`].
     pub fn from_overrides<'a>(
         preset: Preset,
         overrides: impl IntoIterator<Item = (&'a str, &'a str)>,
@@ -277,120 +270,55 @@ impl Config {
         Ok(config)
     }
 
-    /// Sets one knob from its textual value.
-    ///
-    /// Knobs: `weight_codec` (none|qwd|qw|qsdp|zeropp; resets the weight knobs to that
-    /// codec's defaults), `weight_bits`, `weight_group_size`, `weight_rounding`
-    /// (stochastic|nearest), `grad_codec` (none|tlq-hs|tlq|qsdp|global-qsgd|zeropp; resets the
-    /// gradient knobs), `grad_intra_bits`, `grad_inter_bits`, `grad_group_size`,
-    /// `hadamard_block` (0 = off), `grad_rounding`, `global_qsgd_bits` (auto|8|16),
-    /// `pipeline_chunks`, `grad_quant_start_step`, `seed`, `exact_params`
-    /// (none|replicated|norms-biases-embeddings). A knob the current codec does not use is an
-    /// error rather than silently ignored.
+    /// Sets the knob of [`KNOBS`] named `key` from its textual value. A knob the current codecs
+    /// do not use is an error rather than silently ignored; the value's range is checked by
+    /// [`Config::validate`], so an override may pass through a value a later one corrects.
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
-        let w = self.weight.codec;
-        let g = self.grad.codec;
-        let grouped_weight = w != WeightCodec::None;
-        match key {
-            "weight_codec" => self.weight = WeightConfig::defaults(parse(key, value)?),
-            "grad_codec" => self.grad = GradConfig::defaults(parse(key, value)?),
-            "weight_bits" => {
-                require(grouped_weight, key, "weight codec", w)?;
-                self.weight.bits = parse_bits(key, value, &[4, 8])?;
-            }
-            "weight_group_size" => {
-                require(grouped_weight, key, "weight codec", w)?;
-                self.weight.group_size = parse(key, value)?;
-            }
-            "weight_rounding" => {
-                require(grouped_weight, key, "weight codec", w)?;
-                self.weight.rounding = parse(key, value)?;
-            }
-            "grad_intra_bits" => {
-                require(self.grad.is_two_level(), key, "gradient codec", g)?;
-                self.grad.intra_bits = parse_bits(key, value, &[4, 8])?;
-            }
-            "grad_inter_bits" => {
-                require(self.grad.is_grouped(), key, "gradient codec", g)?;
-                self.grad.inter_bits = parse_bits(key, value, &[4, 8])?;
-            }
-            "grad_group_size" => {
-                require(self.grad.is_grouped(), key, "gradient codec", g)?;
-                self.grad.group_size = parse(key, value)?;
-            }
-            "hadamard_block" => {
-                require(self.grad.is_two_level(), key, "gradient codec", g)?;
-                let block: usize = parse(key, value)?;
-                self.grad.hadamard_block = (block != 0).then_some(block);
-            }
-            "grad_rounding" => {
-                require(g != GradCodec::None, key, "gradient codec", g)?;
-                self.grad.rounding = parse(key, value)?;
-            }
-            "global_qsgd_bits" => {
-                require(g == GradCodec::GlobalQsgd, key, "gradient codec", g)?;
-                self.grad.global_bits = match value {
-                    "auto" => None,
-                    _ => Some(parse_bits(key, value, &[8, 16])?),
-                };
-            }
-            "pipeline_chunks" => {
-                self.pipeline_chunks = match value {
-                    "auto" => None,
-                    _ => Some(parse(key, value)?),
-                }
-            }
-            "grad_quant_start_step" => self.grad_quant_start_step = parse(key, value)?,
-            "seed" => self.seed = parse(key, value)?,
-            "exact_params" => self.exact_params = parse(key, value)?,
-            _ => {
-                return Err(Error::Config(format!(
-                    "unknown knob '{key}' (value '{value}'); known knobs: {}",
-                    KNOBS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
-                )));
-            }
-        }
-        Ok(())
+        let knob = KNOBS.iter().find(|k| k.name == key).ok_or_else(|| {
+            Error::Config(format!(
+                "unknown knob '{key}' (value '{value}'); known knobs: {}",
+                KNOBS.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
+            ))
+        })?;
+        knob.applies_to(self)
+            .map_err(|codec| Error::Config(format!("knob '{key}' does not apply to {codec}")))?;
+        (knob.set)(self, value.trim()).map_err(|e| Error::Config(format!("{key}='{value}': {e}")))
     }
 
-    /// Checks every knob and every cross-knob rule, naming the first bad value.
+    /// Checks every knob and every cross-knob rule, naming the first bad value: a knob that
+    /// applies holds one of its accepted values, one that does not holds its codec's default.
     pub fn validate(&self) -> Result<()> {
-        if let Some(spec) = self.weight.quant_spec() {
-            check_bits("weight_bits", spec.bits, &[4, 8])?;
-            check_group("weight_group_size", spec.group_size)?;
-        }
-        if self.grad.is_grouped() {
-            check_bits("grad_intra_bits", self.grad.intra_bits, &[4, 8])?;
-            check_bits("grad_inter_bits", self.grad.inter_bits, &[4, 8])?;
-            check_group("grad_group_size", self.grad.group_size)?;
-        }
-        if let Some(block) = self.grad.hadamard_block {
-            if !self.grad.is_two_level() {
-                return Err(Error::Config(format!(
-                    "hadamard_block={block} is only supported by two-level gradient codecs, not {}",
-                    self.grad.codec
-                )));
-            }
-            if !crate::hadamard::is_supported_block(block) {
-                return Err(Error::Config(format!(
-                    "hadamard_block={block} must be a power of two from 16 to 256"
-                )));
-            }
-            if !self.grad.group_size.is_multiple_of(block) {
-                return Err(Error::Config(format!(
-                    "grad_group_size={} must be a multiple of hadamard_block={block}",
-                    self.grad.group_size
-                )));
+        let defaults = Config {
+            weight: WeightConfig::defaults(self.weight.codec),
+            grad: GradConfig::defaults(self.grad.codec),
+            ..*self
+        };
+        for knob in KNOBS {
+            let value = (knob.get)(self);
+            match knob.applies_to(self) {
+                // `auto` leaves the value to the core: nothing to check.
+                Ok(()) if value != AUTO && !knob.values.accepts(&value) => {
+                    return Err(Error::Config(format!(
+                        "{}={value} is not supported; allowed: {}",
+                        knob.name, knob.values
+                    )));
+                }
+                Err(codec) if value != (knob.get)(&defaults) => {
+                    return Err(Error::Config(format!(
+                        "{}={value} does not apply to {codec}",
+                        knob.name
+                    )));
+                }
+                _ => {}
             }
         }
-        if let Some(bits) = self.grad.global_bits {
-            check_bits("global_qsgd_bits", bits, &[8, 16])?;
-        }
-        if let Some(chunks) = self.pipeline_chunks
-            && !(1..=MAX_PIPELINE_CHUNKS).contains(&chunks)
+        let grad = &self.grad;
+        if let Some(block) = grad.hadamard_block
+            && !grad.group_size.is_multiple_of(block)
         {
             return Err(Error::Config(format!(
-                "pipeline_chunks={chunks} must be between 1 and {MAX_PIPELINE_CHUNKS} (or auto)"
+                "grad_group_size={} must be a multiple of hadamard_block={block}",
+                grad.group_size
             )));
         }
         Ok(())
@@ -403,10 +331,22 @@ impl Config {
         hasher.write(self.to_string().as_bytes());
         hasher.finish()
     }
+
+    /// The value of every knob of [`KNOBS`] in this config, in its textual form, or `None`
+    /// where the configured codecs do not use the knob.
+    pub fn knob_values(&self) -> Vec<(&'static str, Option<String>)> {
+        KNOBS
+            .iter()
+            .map(|knob| {
+                let value = knob.applies_to(self).is_ok().then(|| (knob.get)(self));
+                (knob.name, value)
+            })
+            .collect()
+    }
 }
 
 /// The values a knob accepts, for front ends that present knobs as typed, documented fields
-/// (the Python config, the Megatron flags, the DeepSpeed section); [`Config::set`] checks
+/// (the Python config, the Megatron flags, the DeepSpeed section); [`Config::validate`] checks
 /// them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KnobValues {
@@ -425,8 +365,65 @@ pub enum KnobValues {
     },
 }
 
-/// One knob of [`Config::set`]: its name, the values it accepts and what it does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+impl KnobValues {
+    /// Whether `value` (text) is one of these.
+    pub fn accepts(&self, value: &str) -> bool {
+        match *self {
+            Self::Names(names) => names.contains(&value),
+            Self::Integers(values) => value.parse().is_ok_and(|v| values.contains(&v)),
+            Self::Range {
+                min,
+                max,
+                multiple_of,
+            } => value
+                .parse::<u64>()
+                .is_ok_and(|v| (min..=max).contains(&v) && v.is_multiple_of(multiple_of)),
+        }
+    }
+}
+
+impl fmt::Display for KnobValues {
+    /// As the Python config, the flags' help and docs/configuration.md show them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Self::Names(names) => f.write_str(&names.join(", ")),
+            Self::Integers(values) => {
+                let values: Vec<String> = values.iter().map(u64::to_string).collect();
+                f.write_str(&values.join(", "))
+            }
+            Self::Range {
+                min,
+                max,
+                multiple_of,
+            } => {
+                match max {
+                    u64::MAX => write!(f, "{min} or more")?,
+                    _ => write!(f, "{min} to {max}")?,
+                }
+                match multiple_of {
+                    1 => Ok(()),
+                    _ => write!(f, ", multiple of {multiple_of}"),
+                }
+            }
+        }
+    }
+}
+
+/// Which configs a knob applies to. Where it does not, it keeps its codec's default, cannot
+/// be set and reads as `None` in [`Config::knob_values`].
+#[derive(Debug, Clone, Copy)]
+pub enum Applies {
+    /// Every config.
+    Always,
+    /// Configs whose weight codec passes the test.
+    Weight(fn(WeightCodec) -> bool),
+    /// Configs whose gradient codec passes the test.
+    Grad(fn(GradCodec) -> bool),
+}
+
+/// One knob, the only place it is defined: its name, the values it accepts, what it does,
+/// the configs it applies to, how its text is read into a config and how it is written.
+#[derive(Debug, Clone, Copy)]
 pub struct Knob {
     /// The name used in `key=value` overrides, Megatron flags (`--sdp4bit-<name>` with
     /// dashes) and the DeepSpeed config section.
@@ -435,6 +432,49 @@ pub struct Knob {
     pub values: KnobValues,
     /// One sentence on what it does.
     pub doc: &'static str,
+    /// Which configs use it.
+    pub applies: Applies,
+    /// Reads a trimmed value into the config, or says why it cannot be read.
+    set: fn(&mut Config, &str) -> std::result::Result<(), String>,
+    /// The knob's value as text, as `set` reads it.
+    get: fn(&Config) -> String,
+}
+
+impl Knob {
+    /// `Ok` when the knob applies to `config`, else the codec it does not apply to.
+    fn applies_to(&self, config: &Config) -> std::result::Result<(), String> {
+        match self.applies {
+            Applies::Always => Ok(()),
+            Applies::Weight(uses) if uses(config.weight.codec) => Ok(()),
+            Applies::Grad(uses) if uses(config.grad.codec) => Ok(()),
+            Applies::Weight(_) => Err(format!("weight codec '{}'", config.weight.codec)),
+            Applies::Grad(_) => Err(format!("gradient codec '{}'", config.grad.codec)),
+        }
+    }
+}
+
+/// Parses a knob's value.
+fn parse<T: FromStr>(value: &str) -> std::result::Result<T, String>
+where
+    T::Err: fmt::Display,
+{
+    value.parse().map_err(|e: T::Err| e.to_string())
+}
+
+/// Parses a value that may be [`AUTO`] (`None`).
+fn parse_auto<T: FromStr>(value: &str) -> std::result::Result<Option<T>, String>
+where
+    T::Err: fmt::Display,
+{
+    match value {
+        AUTO => Ok(None),
+        _ => parse(value).map(Some),
+    }
+}
+
+/// Writes a value that may be [`AUTO`] (`None`).
+fn show_auto(value: Option<impl fmt::Display>) -> String {
+    value.map_or(AUTO.to_string(), |v| v.to_string())
 }
 
 const GROUP_SIZES: KnobValues = KnobValues::Range {
@@ -450,63 +490,129 @@ const ANY_U64: KnobValues = KnobValues::Range {
     multiple_of: 1,
 };
 
-/// Every knob [`Config::set`] accepts, codecs first (setting a codec resets that side's knobs
-/// to the codec's defaults, so codecs are applied before the knobs they reset).
+/// Every knob, codecs first (setting a codec resets that side's knobs to the codec's
+/// defaults, so codecs are applied before the knobs they reset).
 pub const KNOBS: &[Knob] = &[
     Knob {
         name: "weight_codec",
         values: KnobValues::Names(&["none", "qwd", "qw", "qsdp", "zeropp"]),
         doc: "codec of the parameter all-gather; resets the other weight knobs to its defaults",
+        applies: Applies::Always,
+        set: |c, v| {
+            c.weight = WeightConfig::defaults(parse(v)?);
+            Ok(())
+        },
+        get: |c| c.weight.codec.to_string(),
     },
     Knob {
         name: "grad_codec",
         values: KnobValues::Names(&["none", "tlq-hs", "tlq", "qsdp", "global-qsgd", "zeropp"]),
         doc: "codec of the gradient reduce-scatter; resets the other gradient knobs to its defaults",
+        applies: Applies::Always,
+        set: |c, v| {
+            c.grad = GradConfig::defaults(parse(v)?);
+            Ok(())
+        },
+        get: |c| c.grad.codec.to_string(),
     },
     Knob {
         name: "weight_bits",
         values: BITS,
         doc: "bits per weight code",
+        applies: Applies::Weight(WeightCodec::compresses),
+        set: |c, v| {
+            c.weight.bits = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.weight.bits.to_string(),
     },
     Knob {
         name: "weight_group_size",
         values: GROUP_SIZES,
         doc: "weights sharing one quantization scale",
+        applies: Applies::Weight(WeightCodec::compresses),
+        set: |c, v| {
+            c.weight.group_size = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.weight.group_size.to_string(),
     },
     Knob {
         name: "weight_rounding",
         values: ROUNDINGS,
         doc: "rounding of the weight codes",
+        applies: Applies::Weight(WeightCodec::compresses),
+        set: |c, v| {
+            c.weight.rounding = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.weight.rounding.to_string(),
     },
     Knob {
         name: "grad_intra_bits",
         values: BITS,
         doc: "bits per gradient code inside a node (first level of two-level codecs)",
+        applies: Applies::Grad(GradCodec::is_two_level),
+        set: |c, v| {
+            c.grad.intra_bits = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.grad.intra_bits.to_string(),
     },
     Knob {
         name: "grad_inter_bits",
         values: BITS,
         doc: "bits per gradient code between nodes (and of one-level routes)",
+        applies: Applies::Grad(GradCodec::is_grouped),
+        set: |c, v| {
+            c.grad.inter_bits = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.grad.inter_bits.to_string(),
     },
     Knob {
         name: "grad_group_size",
         values: GROUP_SIZES,
         doc: "gradients sharing one quantization scale",
+        applies: Applies::Grad(GradCodec::is_grouped),
+        set: |c, v| {
+            c.grad.group_size = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.grad.group_size.to_string(),
     },
     Knob {
         name: "hadamard_block",
         values: KnobValues::Integers(&[0, 16, 32, 64, 128, 256]),
         doc: "Walsh-Hadamard block applied before the first gradient quantization (0: off)",
+        applies: Applies::Grad(GradCodec::is_two_level),
+        set: |c, v| {
+            c.grad.hadamard_block = Some(parse(v)?).filter(|&block| block != 0);
+            Ok(())
+        },
+        get: |c| c.grad.hadamard_block.unwrap_or(0).to_string(),
     },
     Knob {
         name: "grad_rounding",
         values: ROUNDINGS,
         doc: "rounding of the gradient codes",
+        applies: Applies::Grad(GradCodec::compresses),
+        set: |c, v| {
+            c.grad.rounding = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.grad.rounding.to_string(),
     },
     Knob {
         name: "global_qsgd_bits",
-        values: KnobValues::Names(&["auto", "8", "16"]),
+        values: KnobValues::Names(&[AUTO, "8", "16"]),
         doc: "Global-QSGD integer width (auto: 8 up to 127 ranks, else 16)",
+        applies: Applies::Grad(|codec| codec == GradCodec::GlobalQsgd),
+        set: |c, v| {
+            c.grad.global_bits = parse_auto(v)?;
+            Ok(())
+        },
+        get: |c| show_auto(c.grad.global_bits),
     },
     Knob {
         name: "pipeline_chunks",
@@ -517,16 +623,34 @@ pub const KNOBS: &[Knob] = &[
         },
         doc: "chunks each gradient bucket is exchanged in, pipelined (default auto: chosen per \
               bucket among the counts that leave its bytes unchanged)",
+        applies: Applies::Always,
+        set: |c, v| {
+            c.pipeline_chunks = parse_auto(v)?;
+            Ok(())
+        },
+        get: |c| show_auto(c.pipeline_chunks),
     },
     Knob {
         name: "grad_quant_start_step",
         values: ANY_U64,
         doc: "optimizer step from which gradients are compressed (uncompressed before)",
+        applies: Applies::Always,
+        set: |c, v| {
+            c.grad_quant_start_step = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.grad_quant_start_step.to_string(),
     },
     Knob {
         name: "seed",
         values: ANY_U64,
         doc: "seed of the stochastic-rounding random streams",
+        applies: Applies::Always,
+        set: |c, v| {
+            c.seed = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.seed.to_string(),
     },
     Knob {
         name: "exact_params",
@@ -534,94 +658,14 @@ pub const KNOBS: &[Knob] = &[
         doc: "parameters whose gradients and values travel exact beside the compressed bucket \
               (megatron-core): none, those replicated across tensor-parallel ranks, or those plus \
               every norm, bias and embedding table",
+        applies: Applies::Always,
+        set: |c, v| {
+            c.exact_params = parse(v)?;
+            Ok(())
+        },
+        get: |c| c.exact_params.to_string(),
     },
 ];
-
-impl Config {
-    /// The value of every knob of [`KNOBS`] in this config, in its textual form, or `None`
-    /// where the configured codec does not use the knob.
-    pub fn knob_values(&self) -> Vec<(&'static str, Option<String>)> {
-        let (w, g) = (&self.weight, &self.grad);
-        let weighted = w.codec != WeightCodec::None;
-        let grouped = g.is_grouped();
-        let two_level = g.is_two_level();
-        KNOBS
-            .iter()
-            .map(|knob| {
-                let value = match knob.name {
-                    "weight_codec" => Some(w.codec.to_string()),
-                    "grad_codec" => Some(g.codec.to_string()),
-                    "weight_bits" => weighted.then(|| w.bits.to_string()),
-                    "weight_group_size" => weighted.then(|| w.group_size.to_string()),
-                    "weight_rounding" => weighted.then(|| w.rounding.to_string()),
-                    "grad_intra_bits" => two_level.then(|| g.intra_bits.to_string()),
-                    "grad_inter_bits" => grouped.then(|| g.inter_bits.to_string()),
-                    "grad_group_size" => grouped.then(|| g.group_size.to_string()),
-                    "hadamard_block" => {
-                        two_level.then(|| g.hadamard_block.unwrap_or(0).to_string())
-                    }
-                    "grad_rounding" => (g.codec != GradCodec::None).then(|| g.rounding.to_string()),
-                    "global_qsgd_bits" => (g.codec == GradCodec::GlobalQsgd)
-                        .then(|| g.global_bits.map_or("auto".to_string(), |b| b.to_string())),
-                    "pipeline_chunks" => Some(
-                        self.pipeline_chunks
-                            .map_or("auto".to_string(), |p| p.to_string()),
-                    ),
-                    "grad_quant_start_step" => Some(self.grad_quant_start_step.to_string()),
-                    "seed" => Some(self.seed.to_string()),
-                    "exact_params" => Some(self.exact_params.to_string()),
-                    other => unreachable!("knob {other} has no value"),
-                };
-                (knob.name, value)
-            })
-            .collect()
-    }
-}
-
-fn require(applies: bool, key: &str, what: &str, codec: impl fmt::Display) -> Result<()> {
-    if applies {
-        Ok(())
-    } else {
-        Err(Error::Config(format!(
-            "knob '{key}' does not apply to {what} '{codec}'"
-        )))
-    }
-}
-
-fn parse<T: FromStr>(key: &str, value: &str) -> Result<T>
-where
-    T::Err: fmt::Display,
-{
-    value
-        .trim()
-        .parse()
-        .map_err(|e| Error::Config(format!("{key}='{value}': {e}")))
-}
-
-fn parse_bits(key: &str, value: &str, allowed: &[u8]) -> Result<u8> {
-    let bits = parse(key, value)?;
-    check_bits(key, bits, allowed)?;
-    Ok(bits)
-}
-
-fn check_bits(key: &str, bits: u8, allowed: &[u8]) -> Result<()> {
-    if allowed.contains(&bits) {
-        Ok(())
-    } else {
-        Err(Error::Config(format!(
-            "{key}={bits} is not supported; allowed: {allowed:?}"
-        )))
-    }
-}
-
-fn check_group(key: &str, group: usize) -> Result<()> {
-    if group == 0 || !group.is_multiple_of(GROUP_QUANTUM) || group > MAX_GROUP_SIZE {
-        return Err(Error::Config(format!(
-            "{key}={group} must be a positive multiple of {GROUP_QUANTUM} and at most {MAX_GROUP_SIZE}"
-        )));
-    }
-    Ok(())
-}
 
 macro_rules! named_enum {
     ($ty:ident, $what:literal, $($variant:ident => $name:literal),+ $(,)?) => {
@@ -677,7 +721,7 @@ impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let w = &self.weight;
         write!(f, "sdp4bit-config-v1;weight={}", w.codec)?;
-        if w.codec != WeightCodec::None {
+        if w.codec.compresses() {
             write!(
                 f,
                 "(bits={},group={},rounding={})",

@@ -3,7 +3,7 @@
 
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, check_ranks_agree};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 
 /// (field named in the error, per-rank configs, bucket ids, bucket sizes).

@@ -15,7 +15,7 @@ use std::time::Instant;
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::{
     bits::{bf16_bits, digest},

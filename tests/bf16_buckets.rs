@@ -10,7 +10,7 @@
 //! bf16's largest values.
 
 use half::bf16;
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::cluster::reduce_scatter_recorded;
 use sdp4bit_test_support::random::SplitMix64;

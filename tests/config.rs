@@ -5,7 +5,7 @@ use sdp4bit::config::{
     DEFAULT_SEED, ExactParams, GROUP_QUANTUM, GradConfig, KNOBS, MAX_GROUP_SIZE,
     MAX_PIPELINE_CHUNKS, WeightConfig,
 };
-use sdp4bit::{Config, Error, GradCodec, Preset, Rounding, WeightCodec};
+use sdp4bit::{Config, Error, GradCodec, Preset, Rounding, WeightCodec, hadamard};
 use sdp4bit_test_support::random::SplitMix64;
 
 use Rounding::{Nearest, Stochastic};
@@ -129,7 +129,10 @@ fn codec_defaults_and_quant_specs() {
         WeightConfig::defaults(WeightCodec::Qw),
         weight(WeightCodec::Qw, 4, 2048, Stochastic)
     );
-    assert_eq!(WeightConfig::defaults(WeightCodec::None).quant_spec(), None);
+    assert_eq!(
+        QuantSpec::of_weights(&WeightConfig::defaults(WeightCodec::None)),
+        None
+    );
     let expect_w = [
         (WeightCodec::Qwd, 4, 2048, true, Stochastic),
         (WeightCodec::Qw, 4, 2048, true, Stochastic),
@@ -138,7 +141,7 @@ fn codec_defaults_and_quant_specs() {
     ];
     for (codec, bits, group_size, symmetric, rounding) in expect_w {
         assert_eq!(
-            WeightConfig::defaults(codec).quant_spec(),
+            QuantSpec::of_weights(&WeightConfig::defaults(codec)),
             Some(QuantSpec {
                 bits,
                 group_size,
@@ -166,8 +169,8 @@ fn codec_defaults_and_quant_specs() {
     ];
     for (codec, grouped, two, intra, inter, group, had, rounding) in expect_g {
         let g = GradConfig::defaults(codec);
-        assert_eq!(g.is_grouped(), grouped, "{codec}");
-        assert_eq!(g.is_two_level(), two, "{codec}");
+        assert_eq!(g.codec.is_grouped(), grouped, "{codec}");
+        assert_eq!(g.codec.is_two_level(), two, "{codec}");
         assert_eq!(
             (
                 g.intra_bits,
@@ -181,7 +184,7 @@ fn codec_defaults_and_quant_specs() {
         );
         for bits in [4, 8] {
             assert_eq!(
-                g.quant_spec(bits),
+                QuantSpec::of_grads(&g, bits),
                 QuantSpec {
                     bits,
                     group_size: group,
@@ -194,8 +197,20 @@ fn codec_defaults_and_quant_specs() {
     }
     for codec in [GradCodec::None, GradCodec::GlobalQsgd] {
         let g = GradConfig::defaults(codec);
-        assert!(!g.is_grouped() && !g.is_two_level(), "{codec}");
+        assert!(!g.codec.is_grouped() && !g.codec.is_two_level(), "{codec}");
         assert_eq!(g.hadamard_block, None);
+    }
+}
+
+#[test]
+fn hadamard_blocks_accepted_are_the_transforms_blocks() {
+    let knob = KNOBS.iter().find(|k| k.name == "hadamard_block").unwrap();
+    for block in 0..=2 * hadamard::MAX_BLOCK {
+        assert_eq!(
+            knob.values.accepts(&block.to_string()),
+            block == 0 || hadamard::is_supported_block(block),
+            "hadamard_block={block}"
+        );
     }
 }
 

@@ -23,10 +23,11 @@ use sdp4bit::backend::cuda::{
     DeviceSpan, Kernels, Stream, absmax_from_bits, dest_table, device_count, probe,
 };
 use sdp4bit::codec::int_code::IntCode;
+use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::codec::slab::SlabLayout;
 use sdp4bit::codec::weight_encoding::WeightEncoding;
 use sdp4bit::collective::global_k;
-use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
+use sdp4bit::layout::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::{Stage, UniformStream, stream_id};
 use sdp4bit::{Config, Error, Preset, Rounding, WeightCodec};
 use sdp4bit_test_support::cuda_cluster::gpu_kernels;
@@ -527,7 +528,7 @@ fn weight_passes_match_cpu() {
     let seed = seed();
     let mut data = Gen::new(seed);
     for (name, config) in weight_configs() {
-        let spec = config.weight.quant_spec().expect("a grouped weight codec");
+        let spec = QuantSpec::of_weights(&config.weight).expect("a grouped weight codec");
         let encoding = if config.weight.codec == WeightCodec::Qwd {
             WeightEncoding::Difference
         } else {

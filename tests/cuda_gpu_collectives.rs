@@ -25,7 +25,7 @@ use sdp4bit::Result;
 use sdp4bit::backend::cuda::{Cuda, DeviceSpan};
 use sdp4bit::collective::local::{LocalCluster, LocalComm};
 use sdp4bit::collective::{Comm, SumElement};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit_test_support::cuda_cluster::{
     CommSite, DeviceCluster, Rank, bytes_of, copy_to_device, gpu_kernels, run_ranks,
 };

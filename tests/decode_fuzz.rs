@@ -15,7 +15,7 @@ use sdp4bit::backend::cpu::weight::{apply_shards, encode_shard};
 use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::codec::slab::SlabLayout;
 use sdp4bit::codec::weight_encoding::WeightEncoding;
-use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology};
+use sdp4bit::layout::{BucketPlan, GradLayout, GradRoute, Topology};
 use sdp4bit::rng::UniformStream;
 use sdp4bit::{Config, Error, Preset, Rounding};
 use sdp4bit_test_support::random::SplitMix64;
@@ -556,7 +556,7 @@ proptest! {
         let c = &case.config;
         let (w, s) = (case.world, case.shard);
         let plan = BucketPlan::new(w * s, w, c).unwrap();
-        let spec = c.weight.quant_spec().unwrap();
+        let spec = QuantSpec::of_weights(&c.weight).unwrap();
         let layout = SlabLayout { spec, groups: plan.padded_shard_len / spec.group_size };
         let encoding = if c.weight.codec == sdp4bit::WeightCodec::Qwd {
             WeightEncoding::Difference
@@ -726,9 +726,9 @@ fn planted_corruption_is_rejected_by_every_entry_point() {
         };
         let ranks: Vec<usize> = (0..first.peers)
             .map(|x1| match first.level {
-                sdp4bit::plan::Level::Intra => topology.rank_at(0, x1),
-                sdp4bit::plan::Level::World => x1,
-                sdp4bit::plan::Level::Inter => topology.rank_at(x1, 0),
+                sdp4bit::layout::Level::Intra => topology.rank_at(0, x1),
+                sdp4bit::layout::Level::World => x1,
+                sdp4bit::layout::Level::Inter => topology.rank_at(x1, 0),
             })
             .collect();
         let recv_first: Vec<u8> = ranks
@@ -805,7 +805,7 @@ fn planted_corruption_is_rejected_by_every_entry_point() {
         let config = Config::from_overrides(Preset::Baseline, [("weight_codec", codec)]).unwrap();
         let (w, s) = (3usize, 5000usize);
         let plan = BucketPlan::new(w * s, w, &config).unwrap();
-        let spec = config.weight.quant_spec().unwrap();
+        let spec = QuantSpec::of_weights(&config.weight).unwrap();
         let layout = SlabLayout {
             spec,
             groups: plan.padded_shard_len / spec.group_size,
@@ -917,7 +917,7 @@ fn wrong_length_receive_buffers_are_rejected() {
     }
     let config = Config::preset(Preset::Sdp4bit);
     let plan = BucketPlan::new(3 * 100, 3, &config).unwrap();
-    let spec = config.weight.quant_spec().unwrap();
+    let spec = QuantSpec::of_weights(&config.weight).unwrap();
     let wl = SlabLayout {
         spec,
         groups: plan.padded_shard_len / spec.group_size,

@@ -13,7 +13,7 @@
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::{
     bits::{assert_bits_eq, bf16_bits, f32_bits},

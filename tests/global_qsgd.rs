@@ -7,7 +7,7 @@
 
 use sdp4bit::collective::local::LocalGroup;
 use sdp4bit::collective::{Comm, GradReduceScatter, global_k};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::rng::{Stage, UniformStream, stream_id};
 use sdp4bit::{Config, Error, Preset};
 use sdp4bit_test_support::{

@@ -12,7 +12,7 @@
 //! more than a little.
 
 use sdp4bit::Preset;
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit_test_support::{
     cluster::reduce_scatter_ok,
     error_stats::{assert_within_opts, compare},

@@ -9,7 +9,7 @@ use sdp4bit::backend::Backend;
 use sdp4bit::backend::cpu::{Host, buffers};
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::{
     bits::{bf16_bits, f32_bits},

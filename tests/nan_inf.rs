@@ -14,7 +14,7 @@
 //!   on every replica (the uncompressed gather copies the value itself).
 
 use half::bf16;
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::{
     bits::bf16_bits,

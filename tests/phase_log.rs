@@ -6,7 +6,7 @@ use half::bf16;
 use sdp4bit::Preset;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, PHASE_LOG_ENV, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit_test_support::{random::rank_grads, setups::cfg};
 
 const PHASES: [&str; 7] = [

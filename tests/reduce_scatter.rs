@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, CommGroups, GradReduceScatter, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Error, Preset};
 use sdp4bit_test_support::{
     bits::assert_bits_eq,

@@ -9,6 +9,15 @@ megatron-core runs on CPU through the shims of cpu_support/ (docs/megatron.md, "
 CPU"), which this script puts on its path; the bench/convergence.py study runs it once per
 row and seed.
 
+``--tp N`` adds tensor parallelism (megatron-core's parallel_state): DP groups of W / N ranks,
+one per TP rank, each TP group N consecutive ranks as Megatron orders them, so with
+``--ranks-per-node 2 --tp 2`` each node is a TP pair and each DP group has one rank per node
+(sdp4bit's gradient reduce-scatter then has one level, between nodes). The data, the loss and
+the validation are shared out and reduced over the DP group (a TP group sees the same
+sequences), bytes are one rank's in its DP group, the replica check compares DP replicas, and
+the parameters Megatron replicates across the TP group are checked bit for bit at the end
+(``check_replicated_params``).
+
 ``--device cuda`` trains on GPUs instead, as a Megatron user runs megatron-core: no shims,
 the model initialized on the GPU and moved there, data and the script's own collectives on
 the device, the sdp4bit buckets on the device (the CUDA backend). Rank r uses GPU
@@ -47,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpu_support"))
 
 import megatron_gpt as gpt  # noqa: E402  (cpu_support, put on the path above)
 import megatron_patch.megatron_core as sdp4bit_megatron  # noqa: E402
-from sdp4bit import Config  # noqa: E402
+from sdp4bit import Config, Sdp4bitError  # noqa: E402
 
 from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402
 from study_args import study_parser  # noqa: E402
@@ -68,7 +77,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend; auto: gloo on the CPU and where ranks "
                         "share a GPU, else NCCL")
-    return p.parse_args(argv)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size N: TP groups of N consecutive ranks, DP groups "
+                        "of W / N ranks")
+    args = p.parse_args(argv)
+    if args.tp < 1:
+        p.error(f"--tp must be at least 1, got {args.tp}")
+    return args
+
+
+def data_parallel_size(world: int, tp: int) -> int:
+    """The DP size of `world` ranks at TP = `tp`; raises ValueError unless `tp` divides it."""
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} ranks")
+    return world // tp
 
 
 def choose_backend(device: str, requested: str, local_ranks: int, gpus: int,
@@ -110,33 +132,49 @@ class TelemetryRecorder:
             self.rel_l2[what].append(float(value))
 
 
-def mean_over_ranks(value: float, device: torch.device) -> float:
+def mean_over(value: float, group, device: torch.device) -> float:
+    """The mean of `value` over the ranks of `group`."""
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
 
 
-def validation_loss(ddp, windows: torch.Tensor, rank: int, world: int, device: torch.device,
+def validation_loss(ddp, windows: torch.Tensor, group, device: torch.device,
                     batch_size: int = 64) -> float:
-    """Mean next-byte cross entropy over every token of `windows`, which the ranks share out
-    (each evaluates every world-th window on `device`) and sum up."""
+    """Mean next-byte cross entropy over every token of `windows`, which the ranks of the DP
+    `group` share out (each evaluates every |group|-th window on `device`) and sum up."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
-    mine = windows[rank::world].to(device)
+    mine = windows[dist.get_rank(group)::dist.get_world_size(group)].to(device)
     with torch.no_grad():
         for start in range(0, len(mine), batch_size):
             losses = gpt.token_losses(ddp, mine[start:start + batch_size])
             totals += torch.tensor([losses.double().sum().item(), losses.numel()],
                                    device=device)
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=group)
     return (totals[0] / totals[1]).item()
 
 
-def replicas_identical(ddp, world: int) -> bool:
+def replicas_identical(ddp, group) -> bool:
+    """Whether every rank of the DP `group` holds the same parameters, bit for bit."""
     params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
     bits = params.view(torch.int16).to(torch.int32)
-    every = [torch.empty_like(bits) for _ in range(world)]
-    dist.all_gather(every, bits)
+    every = [torch.empty_like(bits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, bits, group=group)
     return all(torch.equal(b, every[0]) for b in every)
+
+
+def tp_copies_identical(ddp, device: torch.device) -> tuple[bool, str | None]:
+    """(whether the parameters Megatron replicates across TP ranks hold the same bits on every
+    rank of every TP group, check_replicated_params's message naming the first that differs in
+    this rank's TP group or None)."""
+    try:
+        sdp4bit_megatron.check_replicated_params(ddp)
+        message = None
+    except Sdp4bitError as e:
+        message = str(e)
+    differ = torch.tensor([message is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+    return not differ.item(), message
 
 
 def main() -> None:
@@ -158,10 +196,18 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        dp = data_parallel_size(world, args.tp)
+    except ValueError as e:
+        raise SystemExit(f"train.py: {e}") from None
     if rank == 0:  # sdp4bit's notices and telemetry; megatron-core's warnings only
         logging.basicConfig(level=logging.WARNING, format="      %(message)s")
         logging.getLogger("sdp4bit").setLevel(logging.INFO)
-    gpt.initialize(args.seed, device=device)  # DP = W: every rank is a data-parallel replica
+    gpt.initialize(args.seed, tp=args.tp, device=device)
+    from megatron.core import parallel_state
+
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank = dist.get_rank(dp_group)
     recorder = TelemetryRecorder()
     if config is not None:
         sdp4bit_megatron.enable(config, local_world_size=args.ranks_per_node,
@@ -179,19 +225,24 @@ def main() -> None:
     optimizer = gpt.build_optimizer([ddp], lr=args.lr, min_lr=args.min_lr)
     scheduler = gpt.lr_schedule(optimizer, args.lr, args.min_lr, args.warmup_steps, args.steps,
                                 args.lr_decay)
-    generator = torch.Generator().manual_seed(args.seed + 1000 + rank)
+    # By DP rank: the ranks of a TP group train on the same sequences.
+    generator = torch.Generator().manual_seed(args.seed + 1000 + dp_rank)
     if rank == 0:
-        params = sum(p.numel() for p in ddp.module.parameters())
+        params = sum(p.numel() * (args.tp if getattr(p, "tensor_model_parallel", False) else 1)
+                     for p in ddp.module.parameters())  # the whole model's, not one TP rank's
+        layout = (f" as TP = {args.tp} x DP = {dp} (DP group of rank 0: ranks "
+                  f"{dist.get_process_group_ranks(dp_group)})" if args.tp > 1 else "")
         print(f"megatron-core GPTModel (byte-level), {params / 1e6:.2f} M params, "
               f"DistributedOptimizer, {world} ranks ({world // args.ranks_per_node} nodes x "
-              f"{args.ranks_per_node}), {len(train_text) / 1e6:.1f} MB of stdlib sources")
+              f"{args.ranks_per_node}){layout}, {len(train_text) / 1e6:.1f} MB of stdlib "
+              "sources")
         where = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
                  else "cpu")
         print(f"device: {where}; process groups: {backend} ({why})")
         print("collectives:", config.describe() if config else "Megatron's own (uncompressed)")
         print(f"{'step':>5} {'loss':>8} {'sent/step':>12} {'uncompressed':>13} {'ratio':>6} "
               f"{'step time':>10}")
-    curve, step_ms, sent_total, baseline_total, skipped = [], [], 0, 0, 0
+    curve, step_ms, sent_total, baseline_total, exact_total, skipped = [], [], 0, 0, 0, 0
     for step in range(args.steps):
         start = time.perf_counter()
         windows = batch(train_text, args.batch, args.context, generator).to(device)
@@ -207,7 +258,8 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         sent, baseline = sdp4bit_megatron.wire_bytes(ddp, step)
         sent_total, baseline_total = sent_total + sent, baseline_total + baseline
-        train_loss = mean_over_ranks(loss.item(), device)
+        exact_total += sdp4bit_megatron.exact_wire_bytes(ddp, step)
+        train_loss = mean_over(loss.item(), dp_group, device)
         curve.append(train_loss)
         step_ms.append(elapsed * 1e3)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
@@ -217,15 +269,22 @@ def main() -> None:
     gpt.flush_param_sync([ddp])  # the last step's gather, under overlap_param_gather
     eval_start = time.perf_counter()
     held_out = validation_windows(val_text, args.context)
-    val_loss = validation_loss(ddp, held_out, rank, world, device)
+    val_loss = validation_loss(ddp, held_out, dp_group, device)
     eval_seconds = time.perf_counter() - eval_start
-    identical = replicas_identical(ddp, world)
+    identical = replicas_identical(ddp, dp_group)
+    tp_identical, tp_difference = (tp_copies_identical(ddp, device) if args.tp > 1
+                                   else (True, None))
     if rank == 0:
         print(f"validation loss {val_loss:.4f} ({held_out.shape[0] * args.context:,d} held-out "
               f"tokens); skipped steps {skipped}; replicas bit-identical: {identical}")
+        if args.tp > 1:
+            print(f"TP-replicated parameters bit-identical across each TP group: "
+                  f"{tp_identical}" + (f" ({tp_difference})" if tp_difference else ""))
         if sent_total:
-            print(f"bytes sent by rank 0: {sent_total:,d} vs {baseline_total:,d} uncompressed "
-                  f"({baseline_total / sent_total:.2f}x less, "
+            exact = f", {exact_total:,d} of them exact (exact_params)" if exact_total else ""
+            in_dp_group = f" in its DP group of {dp}" if args.tp > 1 else ""
+            print(f"bytes sent by rank 0{in_dp_group}: {sent_total:,d} vs {baseline_total:,d} "
+                  f"uncompressed{exact} ({baseline_total / sent_total:.2f}x less, "
                   f"{(baseline_total - sent_total) / 2**20:.1f} MiB saved)")
         if args.json_out:
             with open(args.json_out, "w") as f:
@@ -241,6 +300,8 @@ def main() -> None:
     dist.destroy_process_group()
     if not identical:
         raise SystemExit("replicas differ")
+    if not tp_identical:
+        raise SystemExit("TP-replicated parameters differ")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def check_stage(settings: Settings, ds_config: dict) -> None:
     """Refuses what the configured ZeRO stage cannot do, before DeepSpeed builds anything."""
     stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
     config = settings.config
-    if stage == 3 and config.codecs()[0] == "qwd":
+    if stage == 3 and config.resolved.keeps_reference:
         raise Sdp4bitError(
             "qWD (the weight codec of the sdp4bit preset) needs every replica to keep the "
             "previous weights, but ZeRO stage 3 frees gathered parameters; use a direct weight "

@@ -55,7 +55,7 @@ def preset_config(preset: str = "sdp4bit", overrides: dict | None = None) -> Con
     codec. Validated."""
     overrides = dict(overrides or {})
     config = Config.from_knobs(preset, overrides)
-    if "weight_codec" not in overrides and config.codecs()[0] == "qwd":
+    if "weight_codec" not in overrides and config.resolved.keeps_reference:
         config = config.replace(weight_codec="qsdp")
     return config.validate()
 
@@ -107,10 +107,9 @@ def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
 
     groups = ProcessGroups.create(group, local_world_size, node_labels)
     with_grads = sum(any(p.requires_grad for p in unit.params()) for unit in found)
-    quant_start = config.values()["grad_quant_start_step"]
     shared = comms.Shared(config, groups, Telemetry(telemetry_interval, tensorboard_writer),
                           units=len(found), units_with_grads=with_grads, first_step=first_step,
-                          quant_start=int(quant_start) if quant_start is not None else 0)
+                          quant_start=config.resolved.grad_quant_start_step)
     state = State(shared, [])
     for index, unit in enumerate(found):
         unit_state = comms.UnitState(unit.label, index, shared)
@@ -148,7 +147,7 @@ def _fsdp_config(config: Config | str) -> Config:
     if not isinstance(config, Config):
         raise TypeError(f"sdp4bit: config must be a sdp4bit.Config or a preset name, got "
                         f"{type(config).__name__}")
-    if config.validate().codecs()[0] == "qwd":
+    if config.resolved.keeps_reference:
         raise Sdp4bitError(
             "qWD (weight_codec=qwd) needs every rank to keep the previous weights, but FSDP "
             "frees gathered parameters after use; use a direct weight codec (qsdp, qw or "

@@ -15,7 +15,7 @@ use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
-use crate::plan::{BucketPlan, GradLayout};
+use crate::layout::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
 /// Element types a backend buffer holds.

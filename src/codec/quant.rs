@@ -14,7 +14,7 @@
 //! asymmetric range `hi - lo` that overflows, or a symmetric `L * s` that rounds to Inf) is
 //! treated as non-finite (NaN), so it still trips the caller's found-inf check.
 
-use crate::config::Rounding;
+use crate::config::{GradCodec, GradConfig, Rounding, WeightCodec, WeightConfig};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -42,6 +42,26 @@ pub struct GroupMeta {
 }
 
 impl QuantSpec {
+    /// The quantizer of a weight codec, `None` for the uncompressed codec.
+    pub fn of_weights(weight: &WeightConfig) -> Option<Self> {
+        weight.codec.compresses().then_some(Self {
+            bits: weight.bits,
+            group_size: weight.group_size,
+            symmetric: weight.codec != WeightCodec::Qsdp,
+            rounding: weight.rounding,
+        })
+    }
+
+    /// The quantizer of a gradient codec's level running at `bits`.
+    pub fn of_grads(grad: &GradConfig, bits: u8) -> Self {
+        Self {
+            bits,
+            group_size: grad.group_size,
+            symmetric: grad.codec != GradCodec::Qsdp,
+            rounding: grad.rounding,
+        }
+    }
+
     /// Largest code: `L = 2^(b-1) - 1` symmetric, `2^b - 1` asymmetric.
     pub fn max_code(&self) -> i32 {
         if self.symmetric {

@@ -10,7 +10,7 @@ use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
 use crate::collective::{Comm, CommGroups, InFlight, SumElement, WireBytes, sum_overflow};
 use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result, check_len};
-use crate::plan::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
+use crate::layout::{BucketPlan, GradLayout, GradRoute, Level, Topology, peer_index};
 use crate::rng::{Stage, UniformStream, stream_id};
 
 /// Reduce-scatters one gradient bucket (fp32 or bf16, [`BucketElement`]) with the configured
@@ -243,7 +243,7 @@ impl<B: Backend> GradReduceScatter<B> {
         let route = GradRoute::new(config, topology);
         let engine = if w == 1 {
             Engine::Copy
-        } else if config.grad.is_grouped() {
+        } else if config.grad.codec.is_grouped() {
             let layout = GradLayout::new(config, topology, &route, plan)
                 .expect("a route over W > 1 ranks has an exchange");
             Engine::Grouped(Box::new(Grouped {

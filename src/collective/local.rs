@@ -19,7 +19,7 @@ use crate::collective::{
     Comm, CommGroups, InFlight, PendingExchange, SumElement, sum_in_rank_order,
 };
 use crate::error::{Error, Result, check_len};
-use crate::plan::Topology;
+use crate::layout::Topology;
 
 /// Shared state of one in-process communicator.
 #[derive(Debug)]

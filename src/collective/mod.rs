@@ -35,7 +35,7 @@ pub use crate::codec::sum::SumElement;
 use crate::backend::Backend;
 use crate::backend::cpu::Host;
 use crate::error::{Error, Result};
-use crate::plan::{Level, Topology};
+use crate::layout::{Level, Topology};
 
 /// Sums `blocks` (one per rank, each `recv.len()` little-endian `T`s, in rank order) into
 /// `recv`, left to right: `((b0 + b1) + b2) + ...`. Every [`Comm`] sums in this order, so a

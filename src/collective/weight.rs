@@ -4,13 +4,14 @@ use half::bf16;
 
 use crate::backend::Backend;
 use crate::backend::cpu::Host;
+use crate::codec::quant::QuantSpec;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
 use crate::collective::{Comm, WireBytes};
 use crate::config::{Config, WeightCodec};
 use crate::error::{Error, Result};
-use crate::plan::{BucketPlan, Topology};
+use crate::layout::{BucketPlan, Topology};
 use crate::rng::{Stage, UniformStream, stream_id};
 
 /// All-gathers one bf16 param bucket with the configured weight codec.
@@ -91,7 +92,7 @@ impl<B: Backend> WeightAllGather<B> {
         }
         stream_id(bucket_id, rank, Stage::Weight)?;
         let plan = BucketPlan::new(B::len(params), w, config)?;
-        let engine = match config.weight.quant_spec() {
+        let engine = match QuantSpec::of_weights(&config.weight) {
             None => Engine::Exact,
             Some(spec) => {
                 let layout = SlabLayout {

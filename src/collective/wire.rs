@@ -1,6 +1,6 @@
 //! Accounting of the bytes one rank puts on the wire per collective call.
 
-use crate::plan::Topology;
+use crate::layout::Topology;
 
 /// Bytes one rank sends to other ranks in one call, split by whether the peer shares its node.
 /// Exchanges are counted as direct sends (each rank sends each peer what that peer needs), the

@@ -13,18 +13,23 @@ use crate::backend::cuda::{
 use crate::collective::{self, Comm, GradReduceScatter, WeightAllGather};
 use crate::config::{Config, Preset};
 use crate::error::{Error, Result};
-use crate::plan::Topology;
-use crate::self_check::{Collective, check_bucket, check_bucket_once};
+use crate::kernel_check::{Collective, check_bucket, check_bucket_once};
+use crate::layout::Topology;
 
-/// A validated [`Config`].
-pub(super) struct ParsedConfig(pub(super) Config);
+/// A config spec as the core parsed it: the validated [`Config`], or why it is invalid. The
+/// set-up agreement takes part with an invalid one, so that every rank fails at once naming
+/// this one; every other use returns its error.
+pub(super) struct ParsedConfig(Result<Config>);
 
-/// Parses `preset[;knob=value]*` into a validated config.
-pub(super) fn parse_config(spec: &str) -> FfiResult<Box<ParsedConfig>> {
-    guard("parse_config", || parse(spec).map(Box::new))
+/// Parses `preset[;knob=value]*`; never fails (see [`ParsedConfig`]).
+pub(super) fn parse_config(spec: &str) -> Box<ParsedConfig> {
+    let parsed = guard("parse_config", || Ok(parse(spec)));
+    Box::new(ParsedConfig(
+        parsed.unwrap_or_else(|panic| Err(Error::Config(panic))),
+    ))
 }
 
-fn parse(spec: &str) -> Result<ParsedConfig> {
+fn parse(spec: &str) -> Result<Config> {
     let mut parts = spec.split(';').map(str::trim).filter(|p| !p.is_empty());
     let preset: Preset = parts
         .next()
@@ -38,16 +43,18 @@ fn parse(spec: &str) -> Result<ParsedConfig> {
                 .ok_or_else(|| Error::Config(format!("'{part}' is not of the form knob=value")))
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(ParsedConfig(Config::from_overrides(preset, overrides)?))
+    Config::from_overrides(preset, overrides)
 }
 
 impl ParsedConfig {
-    pub(super) fn describe(&self) -> String {
-        self.0.to_string()
+    /// The config, or why the spec is invalid.
+    pub(super) fn config(&self) -> Result<&Config> {
+        self.0.as_ref().map_err(Clone::clone)
     }
 
-    pub(super) fn fingerprint(&self) -> u64 {
-        self.0.fingerprint()
+    /// Why the spec is invalid, as an error.
+    pub(super) fn check(&self) -> FfiResult<()> {
+        self.config().map(|_| ()).map_err(|e| e.to_string())
     }
 }
 
@@ -116,16 +123,16 @@ pub(super) fn nvrtc_report() -> String {
     }
 }
 
-/// Why the self-check of a CUDA bucket fails (see the bridge's declaration), or "".
+/// Why the kernel check of a CUDA bucket fails (see the bridge's declaration), or "".
 pub(super) fn cuda_bucket_problem(
     device: usize,
-    spec: &str,
+    config: &ParsedConfig,
     node_labels: &[u64],
     rank: usize,
     weights: bool,
 ) -> String {
     guard("cuda_bucket_problem", || {
-        let (Ok(config), Ok(topology)) = (parse(spec), topology(node_labels)) else {
+        let (Ok(config), Ok(topology)) = (config.config(), topology(node_labels)) else {
             return Ok(());
         };
         let collective = if weights {
@@ -133,30 +140,24 @@ pub(super) fn cuda_bucket_problem(
         } else {
             Collective::GradReduceScatter
         };
-        check_bucket_once(
-            Kernels::get(device)?,
-            collective,
-            &config.0,
-            &topology,
-            rank,
-        )
+        check_bucket_once(Kernels::get(device)?, collective, config, &topology, rank)
     })
     .err()
     .unwrap_or_default()
 }
 
 /// [`check_bucket`] of both collectives on `device`.
-pub(super) fn cuda_self_check(
+pub(super) fn cuda_kernel_check(
     device: usize,
     config: &ParsedConfig,
     node_labels: &[u64],
     rank: usize,
 ) -> FfiResult<()> {
-    guard("cuda_self_check", || {
+    guard("cuda_kernel_check", || {
         let kernels = Kernels::get(device)?;
         let topology = topology(node_labels)?;
         for collective in [Collective::GradReduceScatter, Collective::WeightAllGather] {
-            check_bucket(kernels, collective, &config.0, &topology, rank)?;
+            check_bucket(kernels, collective, config.config()?, &topology, rank)?;
         }
         Ok(())
     })
@@ -189,7 +190,7 @@ pub(super) fn new_grad_bucket(
 ) -> FfiResult<Box<GradBucket>> {
     guard("new_grad_bucket", || {
         let topology = topology(node_labels)?;
-        GradReduceScatter::new(&config.0, &topology, rank, numel, bucket_id)
+        GradReduceScatter::new(config.config()?, &topology, rank, numel, bucket_id)
             .map(|rs| Box::new(GradBucket::Host(rs)))
     })
 }
@@ -209,7 +210,12 @@ pub(super) fn new_cuda_grad_bucket(
         // its uploads there, after whatever used that memory before.
         let backend = cuda(device, stream)?;
         let mut rs = GradReduceScatter::with_backend(
-            &backend, &config.0, &topology, rank, numel, bucket_id,
+            &backend,
+            config.config()?,
+            &topology,
+            rank,
+            numel,
+            bucket_id,
         )?;
         let sums = match rs.integer_sum_status() {
             Some(_) => Some(StatusReadback::new(backend.kernels())?),
@@ -371,7 +377,7 @@ pub(super) fn new_weight_bucket(
     guard("new_weight_bucket", || {
         let topology = topology(node_labels)?;
         let params: &[bf16] = bytemuck::cast_slice(params);
-        WeightAllGather::new(&config.0, &topology, rank, bucket_id, params)
+        WeightAllGather::new(config.config()?, &topology, rank, bucket_id, params)
             .map(|ag| Box::new(WeightBucket::Host(ag)))
     })
 }
@@ -394,8 +400,15 @@ pub(super) fn new_cuda_weight_bucket(
         // `numel` elements on `device`, alive for this call (the copy of the reference is
         // ordered on `stream` before any later use of the tensor on it).
         let params = unsafe { span(params, numel) };
-        WeightAllGather::with_backend(&backend, &config.0, &topology, rank, bucket_id, params)
-            .map(|ag| Box::new(WeightBucket::Cuda(ag, device)))
+        WeightAllGather::with_backend(
+            &backend,
+            config.config()?,
+            &topology,
+            rank,
+            bucket_id,
+            params,
+        )
+        .map(|ag| Box::new(WeightBucket::Cuda(ag, device)))
     })
 }
 
@@ -457,20 +470,19 @@ fn wrong_memory(what: &str, planned: &str, given: &str) -> Error {
 
 pub(super) fn agree_on_setup(
     comms: &TorchComms,
-    spec: &str,
+    config: &ParsedConfig,
     local_error: &str,
     bucket_id: u32,
     numel: usize,
-) -> FfiResult<Box<ParsedConfig>> {
+) -> FfiResult<()> {
     guard("agree_on_setup", || {
         let levels = TorchLevels::new(comms)?;
         let world = levels.world();
-        let parsed = if local_error.is_empty() {
-            parse(spec)
-        } else {
-            Err(Error::Buffer(local_error.to_string()))
+        let local = Error::Buffer(local_error.to_string());
+        let setup = match local_error {
+            "" => config.0.as_ref(),
+            _ => Err(&local),
         };
-        let setup = parsed.as_ref().map(|config| &config.0);
         collective::check_setup_agrees(world, setup, bucket_id, numel).map_err(|e| match e {
             Error::Comm(message) => Error::Comm(format!(
                 "{message} [DP rank {} of {}]",
@@ -478,7 +490,6 @@ pub(super) fn agree_on_setup(
                 Comm::<Host>::size(world)
             )),
             other => other,
-        })?;
-        parsed.map(Box::new)
+        })
     })
 }

@@ -18,7 +18,7 @@ mod torch_memory;
 
 use buckets::{
     GradBucket, ParsedConfig, WeightBucket, agree_on_setup, cuda_bucket_problem,
-    cuda_device_problem, cuda_device_report, cuda_new_side_stream, cuda_self_check,
+    cuda_device_problem, cuda_device_report, cuda_kernel_check, cuda_new_side_stream,
     new_cuda_grad_bucket, new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, nvrtc_report,
     parse_config,
 };
@@ -56,16 +56,20 @@ mod bridge {
     }
 
     extern "Rust" {
-        /// A validated config (preset plus knob overrides).
+        /// A config spec as the core parsed it: the validated config, or why it is invalid.
         type ParsedConfig;
-        /// Parses `preset[;knob=value]*`, e.g. `sdp4bit;weight_bits=4;seed=7`.
-        fn parse_config(spec: &str) -> Result<Box<ParsedConfig>>;
-        /// The canonical text of the config (what the fingerprint hashes).
-        fn describe(self: &ParsedConfig) -> String;
-        /// The cross-rank fingerprint.
-        fn fingerprint(self: &ParsedConfig) -> u64;
-        /// Every knob's value as JSON text (`null` where the codecs do not use the knob).
-        fn knob_values_json(self: &ParsedConfig) -> String;
+        /// Parses `preset[;knob=value]*`, e.g. `sdp4bit;weight_bits=4;seed=7`. Never fails:
+        /// an invalid spec keeps its error, which `check` and every function given it
+        /// return, except the set-up agreement, which takes part with it.
+        fn parse_config(spec: &str) -> Box<ParsedConfig>;
+        /// Why the spec is invalid, as an error.
+        fn check(self: &ParsedConfig) -> Result<()>;
+        /// The config as front ends use it, JSON: the codecs (`weight_codec`, `grad_codec`),
+        /// whether each side is compressed, whether ranks keep a reference copy of the
+        /// weights (`keeps_reference`), `grad_quant_start_step`, `exact_params`, every knob's
+        /// value in the knob table's order (`values`: `[name, text or null where the codecs
+        /// do not use it]`), the canonical text (`canonical`) and its `fingerprint`.
+        fn record_json(self: &ParsedConfig) -> Result<String>;
         /// The presets, knobs (name, accepted values, doc) and limits, as JSON text.
         fn schema_json() -> String;
         /// The largest bucket id the random streams can number.
@@ -209,22 +213,22 @@ mod bridge {
         /// The NVRTC the kernels compile with (its version and path), or why none loads and
         /// where it was looked for.
         fn nvrtc_report() -> String;
-        /// Why the kernels of a CUDA bucket of config `spec` on `device` (a weight bucket
-        /// when `weights`, else a gradient bucket) fail their self-check for the DP group of
-        /// `node_labels` and `rank`, or an empty string (also when `spec` or the group is
+        /// Why the kernels of a CUDA bucket of `config` on `device` (a weight bucket when
+        /// `weights`, else a gradient bucket) fail their kernel check for the DP group of
+        /// `node_labels` and `rank`, or an empty string (also when `config` or the group is
         /// invalid, which the set-up agreement reports). Once per set-up key and process.
         fn cuda_bucket_problem(
             device: usize,
-            spec: &str,
+            config: &ParsedConfig,
             node_labels: &[u64],
             rank: usize,
             weights: bool,
         ) -> String;
-        /// The self-check of both collectives' kernels for `config`, the DP group of
+        /// The kernel check of both collectives' kernels for `config`, the DP group of
         /// `node_labels` and `rank`, on CUDA device `device` (not cached, whatever
-        /// `SDP4BIT_CUDA_SELF_CHECK` says): an error names the first kernel whose bytes
+        /// `SDP4BIT_CUDA_KERNEL_CHECK` says): an error names the first kernel whose bytes
         /// differ from the host's.
-        fn cuda_self_check(
+        fn cuda_kernel_check(
             device: usize,
             config: &ParsedConfig,
             node_labels: &[u64],
@@ -232,17 +236,17 @@ mod bridge {
         ) -> Result<()>;
 
         /// The set-up check, run by every rank of the world communicator before it plans a
-        /// bucket: parses `spec` and fails on every rank unless all parsed the same config and
-        /// agree on the bucket id and size. `local_error`, when not empty, is a problem this
-        /// rank already found in its inputs: the rank still takes part, so its peers fail at
-        /// once naming it, and it fails with that message.
+        /// bucket: fails on every rank unless all parsed the same valid config and agree on
+        /// the bucket id and size. `local_error`, when not empty, is a problem this rank
+        /// already found in its inputs: the rank still takes part (as with an invalid
+        /// `config`), so its peers fail at once naming it, and it fails with that message.
         fn agree_on_setup(
             comms: &TorchComms,
-            spec: &str,
+            config: &ParsedConfig,
             local_error: &str,
             bucket_id: u32,
             numel: usize,
-        ) -> Result<Box<ParsedConfig>>;
+        ) -> Result<()>;
 
         /// Runs the gradient reduce-scatter of all W ranks in this process (threads, in-process
         /// exchanges): `inputs` is W buckets back to back, `outputs` receives W shards.
@@ -371,7 +375,7 @@ mod bridge {
 type FfiResult<T> = Result<T, String>;
 
 /// Runs `f`, turning a panic into an error so that no unwind crosses the FFI.
-fn guard<T>(what: &str, f: impl FnOnce() -> crate::Result<T>) -> FfiResult<T> {
+fn guard<T>(what: &str, f: impl FnOnce() -> crate::error::Result<T>) -> FfiResult<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(error)) => Err(error.to_string()),

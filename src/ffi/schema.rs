@@ -1,9 +1,10 @@
 //! What front ends learn from the core instead of listing it again: the presets, every knob
 //! with the values it accepts and its doc, the limits on bucket ids and ranks (the schema),
-//! and a parsed config's knob values, as JSON.
+//! and a parsed config as they use it (its record), as JSON.
 
 use serde_json::{Value, json};
 
+use super::FfiResult;
 use super::buckets::ParsedConfig;
 use crate::config::{KNOBS, KnobValues, Preset};
 use crate::rng::{MAX_BUCKET_ID, MAX_STREAM_RANK};
@@ -36,15 +37,23 @@ pub(super) fn schema_json() -> String {
 }
 
 impl ParsedConfig {
-    /// Every knob's value as text, `null` where the configured codecs do not use it.
-    pub(super) fn knob_values_json(&self) -> String {
-        let values: serde_json::Map<String, Value> = self
-            .0
-            .knob_values()
-            .into_iter()
-            .map(|(name, value)| (name.to_string(), value.map_or(Value::Null, Value::String)))
-            .collect();
-        Value::Object(values).to_string()
+    /// The config as front ends use it (see the bridge's declaration), as JSON.
+    pub(super) fn record_json(&self) -> FfiResult<String> {
+        let config = self.config().map_err(|e| e.to_string())?;
+        let (weight, grad) = (config.weight.codec, config.grad.codec);
+        Ok(json!({
+            "weight_codec": weight.name(),
+            "grad_codec": grad.name(),
+            "compresses_weights": weight.compresses(),
+            "compresses_grads": grad.compresses(),
+            "keeps_reference": weight.keeps_reference(),
+            "grad_quant_start_step": config.grad_quant_start_step,
+            "exact_params": config.exact_params.name(),
+            "values": config.knob_values(),
+            "canonical": config.to_string(),
+            "fingerprint": config.fingerprint(),
+        })
+        .to_string())
     }
 }
 

@@ -8,7 +8,7 @@ use super::{FfiResult, guard};
 use crate::collective::local::LocalCluster;
 use crate::collective::{Comm, GradReduceScatter, WeightAllGather};
 use crate::error::{Error, Result, check_len};
-use crate::plan::Topology;
+use crate::layout::Topology;
 
 pub(super) fn simulate_grad_reduce_scatter(
     config: &ParsedConfig,
@@ -33,7 +33,7 @@ pub(super) fn simulate_grad_reduce_scatter(
         let cluster = LocalCluster::new(topology.clone());
         let shards = cluster.run(|comms| -> Result<Vec<f32>> {
             let z = comms.world.rank();
-            let mut rs = GradReduceScatter::new(&config.0, &topology, z, numel, bucket_id)?;
+            let mut rs = GradReduceScatter::new(config.config()?, &topology, z, numel, bucket_id)?;
             let mut shard = vec![0.0; shard_len];
             rs.run(comms, &inputs[z * numel..(z + 1) * numel], &mut shard, step)?;
             Ok(shard)
@@ -70,7 +70,7 @@ pub(super) fn simulate_weight_all_gather(
         let cluster = LocalCluster::new(topology.clone());
         let per_rank = cluster.run(|comms| -> Result<Vec<bf16>> {
             let z = comms.world.rank();
-            let mut ag = WeightAllGather::new(&config.0, &topology, z, bucket_id, initial)?;
+            let mut ag = WeightAllGather::new(config.config()?, &topology, z, bucket_id, initial)?;
             let shard = ag.plan().shard_len;
             let mut params = initial.to_vec();
             let mut history = Vec::with_capacity(steps * numel);

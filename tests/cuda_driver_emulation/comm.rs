@@ -13,7 +13,7 @@ use std::ffi::c_void;
 use sdp4bit::backend::cuda::{Cuda, DeviceSpan, SideStream, Stream};
 use sdp4bit::collective::local::{LocalCluster, LocalComm};
 use sdp4bit::collective::{Comm, InFlight, SumElement};
-use sdp4bit::plan::{Level, Topology};
+use sdp4bit::layout::{Level, Topology};
 use sdp4bit::{Error, Result};
 use sdp4bit_test_support::cuda_cluster::{self, CommSite, DeviceCluster, run_ranks};
 

@@ -19,7 +19,7 @@ use sdp4bit::backend::cuda::{
 };
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{BucketElement, Comm, GradReduceScatter, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset, Result};
 use sdp4bit_test_support::cuda_cluster::{DeviceCluster, download, upload};
 use sdp4bit_test_support::random::SplitMix64;

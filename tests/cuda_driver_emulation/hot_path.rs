@@ -13,7 +13,7 @@ use sdp4bit::backend::Backend;
 use sdp4bit::backend::cuda::{Cuda, DeviceBuffer, StatusReadback, Stream};
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{Comm, GradReduceScatter, sum_in_rank_order};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::cuda_cluster::{DeviceCluster, download, upload};
 use sdp4bit_test_support::setups::cfg;

@@ -19,7 +19,7 @@ use sdp4bit::backend::cuda::compile::compile_for;
 use sdp4bit::backend::cuda::source::SOURCES;
 use sdp4bit::backend::cuda::target::supported_archs;
 use sdp4bit::backend::cuda::{Arch, Kernels, Target, probe};
-use sdp4bit::self_check::{Collective, check_bucket};
+use sdp4bit::kernel_check::{Collective, check_bucket};
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::cuda_end_to_end::topologies;
 use sdp4bit_test_support::setups::cfg;
@@ -47,7 +47,7 @@ fn load(target: Target) -> Result<(), DriverError> {
 }
 
 /// Every kernel of the sdp4bit and Global-QSGD presets runs and matches the host.
-fn self_check_passes() {
+fn kernel_check_passes() {
     let kernels = Kernels::get(0).expect("the kernels load");
     let (_, topology) = topologies().remove(0);
     for preset in [Preset::Sdp4bit, Preset::GlobalQsgd] {
@@ -74,7 +74,7 @@ fn cubins_for_the_device_load_and_others_are_refused() {
             let line = kernels.describe();
             assert!(line.contains("CUBIN for sm_90"), "{line}");
             assert!(line.contains("driver 13.0"), "{line}");
-            self_check_passes();
+            kernel_check_passes();
             load(Target::Ptx(Arch::SM_90)).expect("PTX for compute_90 loads");
             for (arch, name) in [(86, "sm_86"), (100, "sm_100")] {
                 let arch = Arch {
@@ -165,7 +165,7 @@ fn newer_device_gets_ptx() {
                 reason.contains("cannot target the device's sm_990"),
                 "{reason}"
             );
-            self_check_passes();
+            kernel_check_passes();
         },
     ) else {
         return;

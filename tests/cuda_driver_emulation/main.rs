@@ -35,8 +35,8 @@ mod faults;
 mod gpu_suite;
 mod hot_path;
 mod images;
+mod kernel_check;
 mod library;
-mod self_check;
 mod set_up;
 
 use sdp4bit::Preset;
@@ -118,7 +118,7 @@ fn end_to_end_ablations() {
 #[test]
 fn end_to_end_capped_grids() {
     let seed = data_seed();
-    let topo = sdp4bit::plan::Topology::uniform(1, 2).expect("one node of two");
+    let topo = sdp4bit::layout::Topology::uniform(1, 2).expect("one node of two");
     let cluster = EmulatedCluster::new(&topo);
     for (name, preset) in [
         ("sdp4bit large", Preset::Sdp4bit),

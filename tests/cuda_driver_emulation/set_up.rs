@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use sdp4bit::backend::Backend;
 use sdp4bit::backend::cuda::{Allocator, Cuda, DeviceAllocator, DeviceBlock, Kernels};
 use sdp4bit::collective::{Comm, GradReduceScatter};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset, Result};
 use sdp4bit_test_support::cuda_cluster::{DeviceCluster, download, upload};
 use sdp4bit_test_support::setups::cfg;

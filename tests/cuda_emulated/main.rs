@@ -35,7 +35,7 @@
 //! is kept and its path printed.
 
 use sdp4bit::backend::cuda::source::Kernel;
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, GradCodec, Preset, WeightCodec};
 use sdp4bit_test_support::random::SplitMix64;
 

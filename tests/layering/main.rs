@@ -1,13 +1,23 @@
-//! The crate's modules depend only downwards, so a newcomer can read it bottom up and a change
-//! in a layer cannot reach the layers below it:
+//! The crate's modules depend only downwards, so a newcomer can read it bottom up, a change
+//! in a layer cannot reach the layers below it, and no two modules import each other:
 //!
 //! ```text
-//! ffi                      (the torch extension's bridge)
-//! self_check               (a CUDA bucket's kernels against the host, before its first step)
-//! collective               (the algorithms, over Comm and Backend)
-//! backend::cpu | backend::cuda   (the fused passes; neither names the other)
-//! backend (the Backend trait), codec, config, error, hadamard, plan, rng
+//! ffi                            (the torch extension's bridge)
+//! kernel_check                   (a CUDA bucket's kernels against the host, before its first step)
+//! collective                     (the algorithms, over Comm and Backend)
+//! backend::cpu | backend::cuda   (the fused passes)
+//! backend                        (the Backend trait)
+//! layout                         (topology, padding, the swizzled layout)
+//! codec                          (the group quantizer, the bytes of a slab)
+//! config | rng | hadamard
+//! error
 //! ```
+//!
+//! A module names only its own module tree and the layers below its own; modules of one layer
+//! (`a | b`) name neither each other. An import loop between any of them must name a module
+//! of its own layer or above somewhere, so every loop fails the check (`an_injected_loop_fails`
+//! feeds it one). Every module of `src/` belongs to a layer: a new one fails until it is
+//! placed in [`LAYERS`].
 //!
 //! The check reads the sources (`src/**.rs`) and fails on any path in non-test code that
 //! names a module its layer must not: a `use`, or an inline path such as
@@ -20,58 +30,18 @@ mod rust_source;
 
 use rust_source::{module_of, named_paths};
 
-/// A layering rule: the non-test code of the modules under `modules` names nothing under any
-/// of `forbidden`.
-struct Rule {
-    modules: &'static str,
-    forbidden: &'static [&'static str],
-}
-
-const RULES: [Rule; 11] = [
-    Rule {
-        modules: "crate::backend",
-        forbidden: &["crate::collective", "crate::self_check", "crate::ffi"],
-    },
-    Rule {
-        modules: "crate::backend::cpu",
-        forbidden: &["crate::backend::cuda"],
-    },
-    Rule {
-        modules: "crate::backend::cuda",
-        forbidden: &["crate::backend::cpu"],
-    },
-    Rule {
-        modules: "crate::collective",
-        forbidden: &["crate::self_check", "crate::ffi"],
-    },
-    Rule {
-        modules: "crate::self_check",
-        forbidden: &["crate::ffi"],
-    },
-    Rule {
-        modules: "crate::codec",
-        forbidden: &["crate::backend", "crate::collective", "crate::ffi"],
-    },
-    Rule {
-        modules: "crate::config",
-        forbidden: &["crate::backend", "crate::collective", "crate::ffi"],
-    },
-    Rule {
-        modules: "crate::error",
-        forbidden: &["crate::backend", "crate::collective", "crate::ffi"],
-    },
-    Rule {
-        modules: "crate::hadamard",
-        forbidden: &["crate::backend", "crate::collective", "crate::ffi"],
-    },
-    Rule {
-        modules: "crate::plan",
-        forbidden: &["crate::backend", "crate::collective", "crate::ffi"],
-    },
-    Rule {
-        modules: "crate::rng",
-        forbidden: &["crate::backend", "crate::collective", "crate::ffi"],
-    },
+/// The layers, bottom up, each a list of modules (with their submodules, unless a submodule
+/// is listed itself).
+const LAYERS: &[&[&str]] = &[
+    &["crate::error"],
+    &["crate::config", "crate::rng", "crate::hadamard"],
+    &["crate::codec"],
+    &["crate::layout"],
+    &["crate::backend"],
+    &["crate::backend::cpu", "crate::backend::cuda"],
+    &["crate::collective"],
+    &["crate::kernel_check"],
+    &["crate::ffi"],
 ];
 
 /// Whether `path` is `prefix` or lies under it (`crate::a::b` is under `crate::a`, but
@@ -83,23 +53,48 @@ fn under(path: &str, prefix: &str) -> bool {
             .is_some_and(|rest| rest.starts_with("::"))
 }
 
-/// Every violation of [`RULES`] by the source `text` of module `module`.
+/// The listed module `path` belongs to (the longest one it lies under) and its layer.
+fn layer_of(path: &str) -> Option<(&'static str, usize)> {
+    LAYERS
+        .iter()
+        .enumerate()
+        .flat_map(|(layer, modules)| modules.iter().map(move |&m| (m, layer)))
+        .filter(|&(module, _)| under(path, module))
+        .max_by_key(|&(module, _)| module.len())
+}
+
+/// Every violation of the layers by the source `text` of module `module`.
 fn violations(module: &[String], text: &str) -> Vec<String> {
     let module_path = module.join("::");
+    let Some((own, layer)) = layer_of(&module_path) else {
+        return vec![format!("{module_path} is in no layer (add it to LAYERS)")];
+    };
     let segments: Vec<&str> = module.iter().map(String::as_str).collect();
-    let paths = named_paths(&segments, text);
-    let mut out = Vec::new();
-    for rule in RULES.iter().filter(|r| under(&module_path, r.modules)) {
-        for path in &paths {
-            if let Some(layer) = rule.forbidden.iter().find(|f| under(path, f)) {
-                out.push(format!(
-                    "{module_path} names {path}, but {} must not depend on {layer}",
-                    rule.modules
-                ));
-            }
-        }
-    }
-    out
+    named_paths(&segments, text)
+        .into_iter()
+        .filter_map(|path| match layer_of(&path) {
+            None => Some(format!("{module_path} names {path}, which is in no layer")),
+            Some((other, other_layer)) if other != own && other_layer >= layer => Some(format!(
+                "{module_path} names {path}, but {own} must not depend on {other} (its layer \
+                 {layer} is not above {other_layer})"
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every violation in a source tree of `(path relative to src/, text)`; `lib.rs`, the crate
+/// root, only declares the modules.
+fn tree_violations(files: &[(String, String)]) -> Vec<String> {
+    files
+        .iter()
+        .filter(|(file, _)| file != "lib.rs")
+        .flat_map(|(file, text)| {
+            violations(&module_of(file), text)
+                .into_iter()
+                .map(move |v| format!("src/{file}: {v}"))
+        })
+        .collect()
 }
 
 /// The `.rs` files under `dir`, as paths relative to `root` with `/` separators.
@@ -126,19 +121,62 @@ fn every_module_names_only_the_layers_below_it() {
         "the sources were not found under {}",
         src.display()
     );
-    let mut problems = Vec::new();
-    for file in &files {
-        let text = std::fs::read_to_string(src.join(file)).expect("read a source file");
-        problems.extend(
-            violations(&module_of(file), &text)
-                .into_iter()
-                .map(|v| format!("src/{file}: {v}")),
-        );
-    }
+    let tree: Vec<(String, String)> = files
+        .into_iter()
+        .map(|file| {
+            let text = std::fs::read_to_string(src.join(&file)).expect("read a source file");
+            (file, text)
+        })
+        .collect();
+    let problems = tree_violations(&tree);
     assert!(
         problems.is_empty(),
-        "layering violations (move the shared item below both layers, e.g. into codec):\n{}",
+        "layering violations (move the shared item below both layers):\n{}",
         problems.join("\n")
+    );
+}
+
+/// A tree with an import loop fails, whichever modules the loop joins: two layers (config and
+/// codec, the loop this tree once had), two modules of one layer, or three layers.
+#[test]
+fn an_injected_loop_fails() {
+    let tree = |files: &[(&str, &str)]| -> Vec<(String, String)> {
+        files
+            .iter()
+            .map(|&(file, text)| (file.to_string(), text.to_string()))
+            .collect()
+    };
+    let loops: [&[(&str, &str)]; 3] = [
+        &[
+            ("config.rs", "use crate::codec::quant::QuantSpec;"),
+            ("codec/quant.rs", "use crate::config::Rounding;"),
+        ],
+        &[
+            ("rng.rs", "use crate::hadamard::MAX_BLOCK;"),
+            ("hadamard.rs", "fn f() { crate::rng::philox(); }"),
+        ],
+        &[
+            ("codec/slab.rs", "use crate::layout::Topology;"),
+            ("layout.rs", "use crate::backend::Backend;"),
+            ("backend/device.rs", "use crate::codec::slab::SlabLayout;"),
+        ],
+    ];
+    for files in loops {
+        let found = tree_violations(&tree(files));
+        assert!(!found.is_empty(), "the loop {files:?} was not found");
+    }
+    // The same tree without its loop passes.
+    let fine = tree(&[
+        ("config.rs", "use crate::error::Result;"),
+        ("codec/quant.rs", "use crate::config::Rounding;"),
+        ("layout.rs", "use crate::codec::slab::SlabLayout;"),
+    ]);
+    assert_eq!(tree_violations(&fine), Vec::<String>::new());
+    // A module placed in no layer fails, and so does naming one.
+    assert_eq!(tree_violations(&tree(&[("telemetry.rs", "")])).len(), 1);
+    assert_eq!(
+        tree_violations(&tree(&[("codec/sum.rs", "use crate::telemetry::Log;")])).len(),
+        1
     );
 }
 

@@ -100,7 +100,7 @@ def _measure(start_collective, side: torch.cuda.Stream, cycles_per_ms: float) ->
 
 def _buckets(world: int, dev: torch.device):
     """Groups, a gradient and a weight bucket on `dev` with their tensors, set up and called
-    twice (the self-check and the first calls happen before anything is timed)."""
+    twice (the kernel check and the first calls happen before anything is timed)."""
     groups = ProcessGroups.create(node_labels=[0] * world)
     config = Config("sdp4bit")
     numel = world * (1 << 20)

@@ -8,6 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
+import op_calls
+
 HIDDEN = 64
 
 
@@ -116,19 +118,21 @@ def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
     target = torch.nn.Linear(HIDDEN, 8)
     torch.nn.init.normal_(target.weight, std=HIDDEN**-0.5, generator=torch.Generator().manual_seed(9))
     losses = []
-    for step in range(steps):
-        for _ in range(gas):
-            x = torch.randn(8, HIDDEN, generator=g)
-            y = target(x).detach()
-            loss = (engine(x.bfloat16()).float() - y).pow(2).mean()
-            engine.backward(loss)
-            if check_against_core and seen:
-                compared += _check_partitions_against_core(optimizer, seen)
-            engine.step()
-            losses.append(loss.item())
-        if step == exact_gather_at:
-            optimizer.update_lp_params()  # DeepSpeed's exact all-gather, outside the step
-        assert _replicas_identical(_flat_bits(optimizer)), f"replicas differ after step {step}"
+    with op_calls.counted() as calls:
+        for step in range(steps):
+            for _ in range(gas):
+                x = torch.randn(8, HIDDEN, generator=g)
+                y = target(x).detach()
+                loss = (engine(x.bfloat16()).float() - y).pow(2).mean()
+                engine.backward(loss)
+                if check_against_core and seen:
+                    compared += _check_partitions_against_core(optimizer, seen)
+                engine.step()
+                losses.append(loss.item())
+            if step == exact_gather_at:
+                optimizer.update_lp_params()  # DeepSpeed's exact all-gather, outside the step
+            assert _replicas_identical(_flat_bits(optimizer)), f"replicas differ after step {step}"
+    op_calls.assert_none(calls, "during the training steps")
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     sent = deepspeed_zero.wire_bytes(optimizer)
     deepspeed_zero.detach(optimizer)
@@ -230,12 +234,14 @@ def train_stage3(rank, world, section, steps):
     torch.nn.init.normal_(target.weight, std=HIDDEN**-0.5, generator=torch.Generator().manual_seed(9))
     losses = []
     try:
-        for _ in range(steps):
-            x = torch.randn(8, HIDDEN, generator=g)
-            loss = (engine(x.bfloat16()).float() - target(x).detach()).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        with op_calls.counted() as calls:
+            for _ in range(steps):
+                x = torch.randn(8, HIDDEN, generator=g)
+                loss = (engine(x.bfloat16()).float() - target(x).detach()).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        op_calls.assert_none(calls, "during the training steps")
     finally:
         partition_parameters._dist_allgather_fn = gather
         stage3.reduce_scatter_coalesced = reduce

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+import op_calls
 import sdp4bit.fsdp
 from sdp4bit import Config, Sdp4bitError
 
@@ -184,27 +185,29 @@ def train(rank, world, config, steps, check=False, nan_at=None, enable_kwargs=No
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(500 + rank)
     losses, skipped, compared, nonfinite_shards = [], [], 0, []
-    for step in range(steps):
-        x, y = batch(g)
-        if step == nan_at and rank == 1:
-            x[3, 5] = float("nan")
-        loss = (model(x).float() - y).pow(2).mean()
-        loss.backward()
-        if check:
-            compared += check_against_core(log, state.config, state.groups.node_labels)
-        if step == nan_at:  # before clipping, which scales every gradient by NaN
-            nonfinite_shards.append(not all(torch.isfinite(p.grad.to_local()).all()
-                                            for p in model.parameters()))
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
-        before = full_params(model) if step == nan_at else None
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-        else:
-            skipped.append(step)
-        optimizer.zero_grad()
-        if before is not None:
-            assert full_params(model) == before, "the skipped step changed the parameters"
-        losses.append(mean_over_ranks(loss.item()) if step != nan_at else float("nan"))
+    with op_calls.counted() as calls:
+        for step in range(steps):
+            x, y = batch(g)
+            if step == nan_at and rank == 1:
+                x[3, 5] = float("nan")
+            loss = (model(x).float() - y).pow(2).mean()
+            loss.backward()
+            if check:
+                compared += check_against_core(log, state.config, state.groups.node_labels)
+            if step == nan_at:  # before clipping, which scales every gradient by NaN
+                nonfinite_shards.append(not all(torch.isfinite(p.grad.to_local()).all()
+                                                for p in model.parameters()))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
+            before = full_params(model) if step == nan_at else None
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                skipped.append(step)
+            optimizer.zero_grad()
+            if before is not None:
+                assert full_params(model) == before, "the skipped step changed the parameters"
+            losses.append(mean_over_ranks(loss.item()) if step != nan_at else float("nan"))
+    op_calls.assert_none(calls, "during the training steps")
     result = {"losses": losses, "params": full_params(model), "skipped": skipped,
               "compared": compared, "nonfinite_shards": nonfinite_shards,
               "wire": sdp4bit.fsdp.wire_bytes(model)}

@@ -17,6 +17,7 @@ import megatron_checkpoint
 import megatron_cpu
 import megatron_gpt as gpt
 import megatron_patch.megatron_core as integration
+import op_calls
 from sdp4bit import Config
 from sdp4bit.integration import local_shard
 
@@ -168,7 +169,7 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
     losses, stepped, snapshots = [], [], {}
     recording = _grads_as_each_sync_starts(snapshots) if check_against_core else (
         contextlib.nullcontext())
-    with recording:
+    with recording, op_calls.counted() as calls:
         for step in range(steps):
             gpt.zero_grads([ddp], optimizer)
             snapshots.clear()
@@ -184,6 +185,7 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
             ok, _ = gpt.optimizer_step(optimizer)
             stepped.append(ok)
             losses.append(loss.item())
+    op_calls.assert_none(calls, "during the training steps")
     gpt.flush_param_sync([ddp])
     _assert_replicas_identical([ddp])
     sent, baseline = integration.wire_bytes(ddp, steps)

@@ -29,7 +29,7 @@ def test_off_unless_asked():
     (["--sdp4bit", "--sdp4bit-grad-codec", "tlq", "--sdp4bit-weight-codec", "none"],
      ["weight=none", "grad=tlq(", "hadamard=0"]),
     (["--sdp4bit", "--sdp4bit-grad-codec", "tlq-hs"], ["grad=tlq-hs(", "hadamard=32"]),
-    (["--sdp4bit", "--sdp4bit-seed", "7", "--sdp4bit-grad-quant-start-iter", "100",
+    (["--sdp4bit", "--sdp4bit-seed", "7", "--sdp4bit-grad-quant-start-step", "100",
       "--sdp4bit-hadamard-block", "64", "--sdp4bit-pipeline-chunks", "2"],
      ["seed=7", "grad_start=100", "hadamard=64", "chunks=2"]),
     (["--sdp4bit", "--sdp4bit-grad-quant-start-step", "100"], ["grad_start=100"]),

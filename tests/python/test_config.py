@@ -2,8 +2,8 @@
 
 import dataclasses
 import pickle
-import warnings
 
+import op_calls
 import pytest
 
 import sdp4bit
@@ -39,6 +39,28 @@ def test_a_preset_and_knobs_describe_the_cores_config():
     assert not Config("global-qsgd").compresses_weights
 
 
+def test_the_core_resolves_a_config_once():
+    config = Config("sdp4bit", seed=7)
+    with op_calls.counted() as calls:
+        for _ in range(3):
+            assert config.resolved == sdp4bit.Resolved(
+                weight_codec="qwd", grad_codec="tlq-hs", compresses_weights=True,
+                compresses_grads=True, keeps_reference=True, grad_quant_start_step=0,
+                exact_params="replicated", values=tuple(config.values().items()),
+                canonical=config.describe(), fingerprint=config.fingerprint())
+            assert config.validate().codecs() == ("qwd", "tlq-hs")
+    assert calls == {"resolve_config": 1}
+    assert Config("sdp4bit").fingerprint() == 0xEC57_17EC_5CA4_DC96  # pinned by tests/config.rs
+    copy = pickle.loads(pickle.dumps(config))
+    with op_calls.counted() as calls:
+        assert copy.resolved == config.resolved and copy.replace(seed=7) == config
+    op_calls.assert_none(calls, "for a config resolved before it was pickled")
+    record = Config("zeropp", grad_quant_start_step=5, exact_params="none").resolved
+    assert (record.keeps_reference, record.grad_quant_start_step, record.exact_params) == (
+        False, 5, "none")
+    assert not Config("baseline").resolved.compresses_grads
+
+
 def test_codecs_come_first_whatever_the_keyword_order():
     # grad_codec resets the gradient knobs; grad_group_size applies after it.
     config = Config("sdp4bit", grad_group_size=256, grad_codec="tlq")
@@ -67,20 +89,3 @@ def test_from_knobs_takes_text_and_refuses_unknown_names():
 def test_bad_configs_name_the_problem(make, error, fragment):
     with pytest.raises(error, match=fragment):
         make()
-
-
-def test_old_import_paths_are_deprecated_aliases():
-    import megatron_patch
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = megatron_patch.Sdp4bitConfig("sdp4bit", {"seed": 3})
-        assert megatron_patch.Sdp4bitGroups is sdp4bit.ProcessGroups
-        assert megatron_patch.GradReduceScatter is sdp4bit.GradReduceScatter
-        assert megatron_patch.PRESETS == sdp4bit.presets()
-        from megatron_patch import deepspeed_zero  # noqa: F401
-    assert old == Config("sdp4bit", seed=3)
-    assert all(issubclass(w.category, DeprecationWarning) for w in caught)
-    assert len(caught) >= 4
-    with pytest.raises(AttributeError):
-        megatron_patch.NoSuchName  # noqa: B018

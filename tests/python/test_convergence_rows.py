@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import convergence  # noqa: E402
-from convergence import BASELINE, FSDP_BASELINE, ROWS, Row, select_rows  # noqa: E402
+from convergence import BASELINE, FSDP_BASELINE, ROWS, TP_BASELINE, Row, select_rows  # noqa: E402
 from rank_launcher import Finished  # noqa: E402  (cpu_support, on the path convergence set)
 
 
@@ -24,6 +24,19 @@ def test_every_row_is_differenced_against_a_reference_row_of_its_own_script():
     assert all(row.reference == FSDP_BASELINE for row in fsdp)
     assert ROWS[FSDP_BASELINE].args == ("--preset", "baseline")
     assert ROWS["FSDP2 QSDP"].args == ("--preset", "qsdp")
+
+
+def test_the_tp2_rows_pair_sdp4bit_with_megatrons_collectives_at_tp2_on_2_nodes():
+    assert list(ROWS)[-4:-2] == [TP_BASELINE, "SDP4Bit TP=2"]  # after ZeRO++-style, before FSDP2
+    assert ROWS[TP_BASELINE].is_reference and ROWS["SDP4Bit TP=2"].reference == TP_BASELINE
+    assert ROWS[TP_BASELINE].args == ("--preset", "baseline", *convergence.TP2)
+    assert ROWS["SDP4Bit TP=2"].args == ("--preset", "sdp4bit", *convergence.TP2)
+    assert convergence.TP2 == ("--tp", "2", "--batch", "16")  # 32 sequences a step, as at DP = 4
+    assert ROWS["SDP4Bit TP=2"].script == convergence.TRAIN
+    args = ROWS["SDP4Bit TP=2"].script_args(1, 400, [], Path("run.json"))
+    assert args[:6] == ["--ranks-per-node", "2", "--preset", "sdp4bit", "--tp", "2"]
+    with pytest.raises(ValueError, match="'SDP4Bit TP=2' is differenced against 'baseline TP=2'"):
+        select_rows([BASELINE, "SDP4Bit TP=2"])
 
 
 def test_a_row_needs_its_reference_among_the_selected_rows():

@@ -128,9 +128,8 @@ EXERCISED = {
         "tests/python/test_gpu_kit.py", 'str(ROOT / "bench/gpu_cost.py"), "--out"'),
     "python -m sdp4bit.selftest": lambda: _contains("tests/python/test_selftest.py",
                                                    '"-m", "sdp4bit.selftest"'),
-    "python -m megatron_patch.plan": lambda: _run(sys.executable, "-m", "megatron_patch.plan",
-                                                  "--paper"),
     # running parts of the tests: the test command runs all of them
+    "cargo test": lambda: _contains(TEST_SH, "cargo test --locked --release"),
     "cargo test --release": lambda: _contains(TEST_SH, "cargo test --locked --release"),
     "cargo test --release --test cuda_emulated": lambda: _contains(
         TEST_SH, "cargo test --locked --release\n"),

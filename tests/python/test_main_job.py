@@ -1,6 +1,7 @@
 """The main job, as the README runs it (bash scripts/main_job.sh), end to end: megatron-core's
-GPTModel and DistributedOptimizer on 4 ranks, a few steps; and, on CPU, what its --device cuda
-decides before any GPU is touched (the arguments, the process groups' backend)."""
+GPTModel and DistributedOptimizer on 4 ranks, a few steps, as DP = 4 and as TP = 2 x DP = 2;
+and, on CPU, what its --tp and --device cuda decide before any GPU is touched (the arguments,
+the process groups' backend)."""
 
 import importlib
 import os
@@ -13,15 +14,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_main_job_trains_and_reports_bytes_saved(tmp_path):
+#: With --tp 2 (2 nodes x 2 ranks): each node a TP pair, DP groups {0, 2} and {1, 3}; the
+#: replicated parameters travel exact and stay identical across each TP pair.
+TP2_LINES = ["4 ranks (2 nodes x 2) as TP = 2 x DP = 2 (DP group of rank 0: ranks [0, 2])",
+             "TP-replicated parameters bit-identical across each TP group: True",
+             "bytes sent by rank 0 in its DP group of 2:", "of them exact (exact_params)"]
+
+
+@pytest.mark.parametrize("extra, lines", [([], []), (["--tp", "2"], TP2_LINES)],
+                         ids=["dp4", "tp2"])
+def test_main_job_trains_and_reports_bytes_saved(tmp_path, extra, lines):
     command = ["bash", str(ROOT / "scripts/main_job.sh"), "--steps", "6", "--log-every", "5",
-               "--corpus-bytes", "400000"]
+               "--corpus-bytes", "400000", *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
     out = done.stdout
     assert "megatron-core GPTModel" in out and "DistributedOptimizer" in out, out
     assert "skipped steps 0; replicas bit-identical: True" in out, out
     assert "x less" in out and "MiB saved" in out, out
+    assert all(line in out for line in lines), out
     losses = [float(line.split()[1]) for line in out.splitlines()
               if line.strip() and line.split()[0].isdigit()]
     assert losses[-1] < losses[0], out
@@ -44,6 +55,17 @@ def test_device_and_backend_arguments():
     assert (args.device, args.backend) == ("cuda", "gloo")
     with pytest.raises(SystemExit):
         train.parse_args(["--device", "tpu"])
+
+
+def test_tensor_parallel_arguments():
+    train = _train_module()
+    assert train.parse_args([]).tp == 1
+    assert train.parse_args(["--tp", "2"]).tp == 2
+    with pytest.raises(SystemExit):
+        train.parse_args(["--tp", "0"])
+    assert train.data_parallel_size(4, 1) == 4 and train.data_parallel_size(4, 2) == 2
+    with pytest.raises(ValueError, match="--tp 3 does not divide the 4 ranks"):
+        train.data_parallel_size(4, 3)
 
 
 @pytest.mark.parametrize("device, requested, local_ranks, gpus, weights, backend, why", [

@@ -78,7 +78,7 @@ def test_source_tree_is_found_only_where_the_gpu_suites_are(tmp_path):
 
 def test_gpu_ops_report_a_missing_driver():
     """The ops the selftest calls on a GPU host answer on a host without a driver too: the
-    report says why the device cannot run the kernels, the self-check raises naming it."""
+    report says why the device cannot run the kernels, the kernel check raises naming it."""
     import torch
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU: the selftest itself exercises these ops")
@@ -86,6 +86,6 @@ def test_gpu_ops_report_a_missing_driver():
     assert report.startswith("CUDA device 0 cannot run the kernels:"), report
     assert "libcuda" in report, report
     with pytest.raises(RuntimeError, match="libcuda"):
-        torch.ops.sdp4bit.cuda_self_check(0, "sdp4bit", [0, 0, 1, 1], 1)
+        torch.ops.sdp4bit.cuda_kernel_check(0, "sdp4bit", [0, 0, 1, 1], 1)
     with pytest.raises(RuntimeError, match="rank 4 outside the 4-rank DP group"):
-        torch.ops.sdp4bit.cuda_self_check(0, "sdp4bit", [0, 0, 1, 1], 4)
+        torch.ops.sdp4bit.cuda_kernel_check(0, "sdp4bit", [0, 0, 1, 1], 4)

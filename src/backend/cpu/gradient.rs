@@ -11,7 +11,7 @@ use crate::codec::slab::{GroupRun, SlabLayout};
 use crate::config::Rounding;
 use crate::error::Result;
 use crate::hadamard;
-use crate::plan::GradLayout;
+use crate::layout::GradLayout;
 use crate::rng::UniformStream;
 
 use super::prefetch::Stream;

@@ -14,7 +14,7 @@ use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result, check_len};
-use crate::plan::{BucketPlan, GradLayout};
+use crate::layout::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
 /// Host memory: buffers are vectors ([`HostBuffer`]; a call's come from the process-wide pool

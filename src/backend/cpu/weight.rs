@@ -10,7 +10,7 @@ use crate::codec::slab::{GroupRun, SlabLayout, SlabView};
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
-use crate::plan::BucketPlan;
+use crate::layout::BucketPlan;
 use crate::rng::UniformStream;
 
 use super::prefetch::Stream;

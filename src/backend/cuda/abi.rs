@@ -8,7 +8,7 @@ use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
-use crate::plan::{BucketPlan, GradLayout};
+use crate::layout::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
 /// A kernel's parameter struct: a `#[repr(C)]` mirror of a struct of `kernels/sdp4bit_abi.h`,
@@ -283,7 +283,7 @@ impl SdpGlobal {
 mod tests {
     use super::*;
     use crate::config::{Config, Preset};
-    use crate::plan::{GradRoute, Topology};
+    use crate::layout::{GradRoute, Topology};
 
     /// The parameters of a two-level layout carry the plan's numbers.
     #[test]

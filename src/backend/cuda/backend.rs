@@ -22,7 +22,7 @@ use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Result, check_len};
-use crate::plan::{BucketPlan, GradLayout};
+use crate::layout::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 
 /// The kernels of one device, the stream the passes are enqueued on and the allocator the

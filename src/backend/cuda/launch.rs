@@ -27,7 +27,7 @@ use crate::codec::slab::{SLAB_ALIGN, SlabLayout};
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::config::Rounding;
 use crate::error::{Error, Result};
-use crate::plan::{BucketPlan, GradLayout};
+use crate::layout::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 use cudarc::driver::result as driver;
 use cudarc::driver::sys;

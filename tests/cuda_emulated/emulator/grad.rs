@@ -9,7 +9,7 @@ use sdp4bit::backend::cuda::abi::{SdpConvert, SdpGradFinal, SdpGradFirst, SdpGra
 use sdp4bit::backend::cuda::dest_table;
 use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::backend::{narrow_into, widen_into};
-use sdp4bit::plan::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
+use sdp4bit::layout::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
 use sdp4bit::rng::Stage;
 
 use super::case::{Case, ELEMENTS_PER_BLOCK, Expect, GROUPS_PER_BLOCK};

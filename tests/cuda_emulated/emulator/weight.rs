@@ -4,9 +4,10 @@
 use sdp4bit::backend::cpu::weight;
 use sdp4bit::backend::cuda::abi::{SdpWeightApply, SdpWeightEncode};
 use sdp4bit::backend::cuda::source::Kernel;
+use sdp4bit::codec::quant::QuantSpec;
 use sdp4bit::codec::slab::SlabLayout;
 use sdp4bit::codec::weight_encoding::WeightEncoding;
-use sdp4bit::plan::BucketPlan;
+use sdp4bit::layout::BucketPlan;
 use sdp4bit::rng::Stage;
 use sdp4bit::{Config, WeightCodec};
 
@@ -26,7 +27,7 @@ pub fn weight_case(
     high_index: bool,
 ) -> Case {
     let mut case = Case::new(name, rand);
-    let spec = config.weight.quant_spec().expect("a grouped weight codec");
+    let spec = QuantSpec::of_weights(&config.weight).expect("a grouped weight codec");
     let g = spec.group_size;
     let encoding = if config.weight.codec == WeightCodec::Qwd {
         WeightEncoding::Difference

@@ -4,7 +4,7 @@
 use half::bf16;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{BucketElement, Comm, CommGroups, GradReduceScatter, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Result};
 
 use crate::recorder::{Record, Recorder};

@@ -13,7 +13,7 @@ use sdp4bit::backend::cuda::{
 use sdp4bit::backend::{Backend, Element};
 use sdp4bit::collective::local::{LocalCluster, LocalComm};
 use sdp4bit::collective::{Comm, CommGroups};
-use sdp4bit::plan::{Level, Topology};
+use sdp4bit::layout::{Level, Topology};
 use sdp4bit::{Error, Result};
 
 /// The kernels of device 0, or `None` after printing `skipped: <reason>` when there is no CUDA

@@ -11,7 +11,7 @@ use sdp4bit::backend::GradElement;
 use sdp4bit::backend::cuda::Cuda;
 use sdp4bit::collective::local::LocalCluster;
 use sdp4bit::collective::{BucketElement, Comm, GradReduceScatter, WeightAllGather};
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset, WeightCodec};
 
 use crate::cuda_cluster::{DeviceCluster, download, overwrite, upload};

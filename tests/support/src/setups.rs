@@ -1,6 +1,6 @@
 //! The configs and topologies the collective sweeps run on.
 
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 
 /// `Config::from_overrides`, unwrapped with the overrides in the message.

@@ -1,6 +1,6 @@
 //! The exact answer and the derived error bounds of one gradient reduce-scatter.
 
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, GradCodec, Rounding};
 
 use super::route::{RefRoute, ref_route};

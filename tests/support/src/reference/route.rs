@@ -1,7 +1,7 @@
 //! The route a gradient reduce-scatter takes (docs/numerics.md §5.3, §7), modelled
-//! independently of `plan::GradRoute`.
+//! independently of `layout::GradRoute`.
 
-use sdp4bit::plan::Topology;
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, GradCodec};
 
 /// The route of one reduce-scatter and the bits of its quantizations.

@@ -1,13 +1,13 @@
-//! The self-check a CUDA bucket runs before its first step: it passes for every preset and
+//! The kernel check a CUDA bucket runs before its first step: it passes for every preset and
 //! ablation, topology and pipeline depth on the emulated device, launching the kernels the
 //! bucket uses; it runs once per device, collective, config, topology and rank; and a kernel
 //! fault injected into the emulation (one wrong byte in a kernel's output) is caught and named
-//! with the device, driver, byte index and both values. `SDP4BIT_CUDA_SELF_CHECK=0` turns it
+//! with the device, driver, byte index and both values. `SDP4BIT_CUDA_KERNEL_CHECK=0` turns it
 //! off. The scenarios with a fault or a cache to observe run in child processes.
 
 use sdp4bit::backend::cuda::Kernels;
-use sdp4bit::plan::Topology;
-use sdp4bit::self_check::{Collective, SELF_CHECK_VAR, check_bucket, check_bucket_once};
+use sdp4bit::kernel_check::{Collective, KERNEL_CHECK_VAR, check_bucket, check_bucket_once};
+use sdp4bit::layout::Topology;
 use sdp4bit::{Config, Preset};
 use sdp4bit_test_support::cuda_end_to_end::topologies;
 use sdp4bit_test_support::setups::cfg;
@@ -20,7 +20,7 @@ const COLLECTIVES: [Collective; 2] = [Collective::GradReduceScatter, Collective:
 /// Every preset and ablation the end-to-end sweep runs, on every topology, P = 1 and 3, ranks
 /// 0 and the last, both collectives: the device's bytes equal the host's, and kernels ran.
 #[test]
-fn self_check_passes_for_every_codec_and_topology() {
+fn kernel_check_passes_for_every_codec_and_topology() {
     emulation();
     let kernels = Kernels::get(0).expect("the kernels load");
     let before = emulation().completed(c"kernel");
@@ -58,7 +58,7 @@ fn self_check_passes_for_every_codec_and_topology() {
     }
     assert!(
         emulation().completed(c"kernel") > before,
-        "the self-check launched no kernel"
+        "the kernel check launched no kernel"
     );
     let faults = emulation().take_faults(-1);
     assert!(faults.is_empty(), "the emulation reported:\n{faults}");
@@ -78,9 +78,9 @@ fn reported_bytes(message: &str) -> (u8, u8) {
 /// values; with the fault removed the check passes. Each kernel of the sdp4bit (2x2, so both
 /// gradient levels) and Global-QSGD buckets is faulted in turn.
 #[test]
-fn self_check_names_an_injected_kernel_fault() {
+fn kernel_check_names_an_injected_kernel_fault() {
     let Some(output) = run_isolated(
-        "self_check::self_check_names_an_injected_kernel_fault",
+        "kernel_check::kernel_check_names_an_injected_kernel_fault",
         &[],
         || {
             emulation();
@@ -142,7 +142,7 @@ fn self_check_names_an_injected_kernel_fault() {
                 for needle in [
                     format!("kernel {name} on CUDA device 0 (sm_90, driver 13.0)"),
                     format!("at byte {byte} of its output"),
-                    format!("({SELF_CHECK_VAR}=0 skips this check)"),
+                    format!("({KERNEL_CHECK_VAR}=0 skips this check)"),
                 ] {
                     assert!(message.contains(&needle), "{needle:?} not in: {message}");
                 }
@@ -163,8 +163,8 @@ fn self_check_names_an_injected_kernel_fault() {
 /// `check_bucket_once` runs the kernels at the first set-up of a key only (another rank's
 /// bucket is a new key).
 #[test]
-fn self_check_runs_once() {
-    let Some(output) = run_isolated("self_check::self_check_runs_once", &[], || {
+fn kernel_check_runs_once() {
+    let Some(output) = run_isolated("kernel_check::kernel_check_runs_once", &[], || {
         emulation();
         let kernels = Kernels::get(0).expect("the kernels load");
         let topology = Topology::uniform(2, 2).expect("2x2");
@@ -204,13 +204,13 @@ fn self_check_runs_once() {
     assert_child_passed(&output);
 }
 
-/// With `SDP4BIT_CUDA_SELF_CHECK=0`, `check_bucket_once` runs no kernel, so even a faulty
+/// With `SDP4BIT_CUDA_KERNEL_CHECK=0`, `check_bucket_once` runs no kernel, so even a faulty
 /// kernel passes it, while `check_bucket` itself still catches the fault.
 #[test]
-fn self_check_can_be_turned_off() {
+fn kernel_check_can_be_turned_off() {
     let Some(output) = run_isolated(
-        "self_check::self_check_can_be_turned_off",
-        &[(SELF_CHECK_VAR, Some("0"))],
+        "kernel_check::kernel_check_can_be_turned_off",
+        &[(KERNEL_CHECK_VAR, Some("0"))],
         || {
             emulation();
             let kernels = Kernels::get(0).expect("the kernels load");

@@ -11,6 +11,7 @@
 //! index of every quantization of that element (docs/numerics.md §2.3), so the random numbers do
 //! not depend on the order in which groups are laid out or processed.
 
+use crate::codec::quant::QuantSpec;
 use crate::codec::slab::SlabLayout;
 use crate::config::{Config, GradCodec, WeightCodec};
 use crate::error::{Error, Result};
@@ -219,7 +220,7 @@ fn padding_unit(config: &Config) -> usize {
     if config.weight.codec != WeightCodec::None {
         unit = lcm(unit, config.weight.group_size);
     }
-    if config.grad.is_grouped() {
+    if config.grad.codec.is_grouped() {
         unit = lcm(
             unit,
             config.grad.group_size * config.pipeline_chunks.unwrap_or(1),
@@ -238,7 +239,7 @@ fn padding_unit(config: &Config) -> usize {
 /// and the bucket size only, so every rank that agrees on both chooses the same P, and the
 /// bytes are those of `P = 1`: the same padding, the same groups, the same element indices.
 pub fn auto_chunks(config: &Config, padded_shard_len: usize) -> usize {
-    if !config.grad.is_grouped() {
+    if !config.grad.codec.is_grouped() {
         return 1;
     }
     let group = config.grad.group_size;
@@ -368,7 +369,7 @@ impl GradLayout {
             level,
             peers: level_size(topology, level),
             slab: SlabLayout {
-                spec: config.grad.quant_spec(bits),
+                spec: QuantSpec::of_grads(&config.grad, bits),
                 groups,
             },
         };

@@ -1,4 +1,4 @@
-//! The self-check of a CUDA bucket before its first step: every kernel the bucket's
+//! The kernel check of a CUDA bucket before its first step: every kernel the bucket's
 //! collective will launch runs once on a small synthetic bucket of the same codec, topology
 //! and rank, on the device ([`Cuda`]) and on the host ([`Host`]), and the bytes each kernel
 //! writes must be equal, as the CUDA backend promises (docs/numerics.md §1.4). A difference is
@@ -11,7 +11,7 @@
 //! zeros). The data is therefore a valid input of every later kernel, on both backends alike.
 //!
 //! [`check_bucket_once`] runs the check once per device, collective, config, topology and
-//! rank in a process; [`SELF_CHECK_VAR`]`=0` turns it off.
+//! rank in a process; [`KERNEL_CHECK_VAR`]`=0` turns it off.
 
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};
@@ -24,17 +24,18 @@ use crate::backend::cuda::source::Kernel;
 use crate::backend::cuda::{Cuda, Kernels, Stream, format_driver_version};
 use crate::backend::{Backend, Element};
 use crate::codec::int_code::IntCode;
+use crate::codec::quant::QuantSpec;
 use crate::codec::slab::SlabLayout;
 use crate::codec::sum::SumElement;
 use crate::codec::weight_encoding::WeightEncoding;
 use crate::collective::{global_bits, global_k};
 use crate::config::{Config, GradCodec, WeightCodec};
 use crate::error::{Error, Result};
-use crate::plan::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
+use crate::layout::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
 use crate::rng::{Stage, UniformStream, stream_id};
 
-/// The variable that turns the self-check off when set to `0`.
-pub const SELF_CHECK_VAR: &str = "SDP4BIT_CUDA_SELF_CHECK";
+/// The variable that turns the kernel check off when set to `0`.
+pub const KERNEL_CHECK_VAR: &str = "SDP4BIT_CUDA_KERNEL_CHECK";
 
 /// The collective a bucket runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -53,7 +54,7 @@ const SYNTHETIC_SHARD: usize = 1003;
 const SYNTHETIC_STEP: u64 = 1;
 
 /// [`check_bucket`], once per (device, collective, config, topology, rank) in this process,
-/// unless [`SELF_CHECK_VAR`] is `0`. A failed check is not remembered: the next set-up checks
+/// unless [`KERNEL_CHECK_VAR`] is `0`. A failed check is not remembered: the next set-up checks
 /// again.
 pub fn check_bucket_once(
     kernels: &'static Kernels,
@@ -62,7 +63,7 @@ pub fn check_bucket_once(
     topology: &Topology,
     rank: usize,
 ) -> Result<()> {
-    if std::env::var(SELF_CHECK_VAR).is_ok_and(|v| v.trim() == "0") {
+    if std::env::var(KERNEL_CHECK_VAR).is_ok_and(|v| v.trim() == "0") {
         return Ok(());
     }
     type Key = (usize, Collective, u64, String, usize);
@@ -109,7 +110,7 @@ pub fn check_bucket(
     }
     if host.len() != device.len() {
         return Err(Error::Cuda(format!(
-            "self-check: the host ran {} kernels, device {} ran {}",
+            "kernel check: the host ran {} kernels, device {} ran {}",
             host.len(),
             kernels.ordinal(),
             device.len()
@@ -148,9 +149,9 @@ fn compare(kernels: &Kernels, host: &Pass, device: &Pass) -> Result<()> {
         .filter(|(h, d)| h != d)
         .count();
     Err(Error::Cuda(format!(
-        "self-check failed: kernel {} on CUDA device {} ({}, driver {}) wrote {} at byte {index} \
+        "kernel check failed: kernel {} on CUDA device {} ({}, driver {}) wrote {} at byte {index} \
          of its output, the host backend {} ({count} of {} bytes differ); the device's results \
-         cannot be trusted ({SELF_CHECK_VAR}=0 skips this check)",
+         cannot be trusted ({KERNEL_CHECK_VAR}=0 skips this check)",
         device.kernel.name(),
         kernels.ordinal(),
         kernels.arch(),
@@ -239,7 +240,7 @@ impl Synthetic {
             return Ok(Vec::new());
         }
         match collective {
-            Collective::GradReduceScatter if self.config.grad.is_grouped() => {
+            Collective::GradReduceScatter if self.config.grad.codec.is_grouped() => {
                 self.grad_grouped(backend)
             }
             Collective::GradReduceScatter if self.config.grad.codec == GradCodec::GlobalQsgd => {
@@ -373,7 +374,7 @@ impl Synthetic {
 
     /// Encode this rank's shard (against a previous one for qWD), apply W copies of it.
     fn weight<B: Staging>(&self, backend: &B) -> Result<Vec<Pass>> {
-        let Some(spec) = self.config.weight.quant_spec() else {
+        let Some(spec) = QuantSpec::of_weights(&self.config.weight) else {
             return Ok(Vec::new());
         };
         let plan = self.plan;

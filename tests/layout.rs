@@ -1,6 +1,7 @@
-//! Topology, bucket padding, gradient routes and the swizzled layout (docs/numerics.md §5).
+//! Topology, bucket padding, gradient routes and the swizzled layout (docs/numerics.md §5): `layout`.
 
-use sdp4bit::plan::{
+use sdp4bit::codec::quant::QuantSpec;
+use sdp4bit::layout::{
     AUTO_MAX_CHUNKS, AUTO_MIN_CHUNK_ELEMS, BucketPlan, GradLayout, GradRoute, Level, Topology,
     auto_chunks, level_size, peer_index,
 };
@@ -271,10 +272,10 @@ fn plan_configs() -> Vec<Config> {
 /// through the gradient term: only the grouped gradient path cuts shards into P chunks).
 fn required_factors(c: &Config) -> Vec<(&'static str, usize)> {
     let mut f = vec![];
-    if let Some(s) = c.weight.quant_spec() {
+    if let Some(s) = QuantSpec::of_weights(&c.weight) {
         f.push(("weight group", s.group_size));
     }
-    if c.grad.is_grouped() {
+    if c.grad.codec.is_grouped() {
         // P enters only when set; the automatic choice pads as P = 1 does.
         let p = c.pipeline_chunks.unwrap_or(1);
         f.push(("grad group * P", c.grad.group_size * p));
@@ -315,7 +316,7 @@ fn bucket_padding_for_many_sizes() {
                         p.padded_shard_len
                     );
                 }
-                if c.grad.is_grouped() {
+                if c.grad.codec.is_grouped() {
                     assert_eq!(p.chunk_len() * p.chunks, p.padded_shard_len, "{ctx}");
                     assert_eq!(
                         p.chunk_len() % c.grad.group_size,
@@ -323,7 +324,7 @@ fn bucket_padding_for_many_sizes() {
                         "{ctx}: chunk holds whole groups"
                     );
                 }
-                if c.weight.quant_spec().is_none() && !c.grad.is_grouped() {
+                if QuantSpec::of_weights(&c.weight).is_none() && !c.grad.codec.is_grouped() {
                     assert_eq!(
                         p.padded_shard_len, s,
                         "{ctx}: nothing grouped, nothing padded"
@@ -348,17 +349,17 @@ fn bucket_padding_for_many_sizes() {
 
 #[test]
 fn bucket_padding_is_minimal() {
-    // The padded shard is the smallest multiple of the padding unit documented in plan.rs:
+    // The padded shard is the smallest multiple of the padding unit documented in layout.rs:
     // lcm(weight group, grad group * P, Hadamard block) over the grouped codecs in use, 1
     // (no padding) when none is. Padding beyond that is wasted wire bytes in the weight
     // all-gather (the padded shard is what gets quantized and sent).
     let mut failures = Vec::new();
     for c in plan_configs() {
         let mut terms = Vec::new();
-        if let Some(s) = c.weight.quant_spec() {
+        if let Some(s) = QuantSpec::of_weights(&c.weight) {
             terms.push(s.group_size);
         }
-        if c.grad.is_grouped() {
+        if c.grad.codec.is_grouped() {
             terms.push(c.grad.group_size * c.pipeline_chunks.unwrap_or(1));
         }
         if let Some(h) = c.grad.hadamard_block {
@@ -542,7 +543,10 @@ fn grad_layout_dest_mapping_is_a_bijection() {
                 "{ctx}"
             );
             assert_eq!(l.first.slab.groups, l.groups_per_chunk() * d2, "{ctx}");
-            assert_eq!(l.first.slab.spec, c.grad.quant_spec(route.levels[0].1));
+            assert_eq!(
+                l.first.slab.spec,
+                QuantSpec::of_grads(&c.grad, route.levels[0].1)
+            );
             assert_eq!(l.hadamard, c.grad.hadamard_block);
             assert_eq!(l.bucket, plan);
 
@@ -620,7 +624,7 @@ fn automatic_chunks_keep_the_padding_of_one_chunk_and_take_the_largest_whole_gro
                 let single = BucketPlan::new(w * s, w, &one).unwrap();
                 assert_eq!(auto.padded_shard_len, single.padded_shard_len, "{ctx}");
                 let fits = |p: usize| {
-                    c.grad.is_grouped()
+                    c.grad.codec.is_grouped()
                         && auto.padded_shard_len.is_multiple_of(p * c.grad.group_size)
                         && auto.padded_shard_len / p >= AUTO_MIN_CHUNK_ELEMS
                 };
@@ -631,7 +635,7 @@ fn automatic_chunks_keep_the_padding_of_one_chunk_and_take_the_largest_whole_gro
                     ((p + 1)..=AUTO_MAX_CHUNKS).all(|q| !fits(q)),
                     "{ctx}: P = {p} is not the largest that fits"
                 );
-                if c.grad.is_grouped() {
+                if c.grad.codec.is_grouped() {
                     assert_eq!(auto.chunk_len() % c.grad.group_size, 0, "{ctx}");
                     chosen.insert(p);
                 } else {
