@@ -39,11 +39,19 @@ def import_cpp_extension():
     return cpp_extension
 
 
+def load_build_native():
+    """scripts/build_native.py as a module."""
+    spec = importlib.util.spec_from_file_location("build_native", REPO / "scripts" / "build_native.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_native = load_build_native()
+
+
 def native_bundle() -> Path:
     """The Rust core as a native bundle: prebuilt (SDP4BIT_NATIVE_DIR) or built with cargo."""
-    spec = importlib.util.spec_from_file_location("build_native", REPO / "scripts" / "build_native.py")
-    build_native = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build_native)
     prebuilt = os.environ.get("SDP4BIT_NATIVE_DIR")
     if prebuilt:
         return build_native.check_bundle(Path(prebuilt).resolve())
@@ -62,9 +70,12 @@ class BuildWithRustCore(cpp_extension.BuildExtension):
         import torch
 
         bundle = native_bundle()
+        test_ops = "test-ops" in build_native.bundle_features(bundle)
         for ext in self.extensions:
             ext.include_dirs.append(str(bundle / "include"))
             ext.extra_objects.append(str(bundle / "lib" / "libsdp4bit.a"))
+            if test_ops:  # the tests' in-process references (scripts/build_native.py)
+                ext.define_macros.append(("SDP4BIT_TEST_OPS", None))
         super().build_extensions()
         for ext in self.extensions:
             built = Path(self.get_ext_fullpath(ext.name))

@@ -1,7 +1,7 @@
 """Convergence study: the paper's ablation at small scale (docs/numerics.md §10).
 
 Trains megatron-core's GPTModel with its real DistributedOptimizer (examples/gpt_cpu/train.py)
-on W = 4 gloo ranks as 2 nodes x 2 ranks on CPU (forked by cpu_support/rank_launcher.py, which
+on W = 4 gloo ranks as 2 nodes x 2 ranks on CPU (forked by megatron_on_cpu/rank_launcher.py, which
 imports the libraries once for all runs), once per row and seed: baseline, qW, qWD,
 TLq, TLq-HS, SDP4Bit, QSDP, Global-QSGD, ZeRO++-style; the same model at TP = 2 x DP = 2
 (train.py --tp 2), with Megatron's own collectives (baseline TP=2) and the sdp4bit preset
@@ -46,11 +46,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "cpu_support"))
+sys.path.insert(0, str(ROOT / "megatron_on_cpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convergence_stats import interval, paired_difference, seeds_for_width  # noqa: E402
-from rank_launcher import RankLauncher  # noqa: E402  (cpu_support, put on the path above)
+from rank_launcher import RankLauncher  # noqa: E402  (megatron_on_cpu, put on the path above)
 
 TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
 FSDP_TRAIN = ROOT / "examples" / "fsdp2" / "train.py"
@@ -148,7 +148,7 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: (DECIDING_SEEDS), every other row the study's minimum of 3 (SEEDS). Time: 400 steps; per
 #: row, the training and evaluation time of the fastest of its kept runs (bench/results/
 #: convergence.json; the machine was shared during most of them, so these are upper bounds)
-#: plus the launch of a run by cpu_support/rank_launcher.py (2.4 s a Megatron run, 5 s an
+#: plus the launch of a run by megatron_on_cpu/rank_launcher.py (2.4 s a Megatron run, 5 s an
 #: FSDP2 run, measured on the shared machine): baseline 56 s, SDP4Bit 68 s, the other 7
 #: Megatron rows 427 s together, the 2 FSDP2 rows 180 s together, and the 2 TP = 2 rows 98 s
 #: together (their fastest kept runs, launch included, on the shared machine). 20 x (56 + 68)

@@ -13,7 +13,8 @@
 //       .start(params, step, side_stream_handle) -> Work
 //   torch.classes.sdp4bit.Work.wait() / .is_completed() / .completion_fd()
 //   torch.ops.sdp4bit.schema (presets, knobs, limits as JSON) / resolve_config (a config's
-//       record as JSON) / plan_wire_bytes / simulate_* (in-process reference)
+//       record as JSON) / plan_wire_bytes / simulate_* (the tests' in-process references,
+//       only in a build with SDP4BIT_TEST_OPS: cargo feature test-ops, scripts/build_native.py)
 //
 // A bucket lives on the CPU or on one CUDA device, and the two run differently:
 // - CPU buckets (the Rust core's CPU backend, host exchanges): start() queues the collective
@@ -907,6 +908,8 @@ void cuda_kernel_check(int64_t device, const std::string& config,
   });
 }
 
+#ifdef SDP4BIT_TEST_OPS
+// The tests' in-process references (cargo feature test-ops).
 at::Tensor simulate_grad_reduce_scatter(const std::string& config,
                                         const std::vector<int64_t>& node_labels,
                                         int64_t bucket_id, int64_t step,
@@ -949,6 +952,8 @@ at::Tensor simulate_weight_all_gather(const std::string& config,
   });
   return out;
 }
+
+#endif  // SDP4BIT_TEST_OPS
 
 // Bytes rank 0 of `node_labels` sends per call for one bucket of `numel` elements, planned
 // without communicating: [gradient intra, inter, weight intra, inter], then the same four for
@@ -1016,6 +1021,7 @@ TORCH_LIBRARY(sdp4bit, m) {
         &cuda_kernel_check);
   m.def("plan_wire_bytes(str config, int[] node_labels, int numel, int step) -> int[]",
         &plan_wire_bytes);
+#ifdef SDP4BIT_TEST_OPS
   m.def(
       "simulate_grad_reduce_scatter(str config, int[] node_labels, int bucket_id, int step, "
       "Tensor inputs) -> Tensor",
@@ -1024,6 +1030,7 @@ TORCH_LIBRARY(sdp4bit, m) {
       "simulate_weight_all_gather(str config, int[] node_labels, int bucket_id, int first_step, "
       "Tensor initial, Tensor targets) -> Tensor",
       &simulate_weight_all_gather);
+#endif  // SDP4BIT_TEST_OPS
 }
 
 }  // namespace sdp4bit

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import runpy
 import sys
+from pathlib import Path
 
 from . import megatron_core
 from .arguments import add_arguments, config_from_args
@@ -40,6 +41,7 @@ def _wrap(parse_args):
                                  iteration=_megatron_iteration,
                                  telemetry_interval=parsed.sdp4bit_telemetry_interval,
                                  tensorboard_writer=_megatron_tensorboard_writer,
+                                 wandb_writer=_megatron_wandb_writer,
                                  replica_check_interval=parsed.sdp4bit_replica_check_interval)
         return parsed
 
@@ -59,6 +61,12 @@ def _megatron_tensorboard_writer():
     return get_tensorboard_writer()
 
 
+def _megatron_wandb_writer():
+    from megatron.training.global_vars import get_wandb_writer
+
+    return get_wandb_writer()
+
+
 def install() -> None:
     """Wraps ``megatron.training.arguments.parse_args`` and every already-imported
     ``megatron.training`` module's reference to it (``initialize`` imports it by name)."""
@@ -73,10 +81,21 @@ def install() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m megatron_patch SCRIPT [ARGS...]``: runs SCRIPT as ``__main__``."""
+    """``python -m megatron_patch SCRIPT [ARGS...]``: runs SCRIPT as ``__main__``, with its
+    directory first on ``sys.path`` as ``python SCRIPT`` has it, so that the Megatron-LM
+    checkout the script lives in provides ``megatron.training`` from any working directory."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
-    install()
+    script = Path(argv[0])
+    if not script.is_file():
+        raise SystemExit(f"megatron_patch: no training script {argv[0]!r}")
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        install()
+    except ModuleNotFoundError as error:
+        raise SystemExit(
+            f"megatron_patch: cannot import Megatron-LM's megatron.training ({error}): run a "
+            "script of a Megatron-LM checkout, or put the checkout on PYTHONPATH") from error
     sys.argv = list(argv)
     runpy.run_path(argv[0], run_name="__main__")

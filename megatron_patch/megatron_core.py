@@ -10,9 +10,12 @@ overlap machinery work unchanged. Megatron's contract is kept: after grad sync t
 shard of each bucket holds the scaled sum over the DP group; after param sync every replica
 holds the same parameters, bit for bit.
 
-What sdp4bit does not compress goes through Megatron's own code untouched: the baseline
-codecs, gradient steps before ``grad_quant_start_step``, forced all-reduces, FP8 parameters,
-several distributed-optimizer instances and the non-distributed optimizer.
+What sdp4bit does not compress by design goes through Megatron's own code untouched: the
+baseline codecs, gradient steps before ``grad_quant_start_step`` and forced all-reduces. What
+it cannot compress is refused when the model is built, naming the setting to change: the
+non-distributed optimizer, several distributed-optimizer instances, FP8 parameters, fp16
+gradient buffers (and fp16 parameters where weights are compressed), Megatron-FSDP and torch
+FSDP2 inside Megatron.
 
 A bucket group's collectives are set up at its first gradient sync (after set-up or a
 resume), when every replica holds the same parameters: qWD takes its first differences
@@ -29,7 +32,7 @@ both draw the same random numbers (docs/megatron.md, "Parameters kept exact").
 
 from __future__ import annotations
 
-import logging
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -40,11 +43,12 @@ from sdp4bit import (Config, GradReduceScatter, Handle, ProcessGroups, Sdp4bitEr
 from sdp4bit._patching import Patches
 from sdp4bit.integration import WireCounter, local_shard, log_route_notice, require_bf16
 from sdp4bit.replicas import check_replicas_identical, checksums_across
-from sdp4bit.telemetry import ErrorStats, Telemetry
-
-logger = logging.getLogger("sdp4bit")
+from sdp4bit.telemetry import ErrorStats, Telemetry, announce
 
 _PATCHES = Patches()
+# The data-parallel wrappers sdp4bit refuses, by class name (each __init__ in a set of its own:
+# a set names each attribute once).
+_WRAPPER_PATCHES: dict[str, Patches] = {}
 
 
 @dataclass
@@ -74,6 +78,24 @@ def _bucket_group_class():
     return _ParamAndGradBucketGroup
 
 
+def _other_wrapper_classes() -> list:
+    """megatron-core's data-parallel wrappers other than DistributedDataParallel, where this
+    version has them: torch FSDP2 (--use-torch-fsdp2) and Megatron-FSDP (--use-megatron-fsdp)."""
+    classes = []
+    try:
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+            TorchFullyShardedDataParallel)
+        classes.append(TorchFullyShardedDataParallel)
+    except ImportError:
+        pass
+    try:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+        classes.append(FullyShardedDataParallel)
+    except ImportError:
+        pass
+    return classes
+
+
 def _ddp_class():
     from megatron.core.distributed import DistributedDataParallel
 
@@ -88,10 +110,14 @@ def _ddp_init(self, *args, **kwargs):
     of its own, laid out alike on the first and the last stage) takes the largest id on both
     stages, so that their all-gathers give the same bits. Each bucket also records where its
     exact parameters (the ``exact_params`` knob) lie."""
-    _PATCHES.original("__init__")(self, *args, **kwargs)
+    original = _PATCHES.original("__init__")
     settings = _SETTINGS
     if settings is None:
-        return
+        return original(self, *args, **kwargs)
+    arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
+    _refuse_ddp_config(arguments["ddp_config"], arguments["module"])
+    original(self, *args, **kwargs)
+    _refuse_buffer_dtypes(self, settings.config)
     tied_id = limits().max_bucket_id
     exact = _exact_params(self, settings.config.resolved.exact_params)
     for buffer in self.buffers + self.expert_parallel_buffers:
@@ -160,7 +186,7 @@ def _ddp_finish_grad_sync(self, *args, **kwargs):
 
 def enable(config: Config, local_world_size: int | None = None,
            iteration=None, telemetry_interval: int = 0, tensorboard_writer=None,
-           replica_check_interval: int = 0) -> None:
+           wandb_writer=None, replica_check_interval: int = 0) -> None:
     """Routes the distributed optimizer's collectives through sdp4bit with `config`.
 
     Call it on every rank before the DDP model is built. `local_world_size` (ranks per node;
@@ -170,8 +196,9 @@ def enable(config: Config, local_world_size: int | None = None,
     there, so no sdp4bit state needs checkpointing; without it, save :func:`state_dict` and
     restore it with :func:`load_state_dict`. Every `telemetry_interval` steps (0: never) each
     bucket group reports bytes sent and the quantization error of its gradients and
-    parameters against Megatron's exact collectives (:mod:`sdp4bit.telemetry`) to the
-    ``sdp4bit`` logger and `tensorboard_writer` (a writer, or a callable returning one). Every
+    parameters against Megatron's exact collectives (:mod:`sdp4bit.telemetry`) to rank 0's
+    output (:func:`sdp4bit.telemetry.announce`), `tensorboard_writer` and `wandb_writer`
+    (each a writer, or a function returning one, as Megatron-LM's getters). Every
     `replica_check_interval` gradient syncs (0: never; the first one included) of the first DDP
     model built, :func:`check_replicated_params` runs on all of them before the sync.
     """
@@ -185,14 +212,17 @@ def enable(config: Config, local_world_size: int | None = None,
     _PATCHES.install(cls, "start_param_sync", _start_param_sync)
     _PATCHES.install(_ddp_class(), "__init__", _ddp_init)
     _PATCHES.install(_ddp_class(), "finish_grad_sync", _ddp_finish_grad_sync)
+    for wrapper in _other_wrapper_classes():
+        _WRAPPER_PATCHES.setdefault(wrapper.__name__, Patches()).install(
+            wrapper, "__init__", _refuse_other_wrapper)
     _SETTINGS = _Settings(
         config,
         local_world_size,
         iteration=iteration,
-        telemetry=Telemetry(telemetry_interval, tensorboard_writer),
+        telemetry=Telemetry(telemetry_interval, tensorboard_writer, wandb_writer),
         replica_check_interval=replica_check_interval,
     )
-    logger.info("sdp4bit enabled: %s", description)
+    announce(f"sdp4bit enabled for megatron-core's distributed optimizer: {description}")
 
 
 def disable() -> None:
@@ -206,6 +236,8 @@ def disable() -> None:
         for groups in _SETTINGS.groups.values():
             groups.close()
     _PATCHES.restore()
+    for patches in _WRAPPER_PATCHES.values():
+        patches.restore()
     _SETTINGS = None
 
 
@@ -336,19 +368,66 @@ def _groups_for(settings: _Settings, group: dist.ProcessGroup) -> ProcessGroups:
     return settings.groups[key]
 
 
-def _has_fp8(bucket_group) -> bool:
-    """Whether the group holds FP8 (or, in 0.19, any quantized-storage) parameters, scanned
-    once, then remembered."""
-    cached = getattr(bucket_group, "_sdp4bit_has_fp8", None)
-    if cached is None:
-        from megatron.core.distributed import param_and_grad_buffer
-        from megatron.core.fp8_utils import is_float8tensor
+def _quantized_params(params) -> list:
+    """The FP8 (or, in 0.19, any quantized-storage) parameters among `params`."""
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.fp8_utils import is_float8tensor
 
-        quantized = getattr(param_and_grad_buffer, "_param_uses_quantized_storage",
-                            is_float8tensor)
-        cached = any(quantized(p) for p in bucket_group.params)
-        bucket_group._sdp4bit_has_fp8 = cached
-    return cached
+    quantized = getattr(param_and_grad_buffer, "_param_uses_quantized_storage", is_float8tensor)
+    return [p for p in params if quantized(p)]
+
+
+def _refuse_ddp_config(cfg, module) -> None:
+    """Raises, naming the setting and what to change, where a DDP model of `module` with the
+    DistributedDataParallelConfig `cfg` would run a collective sdp4bit cannot compress:
+    never a silent fallback to Megatron's own traffic."""
+    if not cfg.use_distributed_optimizer:
+        raise Sdp4bitError(
+            "sdp4bit compresses the distributed optimizer's reduce-scatter and all-gather, but "
+            "this model does not use it: pass --use-distributed-optimizer "
+            "(DistributedDataParallelConfig(use_distributed_optimizer=True))")
+    if cfg.num_distributed_optimizer_instances != 1:
+        raise Sdp4bitError(
+            f"num_distributed_optimizer_instances={cfg.num_distributed_optimizer_instances}: "
+            "sdp4bit does not compress the all-reduce across distributed-optimizer instances; "
+            "use --num-distributed-optimizer-instances 1")
+    if getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise Sdp4bitError(
+            "reuse_grad_buf_for_mxfp8_param_ag gathers MXFP8 parameters through the gradient "
+            "buffer, which sdp4bit does not compress; turn it off (no "
+            "--reuse-grad-buf-for-mxfp8-param-ag)")
+    quantized = _quantized_params(module.parameters())
+    if quantized:
+        raise Sdp4bitError(
+            f"{len(quantized)} FP8 (quantized-storage) parameters: sdp4bit compresses bf16 "
+            "parameters and fp32 or bf16 gradients; drop --fp8-param-gather")
+
+
+def _refuse_buffer_dtypes(ddp, config: Config) -> None:
+    """Raises where the buffers of the DDP model `ddp` hold gradients sdp4bit does not reduce
+    (fp16) or, with a weight codec, parameters it does not all-gather (not bf16)."""
+    buffers = ddp.buffers + ddp.expert_parallel_buffers
+    grad_dtypes = sorted({str(b.grad_dtype) for b in buffers
+                          if b.grad_dtype not in (torch.float32, torch.bfloat16)})
+    if grad_dtypes:
+        raise Sdp4bitError(
+            f"gradient buffers of {', '.join(grad_dtypes)}: sdp4bit reduces float32 or "
+            "bfloat16 gradients; train in bf16 (--bf16 instead of --fp16) or pass "
+            "--accumulate-allreduce-grads-in-fp32")
+    if config.compresses_weights:
+        require_bf16((b.param_dtype for b in buffers), "this model's parameter buffers are",
+                     "train in bf16 (--bf16 instead of --fp16)")
+
+
+def _refuse_other_wrapper(self, *args, **kwargs):
+    """The __init__ of the wrappers of :func:`_other_wrapper_classes` while sdp4bit is enabled:
+    their collectives are not the ones sdp4bit replaces."""
+    name = type(self).__name__
+    flag = "--use-torch-fsdp2" if name == "TorchFullyShardedDataParallel" else "--use-megatron-fsdp"
+    raise Sdp4bitError(
+        f"{name} ({flag}) runs collectives sdp4bit does not compress; with sdp4bit drop {flag} "
+        "and use Megatron's DistributedDataParallel with --use-distributed-optimizer (or "
+        "PyTorch FSDP2 through sdp4bit.fsdp, outside Megatron)")
 
 
 def _state(bucket_group) -> _BucketGroupState | None:
@@ -359,21 +438,9 @@ def _state(bucket_group) -> _BucketGroupState | None:
     state = getattr(bucket_group, "_sdp4bit", None)
     if state is not None:  # set up: the checks below passed then
         return state
-    cfg = bucket_group.ddp_config
-    if (
-        not cfg.use_distributed_optimizer
-        or cfg.num_distributed_optimizer_instances != 1
-        or getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False)
-        or _has_fp8(bucket_group)
-    ):
-        return None
     groups = _groups_for(settings, bucket_group.intra_distributed_optimizer_instance_group)
     grads, exact, all_exact = [], [], []
     for bucket in bucket_group.buckets:
-        if bucket.grad_data.dtype not in (torch.float32, torch.bfloat16):
-            raise Sdp4bitError(
-                f"gradient buckets must be float32 or bfloat16, got {bucket.grad_data.dtype}"
-            )
         bucket_id = getattr(bucket, "sdp4bit_bucket_id", None)
         if bucket_id is None:
             raise Sdp4bitError(
@@ -392,8 +459,6 @@ def _state(bucket_group) -> _BucketGroupState | None:
     log_route_notice(f"bucket group of buckets {[rs.bucket_id for rs in grads]}", grads)
     weights = []
     if settings.config.compresses_weights:
-        require_bf16((b.param_data.dtype for b in bucket_group.buckets),
-                     "this model's parameter buffers are", "train in bf16")
         check_replicas_identical([b.param_data for b in bucket_group.buckets],
                                  _dp_group(groups))
         weights = [

@@ -6,6 +6,11 @@ The staged directory (a "native bundle") is what `setup.py` compiles the extensi
     <dir>/include/rust/cxx.h                    cxx's C++ runtime header
     <dir>/include/sdp4bit/src/ffi/mod.rs.h      the generated bridge header
     <dir>/include/sdp4bit/cpp/torch_comms.h     the C++ side's declarations
+    <dir>/features.txt                          the cargo features it was built with
+
+With SDP4BIT_TEST_OPS=1 (set by the test command) the core is built with the cargo feature
+`test-ops` as well, and the extension then registers the tests' in-process references
+(`torch.ops.sdp4bit.simulate_*`); without it, they are not in the library at all.
 
 Hosts without a Rust toolchain install from a bundle built elsewhere:
 
@@ -25,10 +30,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 HEADERS = ("rust/cxx.h", "sdp4bit/src/ffi/mod.rs.h")
+FEATURES_FILE = "features.txt"
 
 
-def cargo_build(repo: Path = REPO) -> tuple[Path, Path]:
-    """Runs `cargo build --release --features ffi --lib`; returns (staticlib, cxxbridge include)."""
+def cargo_features() -> list[str]:
+    """The cargo features of the core: `ffi`, and `test-ops` where SDP4BIT_TEST_OPS=1."""
+    test_ops = os.environ.get("SDP4BIT_TEST_OPS", "")
+    if test_ops not in ("", "0", "1"):
+        raise RuntimeError(f"sdp4bit: SDP4BIT_TEST_OPS={test_ops!r}; expected 1, 0 or unset")
+    return ["ffi", "test-ops"] if test_ops == "1" else ["ffi"]
+
+
+def cargo_build(features: list[str], repo: Path = REPO) -> tuple[Path, Path]:
+    """Runs `cargo build --release --features FEATURES --lib`; returns (staticlib, cxxbridge
+    include)."""
     cargo = os.environ.get("CARGO", "cargo")
     if shutil.which(cargo) is None:
         raise RuntimeError(
@@ -36,7 +51,7 @@ def cargo_build(repo: Path = REPO) -> tuple[Path, Path]:
             "without Rust, build a native bundle elsewhere with `python scripts/build_native.py "
             "--out DIR` and install with SDP4BIT_NATIVE_DIR=DIR"
         )
-    command = [cargo, "build", "--release", "--locked", "--features", "ffi", "--lib",
+    command = [cargo, "build", "--release", "--locked", "--features", ",".join(features), "--lib",
                "--message-format=json-render-diagnostics"]
     proc = subprocess.run(command, cwd=repo, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -58,7 +73,8 @@ def cargo_build(repo: Path = REPO) -> tuple[Path, Path]:
 
 def stage(out: Path, repo: Path = REPO) -> Path:
     """Builds with cargo and writes a native bundle to `out`; returns `out`."""
-    staticlib, include = cargo_build(repo)
+    features = cargo_features()
+    staticlib, include = cargo_build(features, repo)
     if out.exists():
         shutil.rmtree(out)
     (out / "lib").mkdir(parents=True)
@@ -70,13 +86,19 @@ def stage(out: Path, repo: Path = REPO) -> Path:
     target = out / "include" / "sdp4bit" / "cpp" / "torch_comms.h"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(repo / "cpp" / "torch_comms.h", target)
+    (out / FEATURES_FILE).write_text("\n".join(features) + "\n")
     return out
+
+
+def bundle_features(bundle: Path) -> list[str]:
+    """The cargo features the bundle's core was built with."""
+    return (bundle / FEATURES_FILE).read_text().split()
 
 
 def check_bundle(bundle: Path) -> Path:
     """Raises unless `bundle` holds everything the extension build needs."""
     needed = [bundle / "lib" / "libsdp4bit.a", bundle / "include" / "sdp4bit" / "cpp" / "torch_comms.h"]
-    needed += [bundle / "include" / h for h in HEADERS]
+    needed += [bundle / "include" / h for h in HEADERS] + [bundle / FEATURES_FILE]
     missing = [str(p) for p in needed if not p.is_file()]
     if missing:
         raise RuntimeError(f"sdp4bit: native bundle {bundle} lacks {', '.join(missing)}")

@@ -65,7 +65,8 @@ sdp4bit_main_venv() {
 }
 
 # The sources a package install is built from, as one hash of the files as they are now
-# (tracked or new); empty outside a git checkout. An install into a virtual environment records
+# (tracked or new) and of SDP4BIT_TEST_OPS (scripts/build_native.py); empty outside a git
+# checkout. An install into a virtual environment records
 # it (sdp4bit_record_install DIR [HASH]: the hash taken when the build began, else now), and
 # the main job reinstalls only when the tree has changed.
 SDP4BIT_PACKAGE_SOURCES=(Cargo.toml Cargo.lock build.rs .cargo setup.py pyproject.toml
@@ -73,8 +74,9 @@ SDP4BIT_PACKAGE_SOURCES=(Cargo.toml Cargo.lock build.rs .cargo setup.py pyprojec
 
 sdp4bit_source_hash() {
   (cd "$SDP4BIT_ROOT" && git rev-parse --git-dir >/dev/null 2>&1 \
-    && git ls-files -z --cached --others --exclude-standard -- "${SDP4BIT_PACKAGE_SOURCES[@]}" \
-    | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+    && { git ls-files -z --cached --others --exclude-standard -- "${SDP4BIT_PACKAGE_SOURCES[@]}" \
+      | sort -z | xargs -0 sha256sum; echo "SDP4BIT_TEST_OPS=${SDP4BIT_TEST_OPS:-}"; } \
+    | sha256sum | cut -d' ' -f1)
 }
 
 sdp4bit_install_current() {

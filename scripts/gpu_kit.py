@@ -173,7 +173,7 @@ class Context:
         output unbuffered, a GPU required where there is one."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
         paths = [str(self.site)] if self.site else []
-        paths += [str(ROOT / "tests" / "python"), str(ROOT / "cpu_support")]
+        paths += [str(ROOT / "tests" / "python"), str(ROOT / "megatron_on_cpu")]
         env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
         if self.nvrtc_dirs:
             env.setdefault("SDP4BIT_NVRTC_DIRS", self.nvrtc_dirs)

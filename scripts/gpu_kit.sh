@@ -70,7 +70,8 @@ prepare() {
   strip -o "$out/bin/bench_gpu" "$path"
 
   echo "== native bundle (the host builds the extension from it)"
-  python scripts/build_native.py --out "$out/native" >/dev/null
+  # With the tests' in-process references (the kit's collectives check compares with them).
+  SDP4BIT_TEST_OPS=1 python scripts/build_native.py --out "$out/native" >/dev/null
   strip --strip-debug "$out/native/lib/libsdp4bit.a"
 
   echo "== the package with its extension built here (torch $(python -c 'import torch; print(torch.__version__)'), Python $(python -c 'import platform; print(platform.python_version())'))"

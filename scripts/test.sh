@@ -14,6 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 ROOT=$SDP4BIT_ROOT
+# Every build of the extension here registers the tests' in-process references
+# (torch.ops.sdp4bit.simulate_*, cargo feature test-ops; scripts/build_native.py).
+export SDP4BIT_TEST_OPS=1
 
 # The newest megatron-core the integration tests also run against (see the pytest steps).
 MCORE_NEXT=0.19.2
@@ -77,8 +80,9 @@ wait_for() {
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
-step "cargo clippy -D warnings (all targets, ffi feature: every line of Rust)"
-cargo clippy --locked --release --all-targets --features ffi -- -D warnings
+step "cargo clippy -D warnings (all targets; with test-ops every line of Rust, then as a wheel builds it)"
+cargo clippy --locked --release --all-targets --features test-ops -- -D warnings
+cargo clippy --locked --release --lib --features ffi -- -D warnings
 step "cargo test"
 cargo test --locked --release
 step "GPU tests again, uncaptured, to show whether they ran or why they skipped"
@@ -139,8 +143,15 @@ OMP_NUM_THREADS=1 bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows
 test -s .cache/convergence-smoke/convergence.png
 grep -q "SDP4Bit's interval is" .cache/convergence-smoke/convergence.md
 
-step "native bundle from the tree (python scripts/build_native.py)"
+step "native bundle from the tree (python scripts/build_native.py), and one as a wheel builds it"
 python scripts/build_native.py --out .cache/native-bundle >/dev/null
+# Without SDP4BIT_TEST_OPS the tests' in-process references are not in the library at all.
+SDP4BIT_TEST_OPS= python scripts/build_native.py --out .cache/native-bundle-wheel >/dev/null
+if grep -q simulate_ .cache/native-bundle-wheel/include/sdp4bit/src/ffi/mod.rs.h \
+  || nm .cache/native-bundle-wheel/lib/libsdp4bit.a 2>/dev/null | grep -q simulate_; then
+  echo "a bundle built without SDP4BIT_TEST_OPS holds the tests' simulate_* functions"; exit 1
+fi
+grep -qx ffi .cache/native-bundle-wheel/features.txt
 step "waiting for the other torch versions' environments"
 wait_for "$COMPAT_ENVS_PID" .cache/logs/venv-compat.log
 for name in "${COMPAT_TORCH[@]}"; do

@@ -9,10 +9,14 @@ the gradient reduce-scatter and the parameter all-gather of flat buckets, run by
     handle = rs.start(bucket, shard, step)                    # runs on a background thread
     handle.wait()                                             # shard holds the reduced sum
 
-Integrations: :mod:`sdp4bit.deepspeed` (ZeRO stages 1-3), ``megatron_patch`` (megatron-core's
-distributed optimizer, Megatron-LM flags and launcher). The cost model:
+Integrations: :mod:`sdp4bit.deepspeed` (ZeRO stages 1-3), :mod:`sdp4bit.fsdp` (PyTorch
+FSDP2), ``megatron_patch`` (megatron-core's distributed optimizer, Megatron-LM flags and
+launcher); the first two are imported when first used as ``sdp4bit.deepspeed`` /
+``sdp4bit.fsdp`` (so ``import sdp4bit`` does not import DeepSpeed). The cost model:
 ``python -m sdp4bit.plan``.
 """
+
+import importlib
 
 from . import _native
 from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
@@ -37,3 +41,12 @@ __all__ = [
     "limits",
     "presets",
 ]
+
+#: Subpackages imported on first use (they import their frameworks).
+_INTEGRATIONS = ("deepspeed", "fsdp")
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATIONS:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

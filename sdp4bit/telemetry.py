@@ -2,7 +2,7 @@
 those of them that carried parameters kept exact), and
 at a configurable interval the quantization error, measured against Megatron's own exact
 collective run on the same data (which costs one uncompressed collective on those steps only).
-Reported through the ``sdp4bit`` logger and, when one is given, a tensorboard writer."""
+Reported through :func:`announce` and, when one is given, a tensorboard writer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,20 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger("sdp4bit")
+
+
+def announce(message: str) -> None:
+    """Shows `message` once per run, from rank 0, as the frameworks show theirs: an INFO record
+    of the ``sdp4bit`` logger where logging is set up to show it, else printed (as Megatron's
+    ``print_rank_0``), since Python drops INFO records nobody configured a handler for. A level
+    set on the ``sdp4bit`` logger itself is obeyed (``WARNING`` silences these lines)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if logger.level != logging.NOTSET or (logger.hasHandlers()
+                                          and logger.isEnabledFor(logging.INFO)):
+        logger.info(message)
+    else:
+        print(message, flush=True)
 
 
 @dataclass
@@ -58,15 +72,22 @@ class _Step:
     error: ErrorStats = field(default_factory=ErrorStats)
 
 
-class Telemetry:
-    """Reports every `interval` steps (0: never) to the log and to `writer()`'s tensorboard
-    writer (a callable returning a writer or None, e.g. Megatron-LM's get_tensorboard_writer).
-    Bucket groups report separately; a step is emitted once all of them have."""
+def _resolved(writer):
+    """`writer`, or what it returns when it is a function (e.g. Megatron-LM's getters)."""
+    return writer() if callable(writer) and not hasattr(writer, "log") else writer
 
-    def __init__(self, interval: int, writer=None):
+
+class Telemetry:
+    """Reports every `interval` steps (0: never) through :func:`announce`, to a tensorboard
+    `writer` (``add_scalar``) and to a Weights & Biases `wandb_writer` (``log``, as the
+    ``wandb`` module or a run), each given as the object or a function returning it or None
+    (Megatron-LM's ``get_tensorboard_writer`` / ``get_wandb_writer``). Bucket groups report
+    separately; a step is emitted once all of them have."""
+
+    def __init__(self, interval: int, writer=None, wandb_writer=None):
         if interval < 0:
             raise ValueError(f"sdp4bit: telemetry interval must be >= 0, got {interval}")
-        self.interval, self._writer = interval, writer
+        self.interval, self._writer, self._wandb = interval, writer, wandb_writer
         self._open: dict[tuple[str, int], _Step] = {}
 
     def due(self, step: int) -> bool:
@@ -91,15 +112,18 @@ class Telemetry:
         values = {"bytes_sent": acc.sent, "bytes_uncompressed": acc.baseline,
                   "bytes_exact": acc.exact,
                   "rel_l2_error": e.rel_l2, "max_abs_error": e.max_abs, "nonfinite": e.nonfinite}
-        writer = self._writer() if callable(self._writer) else self._writer
+        named = {f"sdp4bit/{what}/{name}": value for name, value in values.items()}
+        writer = _resolved(self._writer)
         if writer is not None:
-            for name, value in values.items():
-                writer.add_scalar(f"sdp4bit/{what}/{name}", value, step)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            ratio = f"{acc.baseline / acc.sent:.2f}x less" if acc.sent else "nothing sent"
-            logger.info(
-                f"sdp4bit {what} step {step}: {acc.sent:,d} B sent ({acc.exact:,d} B of them "
-                f"exact) vs {acc.baseline:,d} B "
-                f"({ratio}); error rel-L2 {e.rel_l2:.3e}, max {e.max_abs:.3e}, "
-                f"{e.nonfinite} new non-finite"
-            )
+            for name, value in named.items():
+                writer.add_scalar(name, value, step)
+        wandb = _resolved(self._wandb)
+        if wandb is not None:
+            wandb.log(named, step=step)
+        ratio = f"{acc.baseline / acc.sent:.2f}x less" if acc.sent else "nothing sent"
+        announce(
+            f"sdp4bit {what} step {step}: {acc.sent:,d} B sent ({acc.exact:,d} B of them "
+            f"exact) vs {acc.baseline:,d} B "
+            f"({ratio}); error rel-L2 {e.rel_l2:.3e}, max {e.max_abs:.3e}, "
+            f"{e.nonfinite} new non-finite"
+        )

@@ -5,7 +5,7 @@ collectives save. Byte-level language modelling on the standard library's source
 
     torchrun --standalone --nproc-per-node 4 examples/gpt_cpu/train.py --ranks-per-node 2
 
-megatron-core runs on CPU through the shims of cpu_support/ (docs/megatron.md, "Running on
+megatron-core runs on CPU through the shims of megatron_on_cpu/ (docs/megatron.md, "Running on
 CPU"), which this script puts on its path; the bench/convergence.py study runs it once per
 row and seed.
 
@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpu_support"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron_on_cpu"))
 
-import megatron_gpt as gpt  # noqa: E402  (cpu_support, put on the path above)
+import megatron_gpt as gpt  # noqa: E402  (megatron_on_cpu, put on the path above)
 import megatron_patch.megatron_core as sdp4bit_megatron  # noqa: E402
 from sdp4bit import Config, Sdp4bitError  # noqa: E402
 
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=40_000,
                    help="elements per DDP bucket (megatron-core's bucket_size)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu: megatron-core through cpu_support's shims; cuda: natively, "
+                   help="cpu: megatron-core through megatron_on_cpu's shims; cuda: natively, "
                         "rank r on GPU LOCAL_RANK %% device_count")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="torch.distributed backend; auto: gloo on the CPU and where ranks "

@@ -43,6 +43,10 @@ def initialize(*args, **kwargs):
     result = deepspeed.initialize(*args, **kwargs)
     if settings is not None:
         attach(result[0].optimizer, settings)
+        from deepspeed.utils import log_dist
+
+        log_dist(f"sdp4bit enabled for {type(result[0].optimizer).__name__}: "
+                 f"{settings.config.describe()}", ranks=[0])
     return result
 
 

@@ -83,3 +83,16 @@ def check_stage(settings: Settings, ds_config: dict) -> None:
     if stage not in (1, 2, 3) and (config.compresses_weights or config.compresses_grads):
         raise Sdp4bitError(f"sdp4bit compresses ZeRO's collectives; this config has ZeRO stage "
                            f"{stage} (use stage 1 or 2)")
+    if config.compresses_weights or config.compresses_grads:
+        zero = ds_config.get("zero_optimization", {})
+        offloaded = [key for key in ("offload_optimizer", "offload_param")
+                     if (zero.get(key) or {}).get("device", "none") not in ("none", None)]
+        problems = [f"{key} to {zero[key]['device']}" for key in offloaded]
+        problems += [f"ZeRO++'s {key}" for key in ("zero_quantized_weights",
+                                                   "zero_quantized_gradients") if zero.get(key)]
+        if int(zero.get("zero_hpz_partition_size", 1)) > 1:
+            problems.append("ZeRO++'s zero_hpz_partition_size > 1")
+        if problems:
+            raise Sdp4bitError(
+                f"sdp4bit does not compress ZeRO's collectives with {', '.join(problems)} "
+                "(zero_optimization); turn them off, or use the baseline preset")

@@ -28,7 +28,6 @@ parameters not all-gathered as bf16.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -38,12 +37,10 @@ from ..config import Config
 from ..errors import Sdp4bitError
 from ..groups import ProcessGroups
 from ..integration import refuse_exact_embeddings
-from ..telemetry import Telemetry
+from ..telemetry import Telemetry, announce
 from ._torch import Unit, fsdp2, units
 
 __all__ = ["State", "disable", "enable", "preset_config", "wire_bytes"]
-
-logger = logging.getLogger("sdp4bit")
 
 #: The attribute of the model that holds sdp4bit's state.
 _ATTRIBUTE = "_sdp4bit_fsdp"
@@ -89,7 +86,8 @@ def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
     them, with the cross-rank agreement check. Random streams are numbered by gradient syncs
     from `first_step` (pass the step a resumed run starts at). Every `telemetry_interval`
     steps (0: never) the quantization error against FSDP's exact collectives and the bytes are
-    reported (:mod:`sdp4bit.telemetry`) to the ``sdp4bit`` logger and `tensorboard_writer`.
+    reported (:mod:`sdp4bit.telemetry`: rank 0 shows them, :func:`~sdp4bit.telemetry.announce`)
+    and written to `tensorboard_writer`.
     """
     api = fsdp2()
     config = _fsdp_config(config)
@@ -117,7 +115,7 @@ def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
         unit.module.set_custom_all_gather(comms.UnitAllGather(unit_state))
         unit.module.set_custom_reduce_scatter(comms.UnitReduceScatter(unit_state))
     setattr(model, _ATTRIBUTE, state)
-    logger.info("sdp4bit enabled on %d FSDP units: %s", len(found), config.describe())
+    announce(f"sdp4bit enabled on {len(found)} FSDP units: {config.describe()}")
     return state
 
 

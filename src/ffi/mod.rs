@@ -8,10 +8,12 @@
 //! returns errors as values, which cxx turns into C++ exceptions and the extension into Python
 //! exceptions.
 //!
-//! Built only with the `ffi` feature (`pip install .` turns it on).
+//! Built only with the `ffi` feature (`pip install .` turns it on); the tests' in-process
+//! references (`simulate_*`) only with `test-ops` as well.
 
 mod buckets;
 mod schema;
+#[cfg(feature = "test-ops")]
 mod simulate;
 mod torch_comm;
 mod torch_memory;
@@ -23,6 +25,7 @@ use buckets::{
     parse_config,
 };
 use schema::{max_bucket_id, schema_json};
+#[cfg(feature = "test-ops")]
 use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
 
 #[cxx::bridge(namespace = "sdp4bit::ffi")]
@@ -250,6 +253,7 @@ mod bridge {
 
         /// Runs the gradient reduce-scatter of all W ranks in this process (threads, in-process
         /// exchanges): `inputs` is W buckets back to back, `outputs` receives W shards.
+        #[cfg(feature = "test-ops")]
         fn simulate_grad_reduce_scatter(
             config: &ParsedConfig,
             node_labels: &[u64],
@@ -262,6 +266,7 @@ mod bridge {
         /// from `initial`; at step `first_step + t` rank z writes its shard of `targets[t]`
         /// and all-gather; `outputs` receives every rank's bucket after every step (T x W
         /// buckets).
+        #[cfg(feature = "test-ops")]
         fn simulate_weight_all_gather(
             config: &ParsedConfig,
             node_labels: &[u64],

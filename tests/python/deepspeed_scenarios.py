@@ -252,13 +252,16 @@ def train_stage3(rank, world, section, steps):
 
 def route_notice(rank, world):
     """ZeRO 2 on nodes of unequal size (W = 3 as 2 + 1): the degraded route is logged once,
-    at set-up. Returns the messages logged to the ``sdp4bit`` logger."""
+    at set-up. Returns the messages logged to the ``sdp4bit`` logger and those of DeepSpeed's
+    logger that name sdp4bit."""
     import deepspeed
+    from deepspeed.utils import logger as deepspeed_logger
 
     import sdp4bit.deepspeed as deepspeed_zero
     from megatron_scenarios import LogRecords
 
     records = LogRecords()
+    deepspeed_records = LogRecords(deepspeed_logger)
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model(1234)
@@ -271,7 +274,8 @@ def route_notice(rank, world):
         engine.backward(loss)
         engine.step()
     deepspeed_zero.detach(optimizer)
-    return records.messages
+    deepspeed_logger.removeHandler(deepspeed_records)
+    return records.messages, [m for m in deepspeed_records.messages if "sdp4bit" in m]
 
 
 class TensorParallelMpu:

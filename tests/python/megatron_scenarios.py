@@ -1,5 +1,5 @@
 """Rank code for the megatron-core tests: megatron-core's real GPTModel, DDP and
-DistributedOptimizer on CPU with gloo (cpu_support/: megatron_cpu, megatron_gpt,
+DistributedOptimizer on CPU with gloo (megatron_on_cpu/: megatron_cpu, megatron_gpt,
 megatron_checkpoint), with and without the sdp4bit integration."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import megatron_cpu
 import megatron_gpt as gpt
 import megatron_patch.megatron_core as integration
 import op_calls
-from sdp4bit import Config
+from sdp4bit import Config, Sdp4bitError
 from sdp4bit.integration import local_shard
 
 #: Small enough for a step to cost tens of milliseconds, large enough for several buckets.
@@ -42,7 +42,7 @@ def _dp_group():
     return parallel_state.get_data_parallel_group()
 
 
-#: Text to learn from (a loss that falls within a few steps): the sources of cpu_support.
+#: Text to learn from (a loss that falls within a few steps): the sources of megatron_on_cpu.
 TEXT = torch.frombuffer(bytearray(b"".join(
     Path(module.__file__).read_bytes() for module in (gpt, megatron_cpu, megatron_checkpoint))),
     dtype=torch.uint8).long()
@@ -241,7 +241,7 @@ def _fresh(bucket_size):
 
 def checkpoint_bugs(rank, world, directory, bucket_size=BUCKET):
     """megatron-core's checkpoint formats on its torch.optim path, without sdp4bit (see
-    cpu_support/megatron_checkpoint.py for the lines): what fails, and how. Returns a dict of
+    megatron_on_cpu/megatron_checkpoint.py for the lines): what fails, and how. Returns a dict of
     findings."""
     gpt.initialize(SEED)
     found = {}
@@ -317,19 +317,31 @@ class RecordingWriter:
         self.scalars[(name, step)] = value
 
 
+class RecordingWandb:
+    """What Megatron-LM's get_wandb_writer returns (the ``wandb`` module): ``log(dict, step)``;
+    keeps what it is given, as :class:`RecordingWriter` does."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def log(self, values, step=None):
+        self.scalars.update({(name, step): value for name, value in values.items()})
+
+
 def telemetry(rank, world, steps, interval):
-    """Trains with telemetry every `interval` steps; returns the recorded scalars."""
+    """Trains with telemetry every `interval` steps; returns the scalars the tensorboard writer
+    and the wandb writer (given as a getter, as Megatron-LM's) recorded."""
     gpt.initialize(SEED)
-    writer = RecordingWriter()
+    writer, wandb = RecordingWriter(), RecordingWandb()
     integration.enable(Config("sdp4bit"), local_world_size=2, telemetry_interval=interval,
-                       tensorboard_writer=writer)
+                       tensorboard_writer=writer, wandb_writer=lambda: wandb)
     ddp = gpt.build_model(SHAPE, SEED, overlap_grad_reduce=True, bucket_size=BUCKET)
     optimizer = gpt.build_optimizer([ddp], lr=LR)
     for step in range(steps):
         _train_step(ddp, optimizer, step, rank)
     integration.disable()
     gpt.shutdown()
-    return writer.scalars
+    return writer.scalars, wandb.scalars
 
 
 def tensor_parallel_and_chunks(rank, world, tp, chunks, steps):
@@ -418,13 +430,14 @@ def pipeline_parallel(rank, world, steps):
 
 
 class LogRecords(logging.Handler):
-    """The messages logged to the ``sdp4bit`` logger while installed."""
+    """The messages logged to `logger` (by default the ``sdp4bit`` logger) while installed."""
 
-    def __init__(self):
+    def __init__(self, logger: logging.Logger | None = None):
         super().__init__(logging.INFO)
         self.messages = []
-        logging.getLogger("sdp4bit").addHandler(self)
-        logging.getLogger("sdp4bit").setLevel(logging.INFO)
+        logger = logger or logging.getLogger("sdp4bit")
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
 
     def emit(self, record):
         self.messages.append(record.getMessage())
@@ -443,6 +456,58 @@ def route_notice(rank, world, steps):
     integration.disable()
     gpt.shutdown()
     return len(ddp.bucket_groups), records.messages
+
+
+#: What sdp4bit refuses when the model is built: (name, build_model options, or the wrapper
+#: class to build, and what the error must name).
+REFUSED = [
+    ("no distributed optimizer", {"use_distributed_optimizer": False},
+     "--use-distributed-optimizer"),
+    ("two distributed-optimizer instances", {"num_distributed_optimizer_instances": 2},
+     "--num-distributed-optimizer-instances 1"),
+    ("fp16 gradient buffers", {"fp16": True, "grad_reduce_in_fp32": False},
+     "gradient buffers of torch.float16"),
+    ("fp16 parameters under qWD", {"fp16": True}, "['torch.float16']"),
+    ("torch FSDP2 inside Megatron", "TorchFullyShardedDataParallel", "--use-torch-fsdp2"),
+    ("Megatron-FSDP", "FullyShardedDataParallel", "--use-megatron-fsdp"),
+]
+
+
+def refused_settings(rank, world):
+    """Builds a model in each setting of :data:`REFUSED` with sdp4bit enabled, and, as the
+    control, with it disabled. Returns, per setting, (name, sdp4bit's error, and what
+    happened without sdp4bit: None, or megatron-core's own error)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel)
+
+    wrappers = {cls.__name__: cls for cls in (TorchFullyShardedDataParallel,
+                                              FullyShardedDataParallel)}
+
+    gpt.initialize(SEED)
+    results = []
+    for name, options, _ in REFUSED:
+        errors = []
+        for enabled in (True, False):
+            if enabled:
+                integration.enable(Config("sdp4bit"), local_world_size=2)
+            try:
+                if isinstance(options, dict):
+                    gpt.build_model(SHAPE, SEED, bucket_size=BUCKET, **options)
+                else:
+                    wrappers[options](gpt.transformer_config(SHAPE),
+                                      DistributedDataParallelConfig(), torch.nn.Linear(4, 4))
+                errors.append(None)
+            except Sdp4bitError as error:
+                errors.append(str(error))
+            except Exception as error:  # noqa: BLE001  (the control: megatron-core's own)
+                errors.append(f"not sdp4bit's: {type(error).__name__}: {error}")
+            finally:
+                integration.disable()
+        results.append((name, *errors))
+    gpt.shutdown()
+    return results
 
 
 #: The layouts of :func:`copies_across_groups` on W = 4: (TP, PP, sequence parallelism, ranks

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import convergence  # noqa: E402
 from convergence import BASELINE, FSDP_BASELINE, ROWS, TP_BASELINE, Row, select_rows  # noqa: E402
-from rank_launcher import Finished  # noqa: E402  (cpu_support, on the path convergence set)
+from rank_launcher import Finished  # noqa: E402  (megatron_on_cpu, on the path convergence set)
 
 
 def test_every_row_is_differenced_against_a_reference_row_of_its_own_script():

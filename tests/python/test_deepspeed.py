@@ -87,9 +87,24 @@ def test_bad_sections_are_rejected(section, fragment):
 @pytest.mark.parametrize("stage, section, fragment", [
     (3, {"preset": "sdp4bit"}, "ZeRO stage 3 frees gathered parameters"),
     (0, {"preset": "sdp4bit"}, "ZeRO stage 0"),
+    (2, {"preset": "sdp4bit", "zero": {"offload_optimizer": {"device": "cpu"}}},
+     "offload_optimizer to cpu"),
+    (3, {"preset": "qsdp", "zero": {"offload_param": {"device": "nvme"}}},
+     "offload_param to nvme"),
+    (3, {"preset": "qsdp", "zero": {"zero_quantized_weights": True}},
+     "ZeRO++'s zero_quantized_weights"),
+    (3, {"preset": "qsdp", "zero": {"zero_quantized_gradients": True}},
+     "ZeRO++'s zero_quantized_gradients"),
+    (3, {"preset": "qsdp", "zero": {"zero_hpz_partition_size": 2}},
+     "zero_hpz_partition_size > 1"),
 ])
 def test_stages_it_cannot_serve_are_rejected_before_deepspeed_starts(stage, section, fragment):
+    # Refused from the config, before deepspeed.initialize runs: a Linear is no model it could
+    # build an engine from on these ranks.
+    section = dict(section)
+    zero = section.pop("zero", {})
     config = ds._ds_config(stage, 1, section)
+    config["zero_optimization"].update(zero)
     with pytest.raises(Sdp4bitError) as error:
         deepspeed_zero.initialize(model=torch.nn.Linear(4, 4), config=config)
     assert fragment in str(error.value)
@@ -131,7 +146,10 @@ def test_zero_3_gathers_with_direct_weight_codecs_and_reduces_with_gradient_code
         assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
 
 
-def test_degraded_route_is_logged_once_at_set_up():
-    for messages in run_ranks(3, ds.route_notice, env=CPU):
+def test_degraded_route_is_logged_once_at_set_up_and_rank_0_says_sdp4bit_is_on():
+    for rank, (messages, deepspeed_lines) in enumerate(run_ranks(3, ds.route_notice, env=CPU)):
         notices = [m for m in messages if "unequal" in m]
         assert len(notices) == 1, messages
+        # The start-up line, through DeepSpeed's own logger (log_dist), from rank 0 only.
+        started = [m for m in deepspeed_lines if "sdp4bit enabled for " in m]
+        assert len(started) == (rank == 0), deepspeed_lines

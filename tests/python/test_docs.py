@@ -3,6 +3,7 @@ README's quick start is examples/quickstart.py and runs, and the knob table is t
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -195,3 +196,12 @@ def test_links_between_docs_resolve(doc):
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", path.read_text()):
         if "://" not in target:
             assert (path.parent / target).exists(), f"{doc}: broken link {target}"
+
+
+def test_the_readmes_convergence_figure_is_the_studys():
+    summary = json.loads((ROOT / "bench/results/convergence.json").read_text())["summary"]
+    row = summary["SDP4Bit"]
+    relative = row["relative_difference"]
+    figure = f"{100 * relative['mean']:+.2f}% ± {100 * relative['half_width']:.2f}% (95%)"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{row['seeds']} seeds" in readme and figure.lstrip("+") in readme, figure

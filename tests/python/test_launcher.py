@@ -102,3 +102,23 @@ def test_bad_flag_combination_stops_the_script(standin):
     done = launch(standin, "--sdp4bit-preset", "qsdp", "--sdp4bit-hadamard-block", "32")
     assert done.returncode != 0
     assert "hadamard_block" in done.stderr
+
+
+def test_the_scripts_checkout_provides_megatron_training_from_any_directory(standin, tmp_path):
+    # As `python pretrain_gpt.py` does: the script's directory (the Megatron-LM checkout) goes
+    # first on sys.path, so megatron.training is found without PYTHONPATH or its directory
+    # as the working one; the stand-in's sitecustomize is not used here.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [sys.executable, "-m", "megatron_patch", str(standin / "pretrain_standin.py"),
+               "--sdp4bit"]
+    done = subprocess.run(command, env={**env, "PYTHONWARNINGS": "ignore"}, cwd=elsewhere,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "enabled True" in done.stdout
+    # A script outside any checkout: one line saying what to do.
+    (elsewhere / "lonely.py").write_text("print('never')\n")
+    done = subprocess.run([sys.executable, "-m", "megatron_patch", "lonely.py"], env=env,
+                          cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "cannot import Megatron-LM's megatron.training" in done.stderr

@@ -91,7 +91,7 @@ def test_bf16_gradient_buffers_match_the_core_and_reach_the_found_inf_check():
 
 def test_resumed_run_continues_bit_for_bit_through_megatron_checkpointing(tmp_path):
     # dp_reshardable, the format of megatron-core's torch.optim path that works (with the
-    # workarounds of cpu_support/megatron_checkpoint.py); see the next test for the others.
+    # workarounds of megatron_on_cpu/megatron_checkpoint.py); see the next test for the others.
     for overlap_param in (False, True):
         directory = str(tmp_path / f"overlap-param-{overlap_param}")
         straight = run_ranks(4, ms.train_with_checkpoint, overlap_param, 4, 2, directory, False,
@@ -129,7 +129,8 @@ def test_megatron_checkpoint_formats_without_sdp4bit_show_megatrons_bugs(tmp_pat
 
 def test_telemetry_reports_bytes_and_error_at_the_interval():
     per_rank = run_ranks(4, ms.telemetry, 5, 2, env=ENV)
-    scalars = per_rank[0]
+    scalars, wandb_scalars = per_rank[0]
+    assert wandb_scalars == scalars  # Megatron-LM's wandb writer gets the same
     steps = {step for (_, step) in scalars}
     assert steps == {0, 2, 4}, steps
     for step in (0, 2, 4):
@@ -159,11 +160,13 @@ def test_pipeline_parallel_dp_groups_per_stage():
     assert all(len(losses) == 3 and losses[-1] < losses[0] for losses in last), last
 
 
-def test_degraded_route_is_logged_once_per_bucket_group():
+def test_degraded_route_is_logged_once_per_bucket_group_and_rank_0_says_sdp4bit_is_on():
     per_rank = run_ranks(3, ms.route_notice, 2, env=ENV)
-    for bucket_groups, messages in per_rank:
+    for rank, (bucket_groups, messages) in enumerate(per_rank):
         notices = [m for m in messages if "unequal" in m]
         assert bucket_groups > 1 and len(notices) == bucket_groups, messages
+        started = [m for m in messages if m.startswith("sdp4bit enabled for megatron-core")]
+        assert len(started) == (rank == 0), messages
 
 
 def test_exact_elements_keep_their_values_through_the_qwd_all_gather():
@@ -174,6 +177,16 @@ def test_exact_elements_keep_their_values_through_the_qwd_all_gather():
         assert held == [True] * 6, held
     for held in run_ranks(2, ms.exact_elements_beside_qwd, False, 6):
         assert not any(held), held
+
+
+def test_what_sdp4bit_does_not_compress_is_refused_when_the_model_is_built():
+    # Never a silent fallback to Megatron's own traffic: each setting raises naming what to
+    # change; the control builds the same without sdp4bit and gets no error of sdp4bit's.
+    for results in run_ranks(2, ms.refused_settings):
+        assert [r[0] for r in results] == [name for name, _, _ in ms.REFUSED]
+        for (name, with_sdp4bit, without), (_, _, expected) in zip(results, ms.REFUSED):
+            assert with_sdp4bit is not None and expected in with_sdp4bit, (name, with_sdp4bit)
+            assert without is None or without.startswith("not sdp4bit's"), (name, without)
 
 
 def test_a_negative_replica_check_interval_is_refused():

@@ -1,12 +1,18 @@
-"""Loading the compiled extension: it refuses a torch other than the one it was built against."""
+"""Loading the compiled extension: it refuses a torch other than the one it was built against,
+links only stable-ABI Python functions, and holds the tests' in-process references only when
+built for the tests."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sdp4bit
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_extension_records_the_torch_it_was_built_against():
@@ -47,3 +53,26 @@ def test_extension_links_only_stable_abi_python_functions():
     needed = python_symbols(library)
     assert needed, "nm found no Python symbols at all: the check would see nothing"
     assert needed <= STABLE_ABI_FUNCTIONS, sorted(needed - STABLE_ABI_FUNCTIONS)
+
+
+def load_build_native():
+    spec = importlib.util.spec_from_file_location("build_native",
+                                                  ROOT / "scripts" / "build_native.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_a_build_for_the_tests_has_the_in_process_references(monkeypatch):
+    build_native = load_build_native()
+    monkeypatch.delenv("SDP4BIT_TEST_OPS", raising=False)
+    assert build_native.cargo_features() == ["ffi"]
+    monkeypatch.setenv("SDP4BIT_TEST_OPS", "0")
+    assert build_native.cargo_features() == ["ffi"]
+    monkeypatch.setenv("SDP4BIT_TEST_OPS", "1")
+    assert build_native.cargo_features() == ["ffi", "test-ops"]
+    monkeypatch.setenv("SDP4BIT_TEST_OPS", "yes")
+    with pytest.raises(RuntimeError, match="SDP4BIT_TEST_OPS='yes'"):
+        build_native.cargo_features()
+    # This test run's extension was built for the tests, and says so through its ops.
+    assert hasattr(torch.ops.sdp4bit, "simulate_grad_reduce_scatter")

@@ -1,4 +1,4 @@
-"""cpu_support/rank_launcher.py, which forks the convergence study's ranks from a launcher that
+"""megatron_on_cpu/rank_launcher.py, which forks the convergence study's ranks from a launcher that
 imported the heavy libraries once: each rank sees torchrun's rendezvous variables and runs the
 script as ``__main__``; a failing rank stops the others and its status is the run's; a run
 past its time is stopped; the launcher refuses to fork once it has a second thread.
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-CPU_SUPPORT = Path(__file__).resolve().parents[2] / "cpu_support"
+MEGATRON_ON_CPU = Path(__file__).resolve().parents[2] / "megatron_on_cpu"
 
 DRIVER = """
 import json, sys, threading, time
 from pathlib import Path
-sys.path.insert(0, {cpu_support!r})
+sys.path.insert(0, {megatron_on_cpu!r})
 from rank_launcher import RankLauncher
 
 launcher = RankLauncher({{"OMP_NUM_THREADS": "1", "SDP4BIT_LAUNCHER_TEST": "inherited"}},
@@ -42,7 +42,7 @@ def launch(tmp_path: Path, body: str, world: int = 2, args: tuple[str, ...] = ()
     script = tmp_path / "scripts" / "job.py"
     script.parent.mkdir(exist_ok=True)
     script.write_text(textwrap.dedent(body))
-    driver = DRIVER.format(cpu_support=str(CPU_SUPPORT), script=str(script), args=list(args),
+    driver = DRIVER.format(megatron_on_cpu=str(MEGATRON_ON_CPU), script=str(script), args=list(args),
                            world=world, cwd=str(tmp_path), timeout=timeout,
                            with_thread=with_thread)
     done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True,

@@ -65,15 +65,17 @@ def _cuda_as_cpu():
     return megatron_cpu.cuda_as_cpu() if _DEVICE.type == "cpu" else contextlib.nullcontext()
 
 
-def transformer_config(shape: Shape, sequence_parallel: bool = False):
+def transformer_config(shape: Shape, sequence_parallel: bool = False, fp16: bool = False):
     """The model's config, with the parallel sizes :func:`initialize` set up (as Megatron-LM
-    fills them in from its flags: the tied embedding and sequence parallelism read them)."""
+    fills them in from its flags: the tied embedding and sequence parallelism read them); bf16
+    unless `fp16` (Megatron-LM's --fp16)."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
+    dtype = torch.float16 if fp16 else torch.bfloat16
     return TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.width, num_attention_heads=shape.heads,
-        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        bf16=not fp16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=_DEVICE.type == "cpu", hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
@@ -111,14 +113,15 @@ def _layer_spec(layers: int, sequence_parallel: bool):
 
 
 def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process: bool = True,
-                sequence_parallel: bool = False, **ddp_options):
-    """A bf16 GPTModel (learned absolute positions, the output layer tied to the word
+                sequence_parallel: bool = False, fp16: bool = False, **ddp_options):
+    """A bf16 (or `fp16`) GPTModel (learned absolute positions, the output layer tied to the word
     embedding, as Megatron-LM ties them by default: across the first and the last pipeline
     stage when they are different) in ``Float16Module`` and megatron-core's DDP with the
     distributed optimizer's buffers; `sequence_parallel` with tensor parallelism (and one
     pipeline stage); `ddp_options` go to ``DistributedDataParallelConfig`` (e.g.
     ``overlap_grad_reduce``, ``overlap_param_gather``, ``bucket_size``; fp32 gradient buffers
-    unless ``grad_reduce_in_fp32=False``). The same `seed` gives every data-parallel replica
+    unless ``grad_reduce_in_fp32=False``; the distributed optimizer's unless
+    ``use_distributed_optimizer=False``). The same `seed` gives every data-parallel replica
     the same initial weights. On a CUDA device the model is moved there before wrapping, as
     Megatron-LM's get_model does (the layers megatron-core does not allocate itself, e.g. the
     position embedding and layer norms, start on the CPU)."""
@@ -126,7 +129,7 @@ def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config(shape, sequence_parallel)
+    config = transformer_config(shape, sequence_parallel, fp16)
     torch.manual_seed(seed)
     # The scoped shim: the last stage copies the tied embedding with Tensor.cuda() before
     # it all-reduces it from the first stage.
@@ -137,7 +140,7 @@ def build_model(shape: Shape, seed: int, pre_process: bool = True, post_process:
     if _DEVICE.type == "cuda":
         gpt.cuda(_DEVICE)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, **{"grad_reduce_in_fp32": True, **ddp_options})
+        **{"use_distributed_optimizer": True, "grad_reduce_in_fp32": True, **ddp_options})
     return DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
 
 
