@@ -4,6 +4,10 @@ compresses ZeRO's gradient reduction and its parameter all-gathers.
     import sdp4bit.deepspeed
     engine, optimizer, _, _ = sdp4bit.deepspeed.initialize(model=model, config=ds_config, ...)
 
+or, for code that calls ``deepspeed.initialize`` itself (Hugging Face Trainer, Accelerate),
+:func:`install` or the launcher prefix ``python -m sdp4bit.deepspeed SCRIPT`` (also
+``deepspeed --module sdp4bit.deepspeed SCRIPT``, ``torchrun -m sdp4bit.deepspeed SCRIPT``).
+
 with, in the config (a dict or a JSON file, as for ``deepspeed.initialize``)::
 
     "sdp4bit": {"preset": "sdp4bit", "ranks_per_node": 8, "grad_inter_bits": 4, ...}
@@ -19,28 +23,32 @@ tied embeddings) that each rank's DP group would compress differently.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 import torch.distributed as dist
 
 from ..errors import Sdp4bitError
 from . import zero3, zero12
 from .section import SECTION, Settings, check_stage, load_config, settings_from_config
 
-__all__ = ["SECTION", "Settings", "attach", "detach", "initialize", "settings_from_config",
-           "wire_bytes"]
+__all__ = ["SECTION", "Settings", "attach", "detach", "initialize", "install",
+           "settings_from_config", "wire_bytes"]
 
 
 def initialize(*args, **kwargs):
     """``deepspeed.initialize`` with the config's ``"sdp4bit"`` section applied to the ZeRO
     optimizer it builds; same arguments and return value. Every rank must call it."""
-    import deepspeed
-
-    config = kwargs.get("config", kwargs.get("config_params"))
-    if config is None and kwargs.get("args") is not None:
-        config = getattr(kwargs["args"], "deepspeed_config", None)
+    original = _deepspeed_initialize()
+    arguments = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+    config = arguments.get("config", arguments.get("config_params"))
+    if config is None and arguments.get("args") is not None:
+        config = getattr(arguments["args"], "deepspeed_config", None)
     settings = settings_from_config(load_config(config)) if config is not None else None
     if settings is not None:
         check_stage(settings, load_config(config))
-    result = deepspeed.initialize(*args, **kwargs)
+    result = original(*args, **kwargs)
     if settings is not None:
         attach(result[0].optimizer, settings)
         from deepspeed.utils import log_dist
@@ -48,6 +56,34 @@ def initialize(*args, **kwargs):
         log_dist(f"sdp4bit enabled for {type(result[0].optimizer).__name__}: "
                  f"{settings.config.describe()}", ranks=[0])
     return result
+
+
+def _deepspeed_initialize():
+    """DeepSpeed's own ``deepspeed.initialize`` (also after :func:`install`)."""
+    import deepspeed
+
+    return getattr(deepspeed.initialize, "sdp4bit_original", deepspeed.initialize)
+
+
+def install() -> None:
+    """Makes ``deepspeed.initialize`` itself apply the config's ``"sdp4bit"`` section, as
+    :func:`initialize` does, for code that calls DeepSpeed directly (Hugging Face Trainer,
+    Accelerate): ``deepspeed.initialize`` and every imported module's reference to it (``from
+    deepspeed import initialize``) are replaced. ``python -m sdp4bit.deepspeed SCRIPT`` calls
+    it before running SCRIPT. Without the section, DeepSpeed's own path runs unchanged."""
+    import deepspeed
+
+    original = _deepspeed_initialize()
+
+    @functools.wraps(original)
+    def initialize_with_sdp4bit(*args, **kwargs):
+        return initialize(*args, **kwargs)
+
+    initialize_with_sdp4bit.sdp4bit_original = original
+    for module in list(sys.modules.values()):
+        if getattr(module, "initialize", None) is original and module is not deepspeed:
+            module.initialize = initialize_with_sdp4bit
+    deepspeed.initialize = initialize_with_sdp4bit
 
 
 def attach(optimizer, settings: Settings) -> None:

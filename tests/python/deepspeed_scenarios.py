@@ -278,6 +278,33 @@ def route_notice(rank, world):
     return records.messages, [m for m in deepspeed_records.messages if "sdp4bit" in m]
 
 
+def plain_initialize(rank, world, installed):
+    """ZeRO 2 built by DeepSpeed's own ``deepspeed.initialize`` with the "sdp4bit" section, as
+    Hugging Face Trainer and Accelerate build it, after :func:`sdp4bit.deepspeed.install` or
+    (the control) without. Returns (bytes sent through sdp4bit, uncompressed bytes) over two
+    steps."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+
+    if installed:
+        deepspeed_zero.install()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 2})
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(700 + rank)
+    for _ in range(2):
+        loss = engine(torch.randn(8, HIDDEN, generator=g).bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    sent = deepspeed_zero.wire_bytes(optimizer)
+    deepspeed_zero.detach(optimizer)
+    return sent
+
+
 class TensorParallelMpu:
     """What Megatron-DeepSpeed hands DeepSpeed as ``mpu``: W ranks as TP = 2 (consecutive
     ranks) x DP = W / 2."""

@@ -3,6 +3,10 @@ section, ZeRO stages 1, 2 and 3."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -153,3 +157,34 @@ def test_degraded_route_is_logged_once_at_set_up_and_rank_0_says_sdp4bit_is_on()
         # The start-up line, through DeepSpeed's own logger (log_dist), from rank 0 only.
         started = [m for m in deepspeed_lines if "sdp4bit enabled for " in m]
         assert len(started) == (rank == 0), deepspeed_lines
+
+
+def test_deepspeeds_own_initialize_compresses_once_installed():
+    # As Hugging Face Trainer and Accelerate build the engine: deepspeed.initialize itself.
+    for sent, uncompressed in run_ranks(2, ds.plain_initialize, True, env=CPU):
+        assert 0 < sent < uncompressed / 2, (sent, uncompressed)
+    # The control: without install(), DeepSpeed's own collectives run (nothing through sdp4bit).
+    for sent, uncompressed in run_ranks(2, ds.plain_initialize, False, env=CPU):
+        assert (sent, uncompressed) == (0, 0)
+
+
+LAUNCHED = """
+import deepspeed
+from deepspeed import initialize
+import sys
+print("wrapped", hasattr(deepspeed.initialize, "sdp4bit_original"),
+      initialize is deepspeed.initialize, sys.argv[1:])
+"""
+
+
+def test_the_launcher_prefix_installs_before_the_script_runs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    done = subprocess.run([sys.executable, "-m", "sdp4bit.deepspeed", str(script), "--x", "1"],
+                          env={**os.environ, **CPU}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "wrapped True True ['--x', '1']" in done.stdout, done.stdout
+    done = subprocess.run([sys.executable, "-m", "sdp4bit.deepspeed", "missing.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "no training script 'missing.py'" in done.stderr

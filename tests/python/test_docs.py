@@ -127,6 +127,8 @@ EXERCISED = {
         "tests/python/test_gpu_kit.py", '"scripts/gpu_kit.sh", "run", "--out"'),
     "python bench/gpu_cost.py": lambda: _contains(
         "tests/python/test_gpu_kit.py", 'str(ROOT / "bench/gpu_cost.py"), "--out"'),
+    "python -m sdp4bit.deepspeed": lambda: _contains("tests/python/test_deepspeed.py",
+                                                     '"-m", "sdp4bit.deepspeed"'),
     "python -m sdp4bit.selftest": lambda: _contains("tests/python/test_selftest.py",
                                                    '"-m", "sdp4bit.selftest"'),
     # running parts of the tests: the test command runs all of them
