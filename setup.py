@@ -41,7 +41,8 @@ def import_cpp_extension():
 
 def load_build_native():
     """scripts/build_native.py as a module."""
-    spec = importlib.util.spec_from_file_location("build_native", REPO / "scripts" / "build_native.py")
+    spec = importlib.util.spec_from_file_location("build_native",
+                                                  REPO / "scripts" / "build_native.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -86,7 +87,8 @@ setup(
     ext_modules=[
         cpp_extension.CppExtension(
             name="sdp4bit._sdp4bit",
-            sources=["cpp/sdp4bit_ops.cpp", "cpp/torch_comms.cpp"],
+            sources=["cpp/sdp4bit_ops.cpp", "cpp/torch_comms.cpp",
+                     "cpp/profiler_ranges.cpp"],
             include_dirs=[str(REPO / "cpp")],
             # No -std flag: torch's BuildExtension adds the C++ standard the installed torch's
             # headers need (C++17 up to torch 2.14, C++20 from 2.15).

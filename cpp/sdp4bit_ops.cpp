@@ -40,9 +40,11 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <torch/version.h>
 
@@ -246,6 +248,32 @@ bool interpreter_finalizing() {
   }();
   return is_finalizing() != 0;
 }
+
+// The profiler state of the thread that submits a job (torch.profiler's callbacks and its
+// per-thread record), taken with it to the executor thread, as at::launch takes it to its
+// threads, so that the core's ranges of a CPU bucket's collective (cpp/profiler_ranges.cpp) show
+// in the trace that was being recorded when start() was called. Only the profiler's state: the
+// rest of the submitter's thread-local state (grad mode, Python modes) stays behind.
+class SubmittersProfiler {
+ public:
+  SubmittersProfiler()
+      : callbacks_(at::get_record_function_tls_()),
+        debug_info_(c10::ThreadLocalDebugInfo::current()) {}
+
+  void run(const std::function<void()>& job) const {
+    struct Restore {
+      at::RecordFunctionTLS executors;
+      ~Restore() { at::set_record_function_tls_(executors); }
+    } restore{at::get_record_function_tls_()};
+    at::set_record_function_tls_(callbacks_);
+    c10::DebugInfoGuard with_profiler(debug_info_);
+    job();
+  }
+
+ private:
+  at::RecordFunctionTLS callbacks_;
+  std::shared_ptr<c10::ThreadLocalDebugInfo> debug_info_;
+};
 
 // Releases the GIL (when this thread holds it) while blocking on the executor, so the
 // executor and other Python threads never wait for a thread that waits for them; a thread
@@ -451,15 +479,16 @@ class ProcessGroups : public torch::CustomClassHolder {
     rethrow_as_torch_error([&] { done.get(); });
   }
 
-  // Queues `job` on the executor, to run with `device` current there (executor_device);
-  // `signal`, when given, is notified once it has run.
+  // Queues `job` on the executor, to run with `device` current there (executor_device) and
+  // the submitting thread's profiler state (SubmittersProfiler); `signal`, when given, is
+  // notified once it has run.
   std::shared_future<void> submit(std::optional<c10::Device> device, std::function<void()> job,
                                   std::shared_ptr<CompletionSignal> signal = nullptr) {
     return rethrow_as_torch_error([&] {
       return executor_.submit(
-          [device, job = std::move(job)] {
+          [device, job = std::move(job), profiler = SubmittersProfiler()] {
             c10::OptionalDeviceGuard on_device(device);
-            job();
+            profiler.run(job);
           },
           std::move(signal));
     });

@@ -55,6 +55,12 @@ class TorchDeviceMemory {
 std::unique_ptr<TorchDeviceMemory> allocate_torch_device_memory(std::size_t device,
                                                                 std::size_t bytes);
 
+// torch.profiler's ranges for the core's collective calls and their phases (under
+// torch.autograd.profiler.emit_nvtx, NVTX ranges): opens a range named `name` on the calling
+// thread; closes the innermost range the calling thread opened (cpp/profiler_ranges.cpp).
+void open_profiler_range(rust::Str name);
+void close_profiler_range();
+
 class TorchComms {
  public:
   struct Groups;  // the c10d process groups, defined with torch in torch_comms.cpp

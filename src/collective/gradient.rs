@@ -6,7 +6,7 @@ use half::bf16;
 
 use crate::backend::{Backend, Element, GradElement};
 use crate::codec::int_code::IntCode;
-use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
+use crate::collective::phases::{CollectiveKind, Phase, PhaseClock, PhaseLog};
 use crate::collective::{Comm, CommGroups, InFlight, SumElement, WireBytes, sum_overflow};
 use crate::config::{Config, GradCodec, Rounding};
 use crate::error::{Error, Result, check_len};
@@ -267,7 +267,7 @@ impl<B: Backend> GradReduceScatter<B> {
             plan,
             route,
             engine,
-            phase_log: PhaseLog::from_env("reduce_scatter", bucket_id, rank),
+            phase_log: PhaseLog::from_env(CollectiveKind::ReduceScatter, bucket_id, rank),
         })
     }
 
@@ -411,7 +411,7 @@ impl<B: Backend> GradReduceScatter<B> {
                 stream_id(self.bucket_id, self.rank, stage)?,
             ))
         };
-        let mut clock = PhaseClock::start(self.phase_log.as_ref());
+        let mut clock = PhaseClock::start(CollectiveKind::ReduceScatter, self.phase_log.as_ref());
         let result = match &mut self.engine {
             Engine::Copy => clock.time(Phase::LastPass, || backend.convert(bucket, shard)),
             Engine::Exact => clock.time(Phase::FirstWait, || {

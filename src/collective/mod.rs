@@ -25,7 +25,7 @@ mod wire;
 pub use agreement::{check_ranks_agree, check_setup_agrees};
 pub use gradient::{BucketElement, GradReduceScatter, global_bits, global_k};
 pub use in_flight::{InFlight, PendingExchange};
-pub use phases::PHASE_LOG_ENV;
+pub use phases::{PHASE_LOG_ENV, ProfilerRanges, set_profiler_ranges};
 pub use weight::WeightAllGather;
 pub use wire::WireBytes;
 

@@ -7,7 +7,7 @@ use crate::backend::cpu::Host;
 use crate::codec::quant::QuantSpec;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
-use crate::collective::phases::{Phase, PhaseClock, PhaseLog};
+use crate::collective::phases::{CollectiveKind, Phase, PhaseClock, PhaseLog};
 use crate::collective::{Comm, WireBytes};
 use crate::config::{Config, WeightCodec};
 use crate::error::{Error, Result};
@@ -125,7 +125,7 @@ impl<B: Backend> WeightAllGather<B> {
             bucket_id,
             plan,
             engine,
-            phase_log: PhaseLog::from_env("all_gather", bucket_id, rank),
+            phase_log: PhaseLog::from_env(CollectiveKind::AllGather, bucket_id, rank),
         })
     }
 
@@ -180,7 +180,7 @@ impl<B: Backend> WeightAllGather<B> {
             )));
         }
         let (plan, rank) = (self.plan, self.rank);
-        let mut clock = PhaseClock::start(self.phase_log.as_ref());
+        let mut clock = PhaseClock::start(CollectiveKind::AllGather, self.phase_log.as_ref());
         let result = match &mut self.engine {
             Engine::Exact => {
                 let mut send = backend.call_buffer(plan.shard_len)?;

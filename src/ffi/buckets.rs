@@ -5,7 +5,7 @@ use half::bf16;
 use super::bridge::{TorchComms, WireBytes};
 use super::torch_comm::TorchLevels;
 use super::torch_memory::TorchCachingAllocator;
-use super::{FfiResult, guard};
+use super::{FfiResult, guard, register_profiler_ranges};
 use crate::backend::cpu::Host;
 use crate::backend::cuda::{
     Allocator, Cuda, DeviceSpan, Kernels, StatusReadback, Stream, new_priority_stream, probe,
@@ -188,6 +188,7 @@ pub(super) fn new_grad_bucket(
     numel: usize,
     bucket_id: u32,
 ) -> FfiResult<Box<GradBucket>> {
+    register_profiler_ranges();
     guard("new_grad_bucket", || {
         let topology = topology(node_labels)?;
         GradReduceScatter::new(config.config()?, &topology, rank, numel, bucket_id)
@@ -204,6 +205,7 @@ pub(super) fn new_cuda_grad_bucket(
     device: usize,
     stream: u64,
 ) -> FfiResult<Box<GradBucket>> {
+    register_profiler_ranges();
     guard("new_cuda_grad_bucket", || {
         let topology = topology(node_labels)?;
         // Planning allocates for the current stream, the side stream `stream`, and enqueues
@@ -374,6 +376,7 @@ pub(super) fn new_weight_bucket(
     bucket_id: u32,
     params: &[u16],
 ) -> FfiResult<Box<WeightBucket>> {
+    register_profiler_ranges();
     guard("new_weight_bucket", || {
         let topology = topology(node_labels)?;
         let params: &[bf16] = bytemuck::cast_slice(params);
@@ -393,6 +396,7 @@ pub(super) fn new_cuda_weight_bucket(
     numel: usize,
     stream: u64,
 ) -> FfiResult<Box<WeightBucket>> {
+    register_profiler_ranges();
     guard("new_cuda_weight_bucket", || {
         let topology = topology(node_labels)?;
         let backend = cuda(device, stream)?;

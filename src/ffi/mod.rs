@@ -292,6 +292,11 @@ mod bridge {
             bytes: usize,
         ) -> Result<UniquePtr<TorchDeviceMemory>>;
 
+        /// Opens a torch.profiler range named `name` on the calling thread.
+        fn open_profiler_range(name: &str);
+        /// Closes the innermost profiler range the calling thread opened.
+        fn close_profiler_range();
+
         /// The process groups of one DP group (world, and intra/inter when nodes are equal).
         type TorchComms;
         /// Whether this level's communicator exists.
@@ -378,6 +383,15 @@ mod bridge {
 
 /// What bridge functions return: cxx turns the message into a C++ exception.
 type FfiResult<T> = Result<T, String>;
+
+/// Makes every collective call of this process open torch.profiler ranges (its phases, see
+/// `crate::collective::ProfilerRanges`); once, from the first bucket built.
+fn register_profiler_ranges() {
+    crate::collective::set_profiler_ranges(crate::collective::ProfilerRanges {
+        open: |name| bridge::open_profiler_range(name),
+        close: bridge::close_profiler_range,
+    });
+}
 
 /// Runs `f`, turning a panic into an error so that no unwind crosses the FFI.
 fn guard<T>(what: &str, f: impl FnOnce() -> crate::error::Result<T>) -> FfiResult<T> {

@@ -343,3 +343,30 @@ def many_buckets_in_flight(rank, world, labels):
     _expect_error(Sdp4bitError, "process groups were closed",
                   lambda: buckets[2].start(inputs[2][rank].clone(), shards[2], 8))
     return True
+
+
+def profiled_collectives(rank, world, labels, trace_dir):
+    """One gradient reduce-scatter and one weight all-gather of the sdp4bit preset, each
+    started and waited for under torch.profiler (CPU activity); writes this rank's Chrome
+    trace to `trace_dir` and returns its path and the training thread's id."""
+    import os
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    groups = ProcessGroups.create(node_labels=labels)
+    config = Config("sdp4bit")
+    numel = world * 4096
+    rs = GradReduceScatter(groups, config, numel, 0)
+    params = torch.zeros(numel, dtype=torch.bfloat16)
+    ag = WeightAllGather(groups, config, params, 1)
+    bucket = gradients(world, numel, seed=5)[rank].clone()
+    shard = torch.empty(rs.shard_len)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rs.start(bucket, shard, 0).wait()
+        params.add_(0.01)
+        ag.start(params, 0).wait()
+    groups.close()
+    path = os.path.join(trace_dir, f"trace-rank{rank}.json")
+    prof.export_chrome_trace(path)
+    return path, threading.get_native_id()

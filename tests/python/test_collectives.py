@@ -2,7 +2,9 @@
 collective (same seed, same inputs): byte for byte, for every preset and topology."""
 
 import contextlib
+import json
 import types
+from pathlib import Path
 
 import integer_sum_scenarios
 import pytest
@@ -124,3 +126,31 @@ def test_graph_capture_is_refused_before_anything_is_enqueued(monkeypatch):
     _refuse_graph_capture("cuda:0", "no capture on cuda:0")
     _refuse_graph_capture("cpu", "nothing to capture")
     assert selected[-1] == torch.device("cuda:0"), selected
+
+
+#: The ranges of one call of each collective that the trace must hold (src/collective/phases.rs).
+PROFILED = {
+    "sdp4bit.reduce_scatter": ["encode", "exchange_start", "exchange_wait", "requantize",
+                               "decode"],
+    "sdp4bit.all_gather": ["encode", "exchange_wait", "decode"],
+}
+
+
+def test_profiler_ranges_name_each_phase_in_the_trace(tmp_path):
+    # W = 4 as 2 nodes x 2: the gradient path has both levels. The collectives run on the
+    # executor thread, which takes the profiler state of the thread that started them.
+    for path, training_thread in run_ranks(4, scenarios.profiled_collectives, [0, 0, 1, 1],
+                                           str(tmp_path)):
+        events = [e for e in json.loads(Path(path).read_text())["traceEvents"]
+                  if e.get("ph") == "X" and e.get("name", "").startswith("sdp4bit.")]
+        for call, phases in PROFILED.items():
+            calls = [e for e in events if e["name"] == call]
+            assert len(calls) == 1, (call, [e["name"] for e in events])
+            (outer,) = calls
+            assert outer["tid"] != training_thread  # the executor's range, not start()'s
+            for phase in phases:
+                inner = [e for e in events if e["name"] == f"{call}.{phase}"]
+                assert inner, (call, phase, [e["name"] for e in events])
+                for e in inner:  # inside the call, on its thread
+                    assert e["tid"] == outer["tid"]
+                    assert outer["ts"] <= e["ts"] <= e["ts"] + e["dur"] <= outer["ts"] + outer["dur"]
