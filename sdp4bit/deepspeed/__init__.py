@@ -50,12 +50,44 @@ def initialize(*args, **kwargs):
         check_stage(settings, load_config(config))
     result = original(*args, **kwargs)
     if settings is not None:
-        attach(result[0].optimizer, settings)
         from deepspeed.utils import log_dist
 
-        log_dist(f"sdp4bit enabled for {type(result[0].optimizer).__name__}: "
+        engine = result[0]
+        attach(engine.optimizer, settings)
+        log_dist(f"sdp4bit enabled for {type(engine.optimizer).__name__}: "
                  f"{settings.config.describe()}", ranks=[0])
+        if settings.telemetry_interval:
+            _report_bytes(engine, settings.telemetry_interval)
     return result
+
+
+def _report_bytes(engine, interval: int) -> None:
+    """Every `interval` optimizer steps, rank 0 reports the bytes sdp4bit has sent since set-up
+    and what ZeRO's own collectives would have sent: as events of DeepSpeed's monitor (the
+    config's tensorboard, wandb, csv_monitor or comet; x axis the samples, as DeepSpeed's own
+    events) and a log_dist line."""
+    from deepspeed.utils import log_dist
+
+    step_engine = engine.step
+    reported = [engine.global_steps]
+
+    @functools.wraps(step_engine)
+    def step(*args, **kwargs):
+        result = step_engine(*args, **kwargs)
+        steps = engine.global_steps
+        if steps != reported[0] and steps % interval == 0 and engine.global_rank == 0:
+            reported[0] = steps
+            sent, uncompressed = wire_bytes(engine.optimizer)
+            if engine.monitor.enabled:
+                engine.monitor.write_events([
+                    ("sdp4bit/bytes_sent", sent, engine.global_samples),
+                    ("sdp4bit/bytes_uncompressed", uncompressed, engine.global_samples)])
+            ratio = f"{uncompressed / sent:.2f}x less" if sent else "nothing sent"
+            log_dist(f"sdp4bit step {steps}: {sent:,d} B sent since set-up vs "
+                     f"{uncompressed:,d} B ({ratio})", ranks=[0])
+        return result
+
+    engine.step = step
 
 
 def _deepspeed_initialize():

@@ -15,21 +15,23 @@ from ..integration import refuse_exact_embeddings
 SECTION = "sdp4bit"
 
 #: Keys of the section besides the core's knobs.
-SETTINGS = ("enabled", "preset", "ranks_per_node")
+SETTINGS = ("enabled", "preset", "ranks_per_node", "telemetry_interval")
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The parsed section: the codec config and the node size (None: ``LOCAL_WORLD_SIZE``)."""
+    """The parsed section: the codec config, the node size (None: ``LOCAL_WORLD_SIZE``) and
+    how often the bytes are reported to DeepSpeed's monitor (optimizer steps; 0: never)."""
 
     config: Config
     ranks_per_node: int | None = None
+    telemetry_interval: int = 0
 
 
 def settings_from_config(ds_config: dict) -> Settings | None:
     """The ``"sdp4bit"`` section of a DeepSpeed config dict, validated, or None when the
     section is absent or ``"enabled": false``. Its keys are ``preset``, ``ranks_per_node``,
-    ``enabled`` and the core's knobs (:func:`sdp4bit.knobs`). Raises :class:`Sdp4bitError`
+    ``telemetry_interval``, ``enabled`` and the core's knobs (:func:`sdp4bit.knobs`). Raises :class:`Sdp4bitError`
     naming the problem."""
     section = ds_config.get(SECTION)
     if section is None:
@@ -50,14 +52,21 @@ def settings_from_config(ds_config: dict) -> Settings | None:
     if preset not in presets():
         raise Sdp4bitError(f'"{SECTION}.preset" {preset!r} is not one of {list(presets())}')
     ranks_per_node = section.get("ranks_per_node")
-    if ranks_per_node is not None and (not isinstance(ranks_per_node, int)
-                                       or isinstance(ranks_per_node, bool) or ranks_per_node < 1):
+    if ranks_per_node is not None and not _is_int_at_least(ranks_per_node, 1):
         raise Sdp4bitError(f'"{SECTION}.ranks_per_node" must be a positive integer, got '
                            f"{ranks_per_node!r}")
+    telemetry_interval = section.get("telemetry_interval", 0)
+    if not _is_int_at_least(telemetry_interval, 0):
+        raise Sdp4bitError(f'"{SECTION}.telemetry_interval" must be a non-negative integer, got '
+                           f"{telemetry_interval!r}")
     overrides = {name: section[name] for name in knob_names if name in section}
     config = Config.from_knobs(preset, overrides).validate()
     refuse_exact_embeddings(config, "the DeepSpeed integration")
-    return Settings(config, ranks_per_node)
+    return Settings(config, ranks_per_node, telemetry_interval)
+
+
+def _is_int_at_least(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def load_config(config) -> dict:

@@ -305,6 +305,31 @@ def plain_initialize(rank, world, installed):
     return sent
 
 
+def monitor_telemetry(rank, world, csv_dir):
+    """ZeRO 2 with ``"telemetry_interval": 2`` and DeepSpeed's csv_monitor writing to
+    `csv_dir`: six optimizer steps. Returns this rank's final (bytes sent, uncompressed)."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 2,
+                               "telemetry_interval": 2})
+    config["csv_monitor"] = {"enabled": True, "output_path": csv_dir, "job_name": "job"}
+    engine, optimizer, _, _ = deepspeed_zero.initialize(
+        model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(700 + rank)
+    for _ in range(6):
+        loss = engine(torch.randn(8, HIDDEN, generator=g).bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    sent = deepspeed_zero.wire_bytes(optimizer)
+    deepspeed_zero.detach(optimizer)
+    return sent
+
+
 class TensorParallelMpu:
     """What Megatron-DeepSpeed hands DeepSpeed as ``mpu``: W ranks as TP = 2 (consecutive
     ranks) x DP = W / 2."""

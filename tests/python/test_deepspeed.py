@@ -78,6 +78,8 @@ def test_loss_tracks_the_baseline():
     ({"preset": "sdp4bit", "weight_bits": 3}, "weight_bits=3"),
     ({"ranks_per_node": 0}, "ranks_per_node"),
     ({"enabled": "yes"}, "enabled"),
+    ({"telemetry_interval": -1}, "telemetry_interval"),
+    ({"telemetry_interval": True}, "telemetry_interval"),
     ({"exact_params": "norms-biases-embeddings"},
      "exact_params=norms-biases-embeddings is implemented for megatron-core"),
     ("sdp4bit", "must be an object"),
@@ -188,3 +190,20 @@ def test_the_launcher_prefix_installs_before_the_script_runs(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sdp4bit.deepspeed", "missing.py"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "no training script 'missing.py'" in done.stderr
+
+
+def test_bytes_reach_deepspeeds_monitor_every_interval(tmp_path):
+    # DeepSpeed's csv_monitor, as its tensorboard, wandb and comet writers, gets the events.
+    (sent, uncompressed), *_ = run_ranks(2, ds.monitor_telemetry, str(tmp_path), env=CPU)
+    rows = {}
+    for name in ("bytes_sent", "bytes_uncompressed"):
+        lines = (tmp_path / "job" / f"sdp4bit_{name}.csv").read_text().splitlines()
+        assert lines[0].split(",")[1] == name, lines  # DeepSpeed's header: step, name
+        rows[name] = [(int(step), int(float(value))) for step, value in
+                      (line.split(",") for line in lines[1:])]
+    # Steps 2, 4 and 6 (x axis: samples, 16 a step on 2 ranks), bytes growing with each.
+    assert [s for s, _ in rows["bytes_sent"]] == [32, 64, 96], rows
+    assert rows["bytes_sent"][-1][1] == sent and rows["bytes_uncompressed"][-1][1] == uncompressed
+    assert all(0 < s < u / 2 for (_, s), (_, u) in zip(rows["bytes_sent"],
+                                                      rows["bytes_uncompressed"]))
+    assert rows["bytes_sent"][0][1] < rows["bytes_sent"][1][1] < rows["bytes_sent"][2][1]
