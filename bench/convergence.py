@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "megatron_on_cpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convergence_stats import interval, paired_difference, seeds_for_width  # noqa: E402
+from convergence_stats import (interval, paired_difference, seeds_for_width,  # noqa: E402
+                               upper_bound)
 from rank_launcher import RankLauncher  # noqa: E402  (megatron_on_cpu, put on the path above)
 
 TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
@@ -279,6 +280,33 @@ def summarize(rows: list[Row], runs: dict[str, dict[int, dict]]) -> dict[str, di
     return summary
 
 
+#: The non-inferiority margin, stated before the rows are read: a row is shown no worse than its
+#: reference where the one-sided 95% upper bound of its paired difference is under this fraction
+#: of the reference's loss (the paper's gaps are +0.09% to +0.24% of the loss).
+MARGIN = 0.0025
+
+
+def non_inferiority(rows: list[Row], runs: dict) -> list[str]:
+    """The non-inferiority table: per compressed row, its paired difference from its reference
+    (each as a fraction of the reference's mean loss over the row's own seeds), the one-sided
+    95% upper bound of that difference, and whether the bound is under :data:`MARGIN`."""
+    lines = [f"| row | seeds | reference (same seeds) | difference | one-sided 95% upper bound | "
+             f"under +{100 * MARGIN:.2f}%? |",
+             "|---|---:|---|---:|---:|---|"]
+    for row in rows:
+        if row.is_reference:
+            continue
+        mine = runs[row.name]
+        base = {seed: runs[row.reference][seed]["val_loss"] for seed in mine}
+        base_mean = statistics.fmean(base.values())
+        deltas = [(mine[seed]["val_loss"] - base[seed]) / base_mean for seed in sorted(mine)]
+        bound = upper_bound(deltas)
+        lines.append(f"| {row.name} | {len(deltas)} | {row.reference} ({base_mean:.4f}) | "
+                     f"{100 * statistics.fmean(deltas):+.2f}% | {100 * bound:+.2f}% | "
+                     f"{'yes' if bound < MARGIN else 'no'} |")
+    return lines
+
+
 def difference_curves(rows: list[Row], runs: dict[str, dict[int, dict]],
                       window: int) -> dict[str, list]:
     """Per row and step: the paired difference of the smoothed training loss from its
@@ -363,8 +391,8 @@ def _shown_path(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def report(args, rows: list[Row], summary: dict[str, dict], started: datetime.datetime,
-           elapsed: float) -> str:
+def report(args, rows: list[Row], runs: dict, summary: dict[str, dict],
+           started: datetime.datetime, elapsed: float) -> str:
     import megatron.core
 
     full = "bash scripts/bench.sh convergence --out bench/results"
@@ -372,8 +400,8 @@ def report(args, rows: list[Row], summary: dict[str, dict], started: datetime.da
              f"--deciding-seeds {args.deciding_seeds} --val-tokens {args.val_tokens} "
              f"--rows {shlex.quote(','.join(r.name for r in rows))} "
              f"--out {_shown_path(args.out)}")
-    runs = sum(s["seeds"] for s in summary.values())
-    per_run = sum(s["mean_run_seconds"] * s["seeds"] for s in summary.values()) / runs
+    run_count = sum(s["seeds"] for s in summary.values())
+    per_run = sum(s["mean_run_seconds"] * s["seeds"] for s in summary.values()) / run_count
     models = []
     megatron_references = [row.name for row in rows if row.is_reference and row.script == TRAIN]
     if megatron_references:
@@ -404,8 +432,8 @@ def report(args, rows: list[Row], summary: dict[str, dict], started: datetime.da
         f"- this run: `{shown}`",
         f"- machine: {os.cpu_count()} cores, {cpu_model()}, Python {platform.python_version()}, "
         f"megatron-core {megatron.core.__version__}",
-        f"- date: {started:%Y-%m-%d %H:%M} UTC; the {runs} runs took "
-        f"{per_run * runs / 60:.1f} min ({per_run:.0f} s each on average; "
+        f"- date: {started:%Y-%m-%d %H:%M} UTC; the {run_count} runs took "
+        f"{per_run * run_count / 60:.1f} min ({per_run:.0f} s each on average; "
         f"this invocation {elapsed / 60:.1f} min, less where it reused kept runs)",
         *models,
         "- training: lr 3e-3 with warm-up and cosine decay to 3e-4, 32 sequences per step (8 "
@@ -441,6 +469,10 @@ def report(args, rows: list[Row], summary: dict[str, dict], started: datetime.da
                      f"{rel_text} | "
                      f"{_error(s['grad_rel_l2'])} | {_error(s['param_rel_l2'])} | {ratio} | "
                      f"{s['median_step_ms']:.0f} ms |")
+    lines += ["", f"Non-inferiority at a margin of +{100 * MARGIN:.2f}% of the loss, fixed "
+                  "before the rows were read (a row is shown no worse than its reference only "
+                  "where the bound is under it; a 'no' is no finding either way):", "",
+              *non_inferiority(rows, runs)]
     if "SDP4Bit" in summary and summary["SDP4Bit"]["seeds"] > 1:
         half = summary["SDP4Bit"]["difference"]["half_width"]
         base = summary[summary["SDP4Bit"]["reference"]]["val_loss"]["mean"]
@@ -517,7 +549,7 @@ def main() -> None:
         launcher = RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
         runs = run_study(rows, seeds_by_row, args.steps, common, runs_dir, launcher)
     summary = summarize(rows, runs)
-    text = report(args, rows, summary, started, time.monotonic() - clock)
+    text = report(args, rows, runs, summary, started, time.monotonic() - clock)
     (args.out / "convergence.md").write_text(text)
     (args.out / "convergence.json").write_text(json.dumps({"summary": summary, "runs": runs}))
     plot(rows, runs, summary, args.out / "convergence.png", args.steps)

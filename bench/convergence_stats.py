@@ -77,6 +77,17 @@ def interval(samples: list[float]) -> Interval:
     return Interval(mean, t_quantile(0.975, n - 1) * math.sqrt(variance / n), n)
 
 
+def upper_bound(samples: list[float]) -> float:
+    """The one-sided 95% upper confidence bound of the mean of `samples` (Student t, n - 1
+    degrees of freedom): the mean plus t(0.95, n - 1) standard errors; NaN below two samples."""
+    n = len(samples)
+    mean = sum(samples) / n
+    if n < 2:
+        return math.nan
+    variance = sum((x - mean) ** 2 for x in samples) / (n - 1)
+    return mean + t_quantile(0.95, n - 1) * math.sqrt(variance / n)
+
+
 def paired_difference(row: dict[int, float], baseline: dict[int, float]) -> Interval:
     """The mean over the row's seeds of row - baseline, seed by seed, with its 95% interval;
     the baseline must hold every seed of the row (it may hold more)."""

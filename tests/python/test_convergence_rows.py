@@ -158,13 +158,35 @@ def test_the_report_says_how_many_seeds_a_half_percent_interval_needs(tmp_path):
     assert summary["SDP4Bit"]["difference_spread"] == pytest.approx(0.02)
     args = argparse.Namespace(steps=2, seeds="1,2,3", deciding_seeds="1,2,3", val_tokens=4096,
                               out=tmp_path)
-    text = convergence.report(args, rows, summary,
+    text = convergence.report(args, rows, runs, summary,
                               datetime.datetime.now(datetime.timezone.utc), 6.0)
     needed = seeds_for_width(0.02, 0.005 * 2.0)
     assert needed > 3
     assert (f"(standard deviation 0.0200), a full width under 0.5% needs {needed} seeds "
             "(this run has 3)" in text)
     assert "half-width NOT under 0.5%" in text
+    # Differences +0.5%, -0.5%, +1.5%: mean +0.5%, bound +0.5% + t(0.95, 2) 1% / sqrt(3).
+    assert "| SDP4Bit | 3 | baseline (2.0000) | +0.50% | +2.19% | no |" in text
+
+
+def test_non_inferiority_separates_a_row_inside_the_margin_from_one_outside():
+    # The control: the same spread, shifted by a full margin, must be refused.
+    spread = [-0.001, 0.0, 0.001, -0.0005, 0.0005]
+    inside = {s: _run(2.0 * (1 + d), [3.0], 10) for s, d in enumerate(spread, 1)}
+    outside = {s: _run(2.0 * (1 + d + convergence.MARGIN), [3.0], 10)
+               for s, d in enumerate(spread, 1)}
+    base = {s: _run(2.0, [3.0]) for s in inside}
+    for by_seed, verdict in ((inside, "yes"), (outside, "no")):
+        runs = {BASELINE: base, "SDP4Bit": by_seed}
+        (line,) = convergence.non_inferiority(select_rows(list(runs)), runs)[2:]
+        assert line.endswith(f"| {verdict} |"), line
+
+
+def test_the_committed_non_inferiority_table_is_the_one_its_runs_give():
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    runs = json.loads((results / "convergence.json").read_text())["runs"]
+    table = convergence.non_inferiority(select_rows(list(runs)), runs)
+    assert "\n".join(table) in (results / "convergence.md").read_text()
 
 
 def test_the_deciding_rows_run_more_seeds_and_every_row_pairs_over_its_own(tmp_path):
