@@ -473,7 +473,27 @@ def _state(bucket_group) -> _BucketGroupState | None:
     state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
     bucket_group._sdp4bit = state
     settings.bucket_groups.append(bucket_group)
+    _announce_when_set_up(settings, bucket_group)
     return state
+
+
+def _announce_when_set_up(settings: _Settings, bucket_group) -> None:
+    """Once every bucket group of the DDP model `bucket_group` belongs to is set up, rank 0
+    shows one line for it: its buckets, those compressed, and the bytes one step sends once
+    gradients are quantized, against Megatron's own collectives."""
+    chunk, model = next(((i, m) for i, m in enumerate(settings.models)
+                         if any(g is bucket_group for g in _bucket_groups(m))), (None, None))
+    if model is None or any(getattr(g, "_sdp4bit", None) is None for g in _bucket_groups(model)):
+        return
+    states = [g._sdp4bit for g in _bucket_groups(model)]
+    buckets = sum(len(s.grad) for s in states)
+    exact = sum(sum(s.all_exact) for s in states)
+    step = max(settings.config.resolved.grad_quant_start_step, states[0].grad_step)
+    sent, uncompressed = wire_bytes(model, step)
+    ratio = f"{uncompressed / sent:.2f}x less" if sent else "nothing sent"
+    announce(f"sdp4bit set up model chunk {chunk}: {buckets} buckets, {buckets - exact} "
+             f"compressed ({exact} wholly exact); a step sends {sent:,d} B from this rank "
+             f"against {uncompressed:,d} B with Megatron's own collectives ({ratio})")
 
 
 def _dp_group(groups: ProcessGroups):

@@ -1,6 +1,8 @@
 """megatron-core's real GPTModel, DDP and DistributedOptimizer (gloo, CPU) with the sdp4bit
 integration: the test command runs this file against megatron-core 0.16.1 and 0.19.2."""
 
+import re
+
 import pytest
 
 import megatron_scenarios as ms
@@ -167,6 +169,16 @@ def test_degraded_route_is_logged_once_per_bucket_group_and_rank_0_says_sdp4bit_
         assert bucket_groups > 1 and len(notices) == bucket_groups, messages
         started = [m for m in messages if m.startswith("sdp4bit enabled for megatron-core")]
         assert len(started) == (rank == 0), messages
+        # Once the model's bucket groups are set up: its buckets and the bytes of a step.
+        set_up = [m for m in messages if m.startswith("sdp4bit set up model chunk 0: ")]
+        assert len(set_up) == (rank == 0), messages
+        if set_up:
+            found = re.search(r"(\d+) buckets, (\d+) compressed \(0 wholly exact\); a step "
+                              r"sends ([\d,]+) B from this rank against ([\d,]+) B", set_up[0])
+            assert found, set_up
+            buckets, compressed, sent, uncompressed = (int(g.replace(",", ""))
+                                                       for g in found.groups())
+            assert buckets == compressed >= bucket_groups and 0 < sent < uncompressed / 2
 
 
 def test_exact_elements_keep_their_values_through_the_qwd_all_gather():
