@@ -46,6 +46,7 @@ pub use backend::Cuda;
 pub use compile::{Arch, Compiled, Target};
 pub use exchange::{DeviceExchange, SideStream, new_priority_stream};
 pub use launch::{DeviceSpan, Stream, absmax_from_bits, dest_table};
-pub use module::{Kernels, device_count, driver_version, format_driver_version};
+pub use module::{Kernels, device_count, format_driver_version};
+pub use probe::driver_version;
 pub use readback::StatusReadback;
 pub use target::TargetChoice;

@@ -165,7 +165,7 @@ impl Kernels {
         };
         let multiprocessors =
             attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1);
-        let driver_version = driver_version()?;
+        let driver_version = probe::driver_version()?;
         let nvrtc = probe::nvrtc_library()?;
         let choice = target::choose(arch, &target::supported_archs()?, nvrtc.version)?;
         target::check_driver(choice.target, nvrtc, driver_version)?;
@@ -221,17 +221,6 @@ impl Kernels {
             functions,
         })
     }
-}
-
-/// The driver's CUDA version (`cuDriverGetVersion`).
-pub fn driver_version() -> Result<i32> {
-    probe::driver()?;
-    let mut version = 0;
-    // SAFETY: `version` receives one int; cuDriverGetVersion needs no initialisation.
-    unsafe { sys::cuDriverGetVersion(&mut version) }
-        .result()
-        .map_err(driver_error("cuDriverGetVersion"))?;
-    Ok(version)
 }
 
 /// `13000` as `13.0`.

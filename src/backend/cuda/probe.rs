@@ -254,9 +254,20 @@ fn preferred(files: &[(u32, PathBuf)], driver_major: Option<u32>) -> Option<&Pat
         .map(|(_, path)| path.as_path())
 }
 
+/// The driver's CUDA version (`cuDriverGetVersion`: 1000 * major + 10 * minor).
+pub fn driver_version() -> Result<i32> {
+    driver()?;
+    let mut version = 0;
+    // SAFETY: `version` receives one int; cuDriverGetVersion needs no initialisation.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| Error::Cuda(format!("cuDriverGetVersion failed: {e}")))?;
+    Ok(version)
+}
+
 /// The driver's major CUDA version, when a driver loads.
 fn driver_major() -> Option<u32> {
-    let version = super::module::driver_version().ok()?;
+    let version = driver_version().ok()?;
     u32::try_from(version / 1000).ok()
 }
 
