@@ -431,12 +431,13 @@ def _refuse_other_wrapper(self, *args, **kwargs):
 
 
 def _state(bucket_group) -> _BucketGroupState | None:
-    """The group's sdp4bit state, or None where Megatron's own path applies."""
+    """The group's sdp4bit state, set up at its first call, or None while sdp4bit is not
+    enabled (what it cannot compress was refused when the model was built)."""
     settings = _SETTINGS
     if settings is None:
         return None
     state = getattr(bucket_group, "_sdp4bit", None)
-    if state is not None:  # set up: the checks below passed then
+    if state is not None:
         return state
     groups = _groups_for(settings, bucket_group.intra_distributed_optimizer_instance_group)
     grads, exact, all_exact = [], [], []

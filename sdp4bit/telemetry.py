@@ -2,7 +2,7 @@
 those of them that carried parameters kept exact), and
 at a configurable interval the quantization error, measured against Megatron's own exact
 collective run on the same data (which costs one uncompressed collective on those steps only).
-Reported through :func:`announce` and, when one is given, a tensorboard writer."""
+Shown through :func:`announce` and written to the tensorboard and wandb writers given."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ logger = logging.getLogger("sdp4bit")
 
 
 def announce(message: str) -> None:
-    """Shows `message` once per run, from rank 0, as the frameworks show theirs: an INFO record
-    of the ``sdp4bit`` logger where logging is set up to show it, else printed (as Megatron's
-    ``print_rank_0``), since Python drops INFO records nobody configured a handler for. A level
-    set on the ``sdp4bit`` logger itself is obeyed (``WARNING`` silences these lines)."""
+    """Shows `message` from rank 0 (a start-up line, a telemetry report) as the frameworks show
+    theirs: an INFO record of the ``sdp4bit`` logger where logging is set up to show it, else
+    printed (as Megatron's ``print_rank_0``), since Python drops INFO records nobody configured
+    a handler for. A level set on the ``sdp4bit`` logger itself is obeyed (``WARNING``
+    silences these lines)."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if logger.level != logging.NOTSET or (logger.hasHandlers()

@@ -113,7 +113,8 @@ def install() -> None:
 
     initialize_with_sdp4bit.sdp4bit_original = original
     for module in list(sys.modules.values()):
-        if getattr(module, "initialize", None) is original and module is not deepspeed:
+        # The module's own namespace: no module-level __getattr__ runs.
+        if getattr(module, "__dict__", {}).get("initialize") is original:
             module.initialize = initialize_with_sdp4bit
     deepspeed.initialize = initialize_with_sdp4bit
 
