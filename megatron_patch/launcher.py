@@ -14,9 +14,9 @@ own parser can instead call :func:`megatron_patch.arguments.add_arguments` and
 from __future__ import annotations
 
 import functools
-import runpy
 import sys
-from pathlib import Path
+
+from sdp4bit._launch import run_script
 
 from . import megatron_core
 from .arguments import add_arguments, config_from_args
@@ -84,18 +84,14 @@ def main(argv: list[str]) -> None:
     """``python -m megatron_patch SCRIPT [ARGS...]``: runs SCRIPT as ``__main__``, with its
     directory first on ``sys.path`` as ``python SCRIPT`` has it, so that the Megatron-LM
     checkout the script lives in provides ``megatron.training`` from any working directory."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if argv else 2)
-    script = Path(argv[0])
-    if not script.is_file():
-        raise SystemExit(f"megatron_patch: no training script {argv[0]!r}")
-    sys.path.insert(0, str(script.resolve().parent))
+    run_script("megatron_patch", __doc__, argv, _install_from_the_checkout)
+
+
+def _install_from_the_checkout() -> None:
+    """:func:`install`, or one line saying where Megatron-LM's training package must come from."""
     try:
         install()
     except ModuleNotFoundError as error:
         raise SystemExit(
             f"megatron_patch: cannot import Megatron-LM's megatron.training ({error}): run a "
             "script of a Megatron-LM checkout, or put the checkout on PYTHONPATH") from error
-    sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")

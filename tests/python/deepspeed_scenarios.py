@@ -250,30 +250,43 @@ def train_stage3(rank, world, section, steps):
     return losses, sent, counts["gathers"], counts["reductions"]
 
 
+def _zero2_steps(rank, world, steps, initialize=None, section=None, monitor=None):
+    """Builds ZeRO 2 with the "sdp4bit" section (the sdp4bit preset, 2 ranks a node, plus
+    `section`) through `initialize` (default: sdp4bit.deepspeed.initialize) and DeepSpeed's
+    `monitor` config entries, trains `steps` optimizer steps, detaches. Returns this rank's
+    (bytes sent through sdp4bit, uncompressed bytes)."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 2, **(section or {})})
+    config.update(monitor or {})
+    engine, optimizer, _, _ = (initialize or deepspeed_zero.initialize)(
+        model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator().manual_seed(700 + rank)
+    for _ in range(steps):
+        loss = engine(torch.randn(8, HIDDEN, generator=g).bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    sent = deepspeed_zero.wire_bytes(optimizer)
+    deepspeed_zero.detach(optimizer)
+    return sent
+
+
 def route_notice(rank, world):
     """ZeRO 2 on nodes of unequal size (W = 3 as 2 + 1): the degraded route is logged once,
     at set-up. Returns the messages logged to the ``sdp4bit`` logger and those of DeepSpeed's
     logger that name sdp4bit."""
-    import deepspeed
     from deepspeed.utils import logger as deepspeed_logger
 
-    import sdp4bit.deepspeed as deepspeed_zero
     from megatron_scenarios import LogRecords
 
     records = LogRecords()
     deepspeed_records = LogRecords(deepspeed_logger)
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = _model(1234)
-    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 2})
-    engine, optimizer, _, _ = deepspeed_zero.initialize(
-        model=model, model_parameters=model.parameters(), config=config)
-    g = torch.Generator().manual_seed(700 + rank)
-    for _ in range(2):
-        loss = engine(torch.randn(8, HIDDEN, generator=g).bfloat16()).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-    deepspeed_zero.detach(optimizer)
+    _zero2_steps(rank, world, 2)
     deepspeed_logger.removeHandler(deepspeed_records)
     return records.messages, [m for m in deepspeed_records.messages if "sdp4bit" in m]
 
@@ -289,45 +302,15 @@ def plain_initialize(rank, world, installed):
 
     if installed:
         deepspeed_zero.install()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = _model(1234)
-    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 2})
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config)
-    g = torch.Generator().manual_seed(700 + rank)
-    for _ in range(2):
-        loss = engine(torch.randn(8, HIDDEN, generator=g).bfloat16()).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-    sent = deepspeed_zero.wire_bytes(optimizer)
-    deepspeed_zero.detach(optimizer)
-    return sent
+    # Looked up at the call, as those libraries do: install() has replaced it by then.
+    return _zero2_steps(rank, world, 2, initialize=lambda **kw: deepspeed.initialize(**kw))
 
 
 def monitor_telemetry(rank, world, csv_dir):
     """ZeRO 2 with ``"telemetry_interval": 2`` and DeepSpeed's csv_monitor writing to
     `csv_dir`: six optimizer steps. Returns this rank's final (bytes sent, uncompressed)."""
-    import deepspeed
-
-    import sdp4bit.deepspeed as deepspeed_zero
-
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = _model(1234)
-    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 2,
-                               "telemetry_interval": 2})
-    config["csv_monitor"] = {"enabled": True, "output_path": csv_dir, "job_name": "job"}
-    engine, optimizer, _, _ = deepspeed_zero.initialize(
-        model=model, model_parameters=model.parameters(), config=config)
-    g = torch.Generator().manual_seed(700 + rank)
-    for _ in range(6):
-        loss = engine(torch.randn(8, HIDDEN, generator=g).bfloat16()).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-    sent = deepspeed_zero.wire_bytes(optimizer)
-    deepspeed_zero.detach(optimizer)
-    return sent
+    return _zero2_steps(rank, world, 6, section={"telemetry_interval": 2}, monitor={
+        "csv_monitor": {"enabled": True, "output_path": csv_dir, "job_name": "job"}})
 
 
 class TensorParallelMpu:

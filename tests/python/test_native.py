@@ -2,7 +2,6 @@
 links only stable-ABI Python functions, and holds the tests' in-process references only when
 built for the tests."""
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -55,16 +54,9 @@ def test_extension_links_only_stable_abi_python_functions():
     assert needed <= STABLE_ABI_FUNCTIONS, sorted(needed - STABLE_ABI_FUNCTIONS)
 
 
-def load_build_native():
-    spec = importlib.util.spec_from_file_location("build_native",
-                                                  ROOT / "scripts" / "build_native.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_only_a_build_for_the_tests_has_the_in_process_references(monkeypatch):
-    build_native = load_build_native()
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import build_native
     monkeypatch.delenv("SDP4BIT_TEST_OPS", raising=False)
     assert build_native.cargo_features() == ["ffi"]
     monkeypatch.setenv("SDP4BIT_TEST_OPS", "0")
