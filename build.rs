@@ -4,12 +4,13 @@
 //! `cpp/torch_comms.h`, is compiled by the torch extension build, against the installed torch).
 //!
 //! The kernel table `kernels/sdp4bit_kernels.h` (one `SDP_KERNEL(name, parameter struct,
-//! pointer parameters)` line per kernel) and the parameter structs of `kernels/sdp4bit_abi.h`
-//! become `$OUT_DIR/kernels.rs` (the `Kernel` enum, `SOURCES`, `HEADERS`; included by
+//! widest load, widest store, pointer parameters)` line per kernel), the launch bounds of the
+//! kernels' definitions and the parameter structs of `kernels/sdp4bit_abi.h` become
+//! `$OUT_DIR/kernels.rs` (the `Kernel` enum, `SOURCES`, `HEADERS`; included by
 //! `src/backend/cuda/source.rs`) and `$OUT_DIR/abi.rs` (the `#[repr(C)]` mirrors; included by
 //! `src/backend/cuda/abi.rs`). The build fails, naming the file, when a kernel is defined by no
-//! `.cu` file or by two, when a `.cu` file defines a kernel the table lacks, or when a struct
-//! has a field without a comment or padding.
+//! `.cu` file or by two, when a `.cu` file defines a kernel the table lacks or one without
+//! launch bounds, or when a struct has a field without a comment or padding.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -68,14 +69,21 @@ fn nvrtc_dirs(root: &Path) {
     }
 }
 
-/// A line of the kernel table.
+/// A line of the kernel table, and the blocks per multiprocessor its definition's
+/// `__launch_bounds__` asks for.
 struct Kernel {
     name: String,
     /// The C name of its parameter struct.
     params: String,
+    /// Widths in bits of its widest global load and store (0: none).
+    widest_load: u32,
+    widest_store: u32,
     pointers: Vec<Pointer>,
     /// The comment above its line.
     doc: String,
+    /// `B` of its definition's `__launch_bounds__(SDP_BLOCK_THREADS, B)` (set once the `.cu`
+    /// files are read).
+    min_blocks: u32,
 }
 
 /// A pointer parameter: `[const] ELEMENT* NAME`.
@@ -112,7 +120,7 @@ fn kernel_abi(dir: &Path, out: &Path) -> Result<(), String> {
     let read = |name: &str| {
         std::fs::read_to_string(dir.join(name)).map_err(|e| format!("kernels/{name}: {e}"))
     };
-    let kernels = kernel_table(&read("sdp4bit_kernels.h")?)
+    let mut kernels = kernel_table(&read("sdp4bit_kernels.h")?)
         .map_err(|e| format!("kernels/sdp4bit_kernels.h: {e}"))?;
     let structs =
         structs(&read("sdp4bit_abi.h")?).map_err(|e| format!("kernels/sdp4bit_abi.h: {e}"))?;
@@ -136,13 +144,16 @@ fn kernel_abi(dir: &Path, out: &Path) -> Result<(), String> {
     headers.sort();
     let mut defined_in: BTreeMap<String, String> = BTreeMap::new();
     for file in &files {
-        for name in definitions(&read(file)?).map_err(|e| format!("kernels/{file}: {e}"))? {
-            if !kernels.iter().any(|k| k.name == name) {
+        for (name, min_blocks) in
+            definitions(&read(file)?).map_err(|e| format!("kernels/{file}: {e}"))?
+        {
+            let Some(kernel) = kernels.iter_mut().find(|k| k.name == name) else {
                 return Err(format!(
                     "kernels/{file} defines the kernel {name}, which kernels/sdp4bit_kernels.h \
                      does not list"
                 ));
-            }
+            };
+            kernel.min_blocks = min_blocks;
             if let Some(other) = defined_in.insert(name.clone(), file.clone()) {
                 return Err(format!(
                     "the kernel {name} is defined by kernels/{other} and by kernels/{file}"
@@ -191,8 +202,16 @@ fn kernel_table(text: &str) -> Result<Vec<Kernel>, String> {
             .and_then(|l| l.strip_suffix(')'))
             .ok_or_else(|| at(format!("not a comment or an SDP_KERNEL(...) line: {line}")))?;
         let args: Vec<&str> = args.split(',').map(str::trim).collect();
-        let [name, params, pointers @ ..] = &args[..] else {
-            return Err(at("SDP_KERNEL needs a name and a struct".into()));
+        let [name, params, load, store, pointers @ ..] = &args[..] else {
+            return Err(at(
+                "SDP_KERNEL needs a name, a struct and the widest load and store".into(),
+            ));
+        };
+        let width = |bits: &str| {
+            bits.parse::<u32>()
+                .ok()
+                .filter(|b| [0, 8, 16, 32, 64, 128].contains(b))
+                .ok_or_else(|| at(format!("{name}: `{bits}` is not an access width in bits")))
         };
         if pointers.is_empty() || kernels.iter().any(|k| k.name == *name) {
             return Err(at(format!("{name} takes no pointer or is listed twice")));
@@ -204,8 +223,11 @@ fn kernel_table(text: &str) -> Result<Vec<Kernel>, String> {
         kernels.push(Kernel {
             name: name.to_string(),
             params: params.to_string(),
+            widest_load: width(load)?,
+            widest_store: width(store)?,
             pointers,
             doc: doc.join(" "),
+            min_blocks: 0,
         });
         doc.clear();
     }
@@ -312,9 +334,11 @@ fn structs(text: &str) -> Result<BTreeMap<String, Struct>, String> {
     Ok(structs)
 }
 
-/// The kernels `.cu` source `code` defines: each `extern "C" __global__ void
-/// [__launch_bounds__(...)] NAME(`.
-fn definitions(code: &str) -> Result<Vec<String>, String> {
+/// The kernels `.cu` source `code` defines, each `extern "C" __global__ void
+/// __launch_bounds__(SDP_BLOCK_THREADS, B) NAME(`, with its `B`: every kernel launches
+/// `SDP_BLOCK_THREADS` threads per block (`kernels/common.cuh`), and `B` decides its register
+/// budget.
+fn definitions(code: &str) -> Result<Vec<(String, u32)>, String> {
     let mut names = Vec::new();
     for (at, _) in code.match_indices("extern \"C\"") {
         let not_a_kernel = || format!("the extern \"C\" at byte {at} is not a kernel definition");
@@ -324,15 +348,23 @@ fn definitions(code: &str) -> Result<Vec<String>, String> {
             .and_then(|r| r.trim_start().strip_prefix("void"))
             .map(str::trim_start)
             .ok_or_else(not_a_kernel)?;
-        let rest = match rest.strip_prefix("__launch_bounds__") {
-            Some(bounds) => bounds[bounds.find(')').ok_or_else(not_a_kernel)? + 1..].trim_start(),
-            None => rest,
-        };
-        names.push(
-            rest[..rest.find('(').ok_or_else(not_a_kernel)?]
-                .trim()
-                .to_string(),
-        );
+        let (bounds, rest) = rest
+            .strip_prefix("__launch_bounds__(")
+            .and_then(|r| r.split_once(')'))
+            .ok_or_else(|| {
+                format!("the kernel at byte {at} has no __launch_bounds__(SDP_BLOCK_THREADS, B)")
+            })?;
+        let min_blocks = bounds
+            .split_once(',')
+            .filter(|(threads, _)| threads.trim() == "SDP_BLOCK_THREADS")
+            .and_then(|(_, blocks)| blocks.trim().parse::<u32>().ok())
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                format!("the kernel at byte {at}: __launch_bounds__({bounds}) is not (SDP_BLOCK_THREADS, B)")
+            })?;
+        let rest = rest.trim_start();
+        let name = rest[..rest.find('(').ok_or_else(not_a_kernel)?].trim();
+        names.push((name.to_string(), min_blocks));
     }
     Ok(names)
 }
@@ -382,6 +414,9 @@ fn kernels_rs(
         format!("&[{}]", list.join(", "))
     });
     let params = arms(kernels, |k| format!("{:?}", k.params));
+    let min_blocks = arms(kernels, |k| k.min_blocks.to_string());
+    let loads = arms(kernels, |k| k.widest_load.to_string());
+    let stores = arms(kernels, |k| k.widest_store.to_string());
     let sizes = arms(kernels, |k| {
         format!("size_of::<super::abi::{}>()", camel(&k.params))
     });
@@ -440,6 +475,25 @@ impl Kernel {{
     pub fn params(self) -> &'static str {{
         match self {{
 {params}        }}
+    }}
+
+    /// `B` of its `__launch_bounds__(SDP_BLOCK_THREADS, B)`: the blocks per multiprocessor
+    /// its register budget must allow.
+    pub fn min_blocks_per_multiprocessor(self) -> u32 {{
+        match self {{
+{min_blocks}        }}
+    }}
+
+    /// Width in bits of its widest global load, as the kernel table plans it (0: none).
+    pub fn widest_load_bits(self) -> u32 {{
+        match self {{
+{loads}        }}
+    }}
+
+    /// Width in bits of its widest global store, as the kernel table plans it (0: none).
+    pub fn widest_store_bits(self) -> u32 {{
+        match self {{
+{stores}        }}
     }}
 
     /// Bytes of its parameter struct (of its mirror in [`abi`](super::abi)).

@@ -181,7 +181,7 @@ struct sdp_global {
     SDP_WORD(sdp_global, status, 1)
 
 // The kernels' prototypes, one per line of the kernel table.
-#define SDP_KERNEL(name, params, ...) \
+#define SDP_KERNEL(name, params, widest_load, widest_store, ...) \
     extern "C" __global__ void name(__VA_ARGS__, struct params args);
 #include "sdp4bit_kernels.h"
 #undef SDP_KERNEL

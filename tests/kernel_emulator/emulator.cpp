@@ -131,7 +131,7 @@ constexpr KernelEntry kernel_entry(const char* name, const char* params)
 }
 
 // One entry per line of the kernel table.
-#define SDP_KERNEL(name, params, ...) kernel_entry<&name>(#name, #params),
+#define SDP_KERNEL(name, params, widest_load, widest_store, ...) kernel_entry<&name>(#name, #params),
 constexpr KernelEntry kKernels[] = {
 #include "sdp4bit_kernels.h"
 };

@@ -1,5 +1,5 @@
-//! The emulator cases of Global-QSGD's kernels: the absmax, the rounding to int8 / int16
-//! (stochastic and nearest) and the dequantization of summed integers.
+//! The Global-QSGD family: the absmax, the rounding to int8 / int16 (stochastic and nearest)
+//! and the dequantization of summed integers; its cases and its test.
 
 use half::bf16;
 use sdp4bit::Rounding;
@@ -14,11 +14,12 @@ use sdp4bit::rng::Stage;
 
 use super::case::{Buf, Case, ELEMENTS_PER_BLOCK, Expect};
 use super::data::{bf16_bytes, f32_bytes, garbage, stream, values};
+use super::sweep::{Coverage, emulate_family};
 use sdp4bit_test_support::random::SplitMix64;
 
 /// The data of one Global-QSGD case.
 #[derive(Debug, Clone, Copy)]
-pub enum GlobalData {
+enum GlobalData {
     /// Finite values, including denormals, zeros and values near `f32::MAX`.
     Plain,
     /// With NaN and Inf (the absmax flags them; the rounding still runs at some scale).
@@ -70,7 +71,7 @@ impl WireInt for i16 {
 /// Global-QSGD over one bucket: the absmax, then for int8 and int16 at two world sizes the
 /// rounding (stochastic and nearest) at the scale the collective would use, and the
 /// dequantization of random sums.
-pub fn global_case(rand: &mut SplitMix64, numel: usize, data: GlobalData) -> Case {
+fn global_case(rand: &mut SplitMix64, numel: usize, data: GlobalData) -> Case {
     let mut case = Case::new(format!("global-qsgd n={numel} {data:?}"), rand);
     let mut bucket = values(rand, numel, 64);
     match data {
@@ -307,4 +308,29 @@ fn global_sums<T: WireInt, G: GradElement>(
         },
     );
     case.address_in_params(std::mem::offset_of!(SdpGlobal, status), word);
+}
+
+/// The parameter struct of Global-QSGD's kernels.
+const GLOBAL: &[&str] = &["sdp_global"];
+
+/// Global-QSGD over buckets of eight sizes ([`Coverage::Full`]) or four, with plain data and
+/// with NaN / Inf, and one all-zero bucket.
+fn global_cases(rand: &mut SplitMix64, coverage: Coverage) -> Vec<Case> {
+    let sizes: &[usize] = match coverage {
+        Coverage::Full => &[1, 5, 255, 1000, 4097, 10_007, 70_001, 100_003],
+        Coverage::Subset => &[1, 255, 4097, 10_007],
+    };
+    let mut cases = Vec::new();
+    for &numel in sizes {
+        for data in [GlobalData::Plain, GlobalData::Specials] {
+            cases.push(global_case(rand, numel, data));
+        }
+    }
+    cases.push(global_case(rand, 777, GlobalData::Zeros));
+    cases
+}
+
+#[test]
+fn global_qsgd() {
+    emulate_family("Global-QSGD", GLOBAL, global_cases);
 }

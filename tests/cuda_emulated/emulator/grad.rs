@@ -1,9 +1,10 @@
-//! The emulator cases of the grouped gradient reduce-scatter's three kernels: one rank's first
-//! pass over its bucket, then per pipeline chunk the requantization (two-level routes) and the
-//! final reduction of what its peers send it, each also with damaged received slabs.
+//! The gradient families: the grouped reduce-scatter's three kernels per codec (one rank's
+//! first pass over its bucket, then per pipeline chunk the requantization on two-level routes
+//! and the final reduction of what its peers send it, each also with damaged received slabs),
+//! and the bf16 conversions; their cases, the parameter structs each family launches, and one
+//! test per family.
 
 use half::bf16;
-use sdp4bit::Config;
 use sdp4bit::backend::cpu::gradient;
 use sdp4bit::backend::cuda::abi::{SdpConvert, SdpGradFinal, SdpGradFirst, SdpGradSecond};
 use sdp4bit::backend::cuda::dest_table;
@@ -11,15 +12,18 @@ use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::backend::{narrow_into, widen_into};
 use sdp4bit::layout::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
 use sdp4bit::rng::Stage;
+use sdp4bit::{Config, GradCodec};
 
 use super::case::{Case, ELEMENTS_PER_BLOCK, Expect, GROUPS_PER_BLOCK};
 use super::data::{bf16_bytes, bf16s, damage, f32_bytes, garbage, plain, stream, values};
+use super::preset_config;
+use super::sweep::{Coverage, emulate_family};
 use sdp4bit_test_support::random::SplitMix64;
 
 /// One rank's view of the grouped gradient reduce-scatter: its first pass over the whole
 /// bucket, then per chunk the requantization (two-level routes) and the final reduction of
 /// what its peers send it, each also with damaged received slabs.
-pub fn grad_case(
+fn grad_case(
     name: String,
     rand: &mut SplitMix64,
     config: &Config,
@@ -206,7 +210,7 @@ pub fn grad_case(
 /// The conversions of gradients between bf16 and fp32 over `numel` elements (special values
 /// included): widen, round to bf16, and bf16 through fp32 back to bf16 (a partial last run
 /// when `numel` is not a multiple of 4 is taken element by element).
-pub fn convert_case(rand: &mut SplitMix64, numel: usize) -> Case {
+fn convert_case(rand: &mut SplitMix64, numel: usize) -> Case {
     let mut case = Case::new(format!("gradient conversions n={numel}"), rand);
     let params = SdpConvert {
         numel: numel as u64,
@@ -258,4 +262,174 @@ pub fn convert_case(rand: &mut SplitMix64, numel: usize) -> Case {
         );
     }
     case
+}
+
+/// The parameter structs of the grouped gradient reduce-scatter with two levels: its family is
+/// every kernel taking one of them (by the kernel table), fp32 and bf16 variants alike.
+const TWO_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_second", "sdp_grad_final"];
+
+/// Those of a one-level gradient reduce-scatter (QSDP always runs one level).
+const ONE_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_final"];
+
+/// Those of the conversions of bf16 gradients (the uncompressed routes of a bf16 bucket).
+const CONVERT: &[&str] = &["sdp_convert"];
+
+/// Gradient codec variants: (name, knobs over the sdp4bit preset with weights off, so the
+/// padding is the gradient codec's own). Each family takes the variants of its codec; a
+/// variant's index in this table picks its shard sizes in the default subset.
+const GRAD_VARIANTS: [(&str, &[(&str, &str)]); 13] = [
+    ("tlq-hs", &[]),
+    ("tlq-hs-h16", &[("hadamard_block", "16")]),
+    (
+        "tlq-hs-g256-h64-4/8-rn",
+        &[
+            ("grad_group_size", "256"),
+            ("hadamard_block", "64"),
+            ("grad_intra_bits", "4"),
+            ("grad_inter_bits", "8"),
+            ("grad_rounding", "nearest"),
+        ],
+    ),
+    (
+        "tlq-hs-g512-h256",
+        &[("grad_group_size", "512"), ("hadamard_block", "256")],
+    ),
+    (
+        "tlq-hs-g768-h256",
+        &[("grad_group_size", "768"), ("hadamard_block", "256")],
+    ),
+    (
+        "tlq-hs-g32-4/4",
+        &[("grad_group_size", "32"), ("grad_intra_bits", "4")],
+    ),
+    (
+        "tlq-g96",
+        &[("grad_codec", "tlq"), ("grad_group_size", "96")],
+    ),
+    (
+        "tlq-4/8-rn",
+        &[
+            ("grad_codec", "tlq"),
+            ("grad_intra_bits", "4"),
+            ("grad_inter_bits", "8"),
+            ("grad_rounding", "nearest"),
+        ],
+    ),
+    (
+        "tlq-8/8-rn-g160",
+        &[
+            ("grad_codec", "tlq"),
+            ("grad_inter_bits", "8"),
+            ("grad_group_size", "160"),
+            ("grad_rounding", "nearest"),
+        ],
+    ),
+    ("zeropp", &[("grad_codec", "zeropp")]),
+    ("qsdp", &[("grad_codec", "qsdp")]),
+    (
+        "qsdp-4bit-g64-rn",
+        &[
+            ("grad_codec", "qsdp"),
+            ("grad_inter_bits", "4"),
+            ("grad_group_size", "64"),
+            ("grad_rounding", "nearest"),
+        ],
+    ),
+    (
+        "qsdp-4bit-g320",
+        &[
+            ("grad_codec", "qsdp"),
+            ("grad_inter_bits", "4"),
+            ("grad_group_size", "320"),
+        ],
+    ),
+];
+
+/// Topologies as one node label per DP rank: two levels (2x2, also with the nodes' ranks
+/// interleaved, 2x3, 3x2 interleaved), the intra-node level only (1x4), the inter-node level
+/// only (4x1), and unequal nodes (one level over all ranks).
+const TOPOLOGIES: [(&str, &[u64]); 8] = [
+    ("2x2", &[0, 0, 1, 1]),
+    ("2x2-interleaved", &[0, 1, 0, 1]),
+    ("1x4", &[0, 0, 0, 0]),
+    ("4x1", &[0, 1, 2, 3]),
+    ("2x3", &[0, 0, 0, 1, 1, 1]),
+    ("3x2-interleaved", &[0, 1, 0, 1, 2, 2]),
+    ("uneven-2+1", &[0, 0, 1]),
+    ("uneven-2+3", &[0, 1, 1, 0, 1]),
+];
+
+/// Shard lengths of the gradient cases: less than one group, and odd sizes that leave a partial
+/// group and padding.
+const GRAD_SHARDS: [usize; 3] = [5, 1237, 4099];
+
+/// The cases of the gradient variants of `codec`: every variant on every topology at P = 1
+/// and 3, with every shard size ([`Coverage::Full`]) or two of the three, rotating.
+fn grad_cases(codec: GradCodec, rand: &mut SplitMix64, coverage: Coverage) -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (vi, (variant, knobs)) in GRAD_VARIANTS.iter().enumerate() {
+        for (ti, (topo, labels)) in TOPOLOGIES.iter().enumerate() {
+            let topology = Topology::from_node_labels(labels).expect("topology");
+            let combos: Vec<(usize, usize)> = match coverage {
+                Coverage::Full => [1, 3]
+                    .into_iter()
+                    .flat_map(|p| GRAD_SHARDS.map(|s| (p, s)))
+                    .collect(),
+                Coverage::Subset => {
+                    let shard = |i: usize| GRAD_SHARDS[i % GRAD_SHARDS.len()];
+                    vec![(1, shard(vi + ti)), (3, shard(vi + ti + 1))]
+                }
+            };
+            for (chunks, shard) in combos {
+                let config = preset_config(
+                    knobs,
+                    &[
+                        ("weight_codec", "none".into()),
+                        ("pipeline_chunks", chunks.to_string()),
+                    ],
+                );
+                if config.grad.codec != codec {
+                    continue;
+                }
+                let name = format!("grad {variant} {topo} P={chunks} S={shard}");
+                cases.push(grad_case(name, rand, &config, &topology, shard));
+            }
+        }
+    }
+    cases
+}
+
+#[test]
+fn tlq_hs_gradients() {
+    emulate_family("TLq-HS gradients", TWO_LEVEL_GRAD, |rand, coverage| {
+        grad_cases(GradCodec::TlqHs, rand, coverage)
+    });
+}
+#[test]
+fn tlq_gradients() {
+    emulate_family("TLq gradients", TWO_LEVEL_GRAD, |rand, coverage| {
+        grad_cases(GradCodec::Tlq, rand, coverage)
+    });
+}
+#[test]
+fn zeropp_gradients() {
+    emulate_family("ZeRO++ gradients", TWO_LEVEL_GRAD, |rand, coverage| {
+        grad_cases(GradCodec::Zeropp, rand, coverage)
+    });
+}
+#[test]
+fn qsdp_gradients() {
+    emulate_family("QSDP gradients", ONE_LEVEL_GRAD, |rand, coverage| {
+        grad_cases(GradCodec::Qsdp, rand, coverage)
+    });
+}
+#[test]
+fn gradient_conversions() {
+    emulate_family("gradient conversions", CONVERT, |rand, coverage| {
+        let sizes: &[usize] = match coverage {
+            Coverage::Full => &[1, 3, 4, 5, 255, 1000, 4097, 10_007, 70_001],
+            Coverage::Subset => &[1, 5, 4097, 10_007],
+        };
+        sizes.iter().map(|&n| convert_case(rand, n)).collect()
+    });
 }

@@ -5,14 +5,15 @@
 //! `cuda_shim.h` for the model and its limits), and the emulator runs launches generated here
 //! from the CPU backend, writing the outputs for comparison.
 //!
-//! - [`grad`], [`weight`], [`global`]: the cases of each kernel family, built from the CPU
-//!   backend (the launch parameters from the CUDA backend's own `abi` constructors, so the
-//!   `#[repr(C)]` mirrors are checked against the C structs too);
+//! - `grad`, `weight`, `global`: each kernel family's cases, built from the CPU backend (the
+//!   launch parameters from the CUDA backend's own `abi` constructors, so the `#[repr(C)]`
+//!   mirrors are checked against the C structs too), the parameter structs whose kernels the
+//!   family launches, and its tests (one per codec);
 //! - `data`: the random inputs (special values, damaged slabs);
 //! - [`Case`]: buffers, launches and the expected outputs; the case file;
 //! - `compare`: the first difference between an emulated output and the CPU's;
 //! - `compile`: the g++ build, once per test process;
-//! - [`emulate_family`]: runs one family's cases and reports the differences.
+//! - `sweep`: runs one family's cases and reports the differences.
 //!
 //! Outputs are compared as `tests/cuda_gpu.rs` does on a GPU: codes and padding byte for byte,
 //! scales, offsets, fp32 and bf16 values bit for bit with NaN compared as NaN-ness. The
@@ -24,10 +25,21 @@ mod case;
 mod compare;
 mod compile;
 mod data;
-pub mod global;
-pub mod grad;
+mod global;
+mod grad;
 mod sweep;
-pub mod weight;
+mod weight;
 
-pub use case::Case;
-pub use sweep::{Coverage, emulate_family};
+use sdp4bit::{Config, Preset};
+
+/// The sdp4bit preset with `base` and then `extra` knobs.
+fn preset_config(
+    base: &[(&'static str, &'static str)],
+    extra: &[(&'static str, String)],
+) -> Config {
+    let knobs = base
+        .iter()
+        .copied()
+        .chain(extra.iter().map(|(k, v)| (*k, v.as_str())));
+    Config::from_overrides(Preset::Sdp4bit, knobs).expect("valid config")
+}

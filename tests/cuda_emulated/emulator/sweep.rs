@@ -37,7 +37,7 @@ fn flag(name: &str) -> bool {
 
 /// Emulates the cases `make_cases` draws for `family` and compares every output with the CPU
 /// backend's; panics with every difference (the first 25 listed), or when the cases do not
-/// launch each of `kernels`.
+/// launch each kernel whose parameter struct is one of `structs` (by the kernel table).
 ///
 /// Environment: `SDP4BIT_SKIP_EMULATOR=1` skips (printing `skipped: ...`);
 /// `SDP4BIT_EMULATOR_FULL=1` asks for [`Coverage::Full`]; `SDP4BIT_KERNELS_DIR=DIR` emulates
@@ -47,7 +47,7 @@ fn flag(name: &str) -> bool {
 /// passes and kept, its path printed, when it fails.
 pub fn emulate_family(
     family: &str,
-    kernels: &[Kernel],
+    structs: &[&str],
     make_cases: impl FnOnce(&mut SplitMix64, Coverage) -> Vec<Case>,
 ) {
     if flag("SDP4BIT_SKIP_EMULATOR") {
@@ -84,6 +84,9 @@ pub fn emulate_family(
         .iter()
         .flat_map(|c| c.kernels().map(Kernel::name))
         .collect();
+    let kernels = Kernel::ALL
+        .into_iter()
+        .filter(|k| structs.contains(&k.params()));
     for kernel in kernels {
         assert!(
             launched.contains(kernel.name()),
