@@ -11,6 +11,8 @@
 #   bash scripts/bench.sh cluster_cpu [ARGS]   python bench/cluster_cpu.py (each rank's CPU per
 #                                              preset on the emulated cluster; root)
 #   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
+#   bash scripts/bench.sh convergence_reproduce [ARGS]  python bench/convergence_reproduce.py
+#                                              (the kept study's runs rerun on the tree)
 #
 # The Rust benchmarks get NVRTC on LD_LIBRARY_PATH (and the kernel model ptxas and nvdisasm);
 # the Python harnesses run from the project's virtual environment (its bin first on PATH,
@@ -18,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_cpu|cluster_phases|convergence [ARGS]}
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_cpu|cluster_phases|convergence|convergence_reproduce [ARGS]}
 shift
 case "$name" in
   cpu | gpu)
@@ -30,13 +32,13 @@ case "$name" in
     sdp4bit_cuda_tools
     exec cargo bench --locked --bench kernels -- "$@"
     ;;
-  cluster | cluster_cpu | cluster_phases | convergence)
+  cluster | cluster_cpu | cluster_phases | convergence | convergence_reproduce)
     sdp4bit_main_venv
     sdp4bit_install_current
     exec python "bench/$name.py" "$@"
     ;;
   *)
-    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster, cluster_cpu, cluster_phases or convergence" >&2
+    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster, cluster_cpu, cluster_phases, convergence or convergence_reproduce" >&2
     exit 2
     ;;
 esac

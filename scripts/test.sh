@@ -143,6 +143,9 @@ OMP_NUM_THREADS=1 bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows
 test -s .cache/convergence-smoke/convergence.png
 grep -q "SDP4Bit's interval is" .cache/convergence-smoke/convergence.md
 
+step "the kept convergence study reproduces: seed 1's first 15 steps rerun bit for bit where this machine computes as the study's did"
+bash scripts/bench.sh convergence_reproduce --steps 15
+
 step "native bundle from the tree (python scripts/build_native.py), and one as a wheel builds it"
 python scripts/build_native.py --out .cache/native-bundle >/dev/null
 # Without SDP4BIT_TEST_OPS the tests' in-process references are not in the library at all.

@@ -172,7 +172,8 @@ def main() -> None:
         print(f"{'step':>5} {'loss':>8} {'grad norm':>10} {'sent':>12} {'uncompressed':>13} "
               f"{'step time':>10}")
     curve, step_ms, skipped, last = [], [], [], (0, 0)
-    for step in range(args.steps):
+    steps_run = min(args.steps, args.stop_after or args.steps)
+    for step in range(steps_run):
         start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.lr, args.min_lr, args.warmup_steps,
@@ -187,7 +188,7 @@ def main() -> None:
         optimizer.zero_grad()
         step_ms.append((time.perf_counter() - start) * 1e3)
         curve.append(mean_over_ranks(loss.item()))
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+        if rank == 0 and (step % args.log_every == 0 or step == steps_run - 1):
             sent, uncompressed = sdp4bit.fsdp.wire_bytes(model)
             print(f"{step:5d} {curve[-1]:8.4f} {grad_norm.item():10.4f} "
                   f"{sent - last[0]:12,d} {uncompressed - last[1]:13,d} "

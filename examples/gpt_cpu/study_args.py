@@ -22,7 +22,11 @@ def study_parser(description: str, *, own: str, preset_help: str,
     p.add_argument("--ranks-per-node", type=int,
                    default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                    help="ranks per emulated node (intra- vs inter-node levels)")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=60,
+                   help="the run's length: the learning-rate schedule spans it")
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after the first N of --steps steps, the schedule unchanged (a "
+                        "kept run's start, rerun to check it reproduces)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--width", type=int, default=128)

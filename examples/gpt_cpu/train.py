@@ -243,7 +243,8 @@ def main() -> None:
         print(f"{'step':>5} {'loss':>8} {'sent/step':>12} {'uncompressed':>13} {'ratio':>6} "
               f"{'step time':>10}")
     curve, step_ms, sent_total, baseline_total, exact_total, skipped = [], [], 0, 0, 0, 0
-    for step in range(args.steps):
+    steps_run = min(args.steps, args.stop_after or args.steps)
+    for step in range(steps_run):
         start = time.perf_counter()
         windows = batch(train_text, args.batch, args.context, generator).to(device)
         gpt.zero_grads([ddp], optimizer)
@@ -262,7 +263,7 @@ def main() -> None:
         train_loss = mean_over(loss.item(), dp_group, device)
         curve.append(train_loss)
         step_ms.append(elapsed * 1e3)
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+        if rank == 0 and (step % args.log_every == 0 or step == steps_run - 1):
             ratio = f"{baseline / sent:5.2f}x" if sent else "     -"
             print(f"{step:5d} {train_loss:8.4f} {sent:12,d} {baseline:13,d} {ratio} "
                   f"{elapsed * 1e3:8.1f}ms", flush=True)

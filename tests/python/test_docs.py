@@ -104,6 +104,10 @@ EXERCISED = {
         and _contains("bench/gpu.rs", "SDP4BIT_REQUIRE_GPU")),
     "bash scripts/bench.sh convergence --out bench/results": lambda: _contains(
         TEST_SH, "bash scripts/bench.sh convergence --steps 3 --seeds 1,2"),
+    "bash scripts/bench.sh convergence_reproduce --steps 15": lambda: _contains(
+        TEST_SH, "bash scripts/bench.sh convergence_reproduce --steps 15"),
+    "python bench/codec_digest.py": lambda: _run(sys.executable,
+                                                str(ROOT / "bench/codec_digest.py")),
     "sudo bash scripts/bench.sh cluster --topologies 2x2,4x1 --rates-mbit 1000,10000": lambda: (
         _bench_in_test_plan('"cluster", "--topologies"')),
     "python bench/cluster.py --rescore bench/results/cluster.json": lambda: _contains(
