@@ -146,6 +146,10 @@ grep -q "SDP4Bit's interval is" .cache/convergence-smoke/convergence.md
 step "the kept convergence study reproduces: seed 1's first 15 steps rerun bit for bit where this machine computes as the study's did"
 bash scripts/bench.sh convergence_reproduce --steps 15
 
+step "the Hadamard transform on real gradients, smoke run (3 steps; the analysis is bench/hadamard_real.py)"
+bash scripts/bench.sh hadamard_real --out .cache/hadamard-smoke --steps 3 --dump-steps 0,2 --draws 2
+grep -q "| 2 | outlier channels |" .cache/hadamard-smoke/hadamard_real.md
+
 step "native bundle from the tree (python scripts/build_native.py), and one as a wheel builds it"
 python scripts/build_native.py --out .cache/native-bundle >/dev/null
 # Without SDP4BIT_TEST_OPS the tests' in-process references are not in the library at all.

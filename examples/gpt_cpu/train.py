@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size N: TP groups of N consecutive ranks, DP groups "
                         "of W / N ranks")
+    p.add_argument("--dump-grads", metavar="DIR",
+                   help="at the steps of --dump-steps, save each rank's gradients before any "
+                        "reduction, bucket by bucket (bench/hadamard_real.py reads them)")
+    p.add_argument("--dump-steps", default="0", help="comma-separated steps for --dump-grads")
     args = p.parse_args(argv)
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
@@ -130,6 +134,19 @@ class TelemetryRecorder:
         _, what, quantity = name.split("/")
         if quantity == "rel_l2_error":
             self.rel_l2[what].append(float(value))
+
+
+def backward_dumping_grads(ddp, loss: torch.Tensor, path: Path) -> None:
+    """`loss.backward()`, but with DDP's reduction held back until this rank's gradients, as
+    its buckets hold them before any reduction, are saved to `path` (one fp32 tensor per
+    bucket, in the buffers' order); then every bucket's reduction starts, as the hooks would
+    have started it. Each bucket's collective computes the same bytes whenever it starts, so
+    the run trains exactly as without the dump."""
+    with ddp.no_sync():
+        loss.backward()
+    torch.save([bucket.grad_data.detach().float().cpu().clone()
+                for buffer in ddp.buffers for bucket in buffer.buckets], path)
+    ddp.start_grad_sync()
 
 
 def mean_over(value: float, group, device: torch.device) -> float:
@@ -244,12 +261,16 @@ def main() -> None:
               f"{'step time':>10}")
     curve, step_ms, sent_total, baseline_total, exact_total, skipped = [], [], 0, 0, 0, 0
     steps_run = min(args.steps, args.stop_after or args.steps)
+    dump_steps = {int(s) for s in args.dump_steps.split(",")}
     for step in range(steps_run):
         start = time.perf_counter()
         windows = batch(train_text, args.batch, args.context, generator).to(device)
         gpt.zero_grads([ddp], optimizer)
         loss = gpt.token_losses(ddp, windows).mean()
-        loss.backward()
+        if args.dump_grads and step in dump_steps:
+            backward_dumping_grads(ddp, loss, Path(args.dump_grads) / f"step{step}-rank{rank}.pt")
+        else:
+            loss.backward()
         gpt.finish_grad_sync([ddp])
         stepped, _ = gpt.optimizer_step(optimizer)
         scheduler.step(1)
