@@ -7,6 +7,8 @@ uncompressed collectives.
         --intra-gbps 1600 --inter-gbps 400 --inter-latency-us 5 [--codec-gbps 300] \\
         [--compute-ms 900]
     python -m sdp4bit.plan --paper      # the paper's clusters beside its speedups
+    python -m sdp4bit.plan --params 18e9 --nodes 16 --gpus-per-node 8 --instances 4 \\
+        --inter-gbps 400                # hybrid sharding: 4 sharded groups of 4 nodes
 
 Model, per DP rank and step (one gradient reduce-scatter and one parameter all-gather of the
 rank's params / (TP x PP); docs/performance.md "The cost model"): the link time is the bytes the
@@ -23,7 +25,10 @@ collective takes the longer of the two plus the fraction ``--unhidden-codec`` of
 latency (an all-to-all among k peers sends k - 1 per bucket). The fractions default to the
 constants bench/calibrate_plan.py fits on the emulated cluster. With ``--compute-ms`` the step
 is compute plus communication, none of it overlapped (an upper bound on what compression can
-gain).
+gain). With ``--instances N`` (hybrid sharding) each group of nodes/N nodes shards the model
+and the gradient shards are all-reduced across the groups, its time and bytes shown apart:
+Global-QSGD's integers for a compressing preset (a prediction: sdp4bit does not run that
+all-reduce yet), fp32 for the baseline.
 """
 
 from __future__ import annotations
@@ -104,10 +109,15 @@ class Cluster:
     intra_latency_us: float = 2.0
     inter_latency_us: float = 5.0
     ranks_per_core: float = 1.0  # above 1 only where ranks share cores (the emulated cluster)
+    # Groups of whole nodes, each holding a sharded replica of the model: Megatron's
+    # distributed-optimizer instances, FSDP2's HSDP replicate groups (1: one sharded group).
+    instances: int = 1
 
     def __post_init__(self):
         if not self.ranks_per_core > 0:
             raise ValueError(f"ranks_per_core must be positive, got {self.ranks_per_core}")
+        if self.instances < 1:
+            raise ValueError(f"instances must be at least 1, got {self.instances}")
 
     def dp_layout(self) -> tuple[int, int]:
         """(DP ranks, DP ranks per node): TP inside a node, PP across nodes."""
@@ -118,6 +128,15 @@ class Cluster:
         dp = gpus // (self.tp * self.pp)
         per_node = min(dp, max(1, self.gpus_per_node // self.tp))
         return dp, per_node
+
+    def group_layout(self) -> tuple[int, int]:
+        """(DP ranks of one sharded group, of them per node): the DP ranks split into
+        `instances` groups of whole nodes."""
+        dp, per_node = self.dp_layout()
+        if dp % self.instances or (dp // self.instances) % per_node:
+            raise ValueError(f"{dp} DP ranks ({per_node} per node) do not split into "
+                             f"{self.instances} groups of whole nodes")
+        return dp // self.instances, per_node
 
 
 @dataclass(frozen=True)
@@ -137,6 +156,22 @@ def step_bytes(preset: str, elements: float, dp: int, per_node: int) -> tuple[By
     scale = elements / sample
     c = [x * scale for x in counts]
     return Bytes((c[0], c[1]), (c[2], c[3])), Bytes((c[4], c[5]), (c[6], c[7]))
+
+
+def cross_group_bytes(shard: float, instances: int) -> tuple[float, float]:
+    """(Global-QSGD, uncompressed) bytes one rank sends per step in the all-reduce of its
+    gradient shard of `shard` elements across `instances` groups, its peers one per group and
+    each on another node. Uncompressed: a ring all-reduce of fp32, a reduce-scatter and an
+    all-gather. Global-QSGD: the integers' reduce-scatter as the core plans it for
+    `instances` ranks on as many nodes, then an all-gather of the summed integers, as many
+    bytes again (its widths cannot overflow for the group, docs/numerics.md §7.2)."""
+    if instances == 1:
+        return 0.0, 0.0
+    sample = instances * _SAMPLE_SHARD
+    counts = _native.ops().plan_wire_bytes(Config("global-qsgd").spec(), list(range(instances)),
+                                           sample, 1 << 20)
+    scale = shard / sample  # the reduce-scatter's input is the rank's whole shard
+    return 2 * counts[1] * scale, 2 * counts[5] * scale
 
 
 def node_link_bytes(b: Bytes, per_node: int, compressed: bool) -> float:
@@ -169,7 +204,7 @@ def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbp
     """Milliseconds of one step's gradient reduce-scatter and parameter all-gather: the codec
     passes' CPU (compressed presets only) overlapped with the link time at the achieved
     fraction of the links (`collective_ms`), plus the latency of every message."""
-    dp, per_node = cluster.dp_layout()
+    dp, per_node = cluster.group_layout()
     nodes = dp // per_node
     intra = (b.grad[0] + b.weight[0]) / (cluster.intra_gbps * 1e9 / 8)
     inter = node_link_bytes(b, per_node, compressed) / (cluster.inter_gbps * 1e9 / 8)
@@ -183,29 +218,58 @@ def comm_ms(b: Bytes, cluster: Cluster, elements: float, buckets: int, codec_gbp
     return (busy + latency) * 1e3
 
 
+def cross_group_ms(sent: float, cluster: Cluster, buckets: int, compressed: bool,
+                   transport: Transport) -> float:
+    """Milliseconds of one step's all-reduce across groups, `sent` bytes per rank: every rank
+    of a node sends its own across the node's link at once, each bucket a reduce-scatter and
+    an all-gather of `instances - 1` messages; no codec CPU modelled."""
+    if cluster.instances == 1:
+        return 0.0
+    _, per_node = cluster.group_layout()
+    link = per_node * sent / (cluster.inter_gbps * 1e9 / 8)
+    fraction = transport.link_fraction if compressed else transport.uncompressed_link_fraction
+    latency = 2 * buckets * (cluster.instances - 1) * cluster.inter_latency_us * 1e-6
+    return (link / fraction + latency) * 1e3
+
+
 def predict(params: float, cluster: Cluster, presets=None, bucket_elements: float = 40e6,
             codec_gbps: float = 0.0, compute_ms: float | None = None,
             transport: Transport = Transport()) -> list[dict]:
     """One row per preset (default: every preset): bytes per step, communication time,
-    speedups over uncompressed."""
+    speedups over uncompressed. With `cluster.instances` above 1 (hybrid sharding) the model
+    is sharded inside each group and its gradient shards all-reduced across the groups:
+    `cross_bytes` / `cross_ms` are that all-reduce's, with Global-QSGD for a compressing
+    preset and fp32 for the uncompressed baseline (included in `bytes` and `comm_ms`)."""
     presets = preset_names() if presets is None else presets
-    dp, per_node = cluster.dp_layout()
+    dp, per_node = cluster.group_layout()
     elements = params / (cluster.tp * cluster.pp)
     buckets = max(1, round(elements / bucket_elements))
+    cross, cross_base = cross_group_bytes(elements / dp, cluster.instances)
+    t_cross_base = cross_group_ms(cross_base, cluster, buckets, False, transport)
     rows = []
     for preset in presets:
         mine, base = step_bytes(preset, elements, dp, per_node)
-        t = comm_ms(mine, cluster, elements, buckets, codec_gbps,
-                    Config(preset).compresses_grads, transport)
-        t_base = comm_ms(base, cluster, elements, buckets, codec_gbps, False, transport)
-        row = {"preset": preset, "bytes": sum(mine.grad) + sum(mine.weight),
-               "baseline_bytes": sum(base.grad) + sum(base.weight), "comm_ms": t,
-               "baseline_comm_ms": t_base, "comm_speedup": t_base / t}
+        compressed = Config(preset).compresses_grads
+        sent = cross if compressed else cross_base
+        t_cross = cross_group_ms(sent, cluster, buckets, compressed, transport)
+        t = comm_ms(mine, cluster, elements, buckets, codec_gbps, compressed,
+                    transport) + t_cross
+        t_base = comm_ms(base, cluster, elements, buckets, codec_gbps, False,
+                         transport) + t_cross_base
+        row = {"preset": preset, "bytes": sum(mine.grad) + sum(mine.weight) + sent,
+               "baseline_bytes": sum(base.grad) + sum(base.weight) + cross_base,
+               "comm_ms": t, "baseline_comm_ms": t_base, "comm_speedup": t_base / t,
+               "cross_bytes": sent, "cross_ms": t_cross}
         if compute_ms is not None:
             row["step_speedup"] = (compute_ms + t_base) / (compute_ms + t)
         rows.append(row)
     return rows
 
+
+#: Hybrid sharding at the paper's larger scale: its H800 cluster as 4 groups of 4 nodes.
+PAPER_HYBRID = ("16 nodes x 8 H800 as 4 sharded groups of 4 nodes (hybrid sharding; the "
+                "all-reduce across groups is not implemented yet, issue 34)",
+                Cluster(16, 8, tp=1, intra_gbps=3200, inter_gbps=400, instances=4))
 
 #: The paper's clusters (docs/numerics.md §10) with the link speeds assumed for them here.
 PAPER = (
@@ -224,12 +288,15 @@ PAPER_TRANSPORT = Transport(link_fraction=1.0, uncompressed_link_fraction=1.0, c
 
 def _print(rows: list[dict]) -> None:
     step = "step_speedup" in rows[0]
+    cross = any(r["cross_bytes"] for r in rows)
     print(f"{'preset':<12} {'GB/step/rank':>12} {'comm ms':>9} {'uncompressed ms':>16} "
-          f"{'comm speedup':>12}" + (f" {'step speedup':>12}" if step else ""))
+          f"{'comm speedup':>12}" + (f" {'step speedup':>12}" if step else "")
+          + (f" {'across groups: GB':>17} {'ms':>7}" if cross else ""))
     for r in rows:
         print(f"{r['preset']:<12} {r['bytes'] / 1e9:12.3f} {r['comm_ms']:9.1f} "
               f"{r['baseline_comm_ms']:16.1f} {r['comm_speedup']:11.2f}x"
-              + (f" {r['step_speedup']:11.2f}x" if step else ""))
+              + (f" {r['step_speedup']:11.2f}x" if step else "")
+              + (f" {r['cross_bytes'] / 1e9:17.3f} {r['cross_ms']:7.1f}" if cross else ""))
 
 
 def main(argv=None) -> None:
@@ -240,6 +307,9 @@ def main(argv=None) -> None:
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--instances", type=int, default=1,
+                   help="hybrid sharding: DP ranks split into this many groups of whole nodes, "
+                        "sharded inside a group, gradients all-reduced across groups")
     p.add_argument("--intra-gbps", type=float, default=1600.0, help="per rank, Gbit/s")
     p.add_argument("--inter-gbps", type=float, default=100.0, help="per node, Gbit/s")
     p.add_argument("--intra-latency-us", type=float, default=2.0)
@@ -284,6 +354,12 @@ def main(argv=None) -> None:
                 print(f"-- {params / 1e9:g}B parameters, communication only")
                 _print(predict(params, cluster, presets, args.bucket_elements, args.codec_gbps,
                                transport=PAPER_TRANSPORT))
+        name, cluster = PAPER_HYBRID
+        print(f"== {name}; nothing measured")
+        for params in (6.7e9, 18e9):
+            print(f"-- {params / 1e9:g}B parameters, communication only")
+            _print(predict(params, cluster, presets, args.bucket_elements, args.codec_gbps,
+                           transport=PAPER_TRANSPORT))
         return
     missing = [f"--{n.replace('_', '-')}" for n in ("params", "nodes", "gpus_per_node")
                if getattr(args, n) is None]
@@ -292,7 +368,8 @@ def main(argv=None) -> None:
     try:
         cluster = Cluster(args.nodes, args.gpus_per_node, args.tp, args.pp, args.intra_gbps,
                           args.inter_gbps, args.intra_latency_us, args.inter_latency_us,
-                          args.ranks_per_core)
+                          args.ranks_per_core, args.instances)
+        cluster.group_layout()
     except ValueError as error:
         p.error(str(error))
     _print(predict(args.params, cluster, presets, args.bucket_elements, args.codec_gbps,

@@ -124,6 +124,9 @@ EXERCISED = {
     "python -m sdp4bit.plan --params 6.7e9 --nodes 16 --gpus-per-node 8 --tp 4 --inter-gbps 400":
         lambda: _run(*PLAN, "--params", "6.7e9", "--nodes", "16", "--gpus-per-node", "8",
                      "--tp", "4", "--inter-gbps", "400"),
+    "python -m sdp4bit.plan --params 18e9 --nodes 16 --gpus-per-node 8 --instances 4":
+        lambda: _run(*PLAN, "--params", "18e9", "--nodes", "16", "--gpus-per-node", "8",
+                     "--instances", "4", "--inter-gbps", "400"),
     "python bench/calibrate_plan.py": lambda: _run(
         sys.executable, str(ROOT / "bench/calibrate_plan.py"), "--out", tempfile.mkdtemp()),
     # the GPU kit: prepared by the test command, its dry run and the cost script by a test

@@ -74,9 +74,33 @@ def test_speedups_follow_the_links():
     assert codec["comm_ms"] > by[fast]["sdp4bit"]["comm_ms"]
 
 
+def test_hybrid_sharding_adds_the_all_reduce_across_groups():
+    one = plan.Cluster(16, 8, inter_gbps=400)
+    hybrid = plan.Cluster(16, 8, inter_gbps=400, instances=4)
+    assert all(r["cross_bytes"] == 0 and r["cross_ms"] == 0 for r in plan.predict(1.3e9, one))
+    # A ring all-reduce of fp32 sends 2 (n - 1) / n x 4 bytes per element of the shard;
+    # Global-QSGD's int8 for 4 groups (K = 31) a quarter of that.
+    shard = 1.3e9 / 32
+    exact = 2 * 3 / 4 * shard * 4
+    compressed, uncompressed = plan.cross_group_bytes(shard, 4)
+    assert uncompressed == pytest.approx(exact) and compressed == pytest.approx(exact / 4)
+    rows = {r["preset"]: r for r in plan.predict(1.3e9, hybrid)}
+    assert rows["baseline"]["cross_bytes"] == pytest.approx(exact)
+    assert rows["sdp4bit"]["cross_bytes"] == pytest.approx(exact / 4)
+    inside, _ = plan.step_bytes("sdp4bit", 1.3e9, 32, 8)  # sharded over one group's 32 ranks
+    assert rows["sdp4bit"]["bytes"] == pytest.approx(
+        sum(inside.grad) + sum(inside.weight) + exact / 4)
+    assert 0 < rows["sdp4bit"]["cross_ms"] < rows["baseline"]["cross_ms"]
+    assert rows["sdp4bit"]["comm_speedup"] > 3
+
+
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="do not split"):
         plan.Cluster(2, 8, tp=3).dp_layout()
+    with pytest.raises(ValueError, match="groups of whole nodes"):
+        plan.Cluster(4, 8, instances=8).group_layout()
+    with pytest.raises(ValueError, match="instances must be at least 1"):
+        plan.Cluster(4, 8, instances=0)
     with pytest.raises(ValueError, match="ranks_per_core must be positive"):
         plan.Cluster(2, 8, ranks_per_core=0)
     with pytest.raises(ValueError, match="core_share must be positive"):
@@ -89,6 +113,11 @@ def test_command_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--paper"], cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
     assert "2.39x-3.44x" in out and "1.53x-4.08x" in out and "sdp4bit" in out
+    assert "4 sharded groups of 4 nodes" in out and "across groups: GB" in out
+    bad = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--params", "1e9", "--nodes",
+                          "4", "--gpus-per-node", "8", "--instances", "3"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "groups of whole nodes" in bad.stderr
     bad = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--nodes", "2"],
                          cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode != 0 and "--params, --gpus-per-node required" in bad.stderr
