@@ -25,7 +25,7 @@ def test_a_one_ulp_difference_is_found_at_its_step():
 
 def test_the_kept_pairs_and_their_arguments_are_in_the_study():
     runs = json.loads(KEPT.read_text())["runs"]
-    for pair in reproduce.PAIRS:
+    for pair in (*reproduce.PAIRS, ("baseline", "SDP4Bit")):  # the default and the TP = 1 pair
         for name in pair:
             script, args = reproduce.kept_arguments(runs[name][reproduce.SEED])
             assert script.exists(), script
