@@ -92,6 +92,9 @@ def combined(per_case: dict[str, str]) -> str:
 
 
 def main() -> int:
+    if not hasattr(torch.ops.sdp4bit, "simulate_grad_reduce_scatter"):
+        sys.exit("bench/codec_digest.py needs sdp4bit's test build (the in-process reference "
+                 "collectives): SDP4BIT_TEST_OPS=1 pip install . (the test command's build)")
     per_case = digests()
     for name, value in per_case.items():
         print(f"{name}: {value}")

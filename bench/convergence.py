@@ -9,7 +9,10 @@ TLq, TLq-HS, SDP4Bit, QSDP, Global-QSGD, ZeRO++-style; the same model at TP = 2 
 sdp4bit.fsdp) with FSDP's own numerics (FSDP2) and with QSDP's weight and gradient codecs
 (FSDP2 QSDP). Every row runs the seeds of --seeds, and the rows
 that decide the study's precision target, SDP4Bit and its baseline, run more
-(--deciding-seeds). A seed fixes the initial weights, the data order and sdp4bit's random
+(--deciding-seeds). A seed fixes the initial weights, the data order (each rank's batches
+drawn from a hash of the seed and the rank, ``--data-seeding hashed``, so no two seeds share a
+rank's stream; the committed study ran with ``offset`` seeding, seed + 1000 + rank, under
+which adjacent seeds share 3 of their 4 ranks' streams) and sdp4bit's random
 streams, so each row's difference from its reference row (a baseline trained by the same
 script and layout: baseline, baseline TP=2 or FSDP2) is taken seed by seed
 (paired), over the row's own seeds. Writes, to --out: convergence.md
@@ -170,7 +173,8 @@ SEEDS = "1,2,3"
 DECIDING_ROWS = (BASELINE, "SDP4Bit")
 DECIDING_SEEDS = ",".join(str(s) for s in range(1, 21))
 VAL_TOKENS = 1_048_576
-COMMON = ["--lr", "3e-3", "--lr-decay", "cosine", "--warmup-steps", "{warmup}",
+COMMON = ["--data-seeding", "hashed", "--lr", "3e-3", "--lr-decay", "cosine",
+          "--warmup-steps", "{warmup}",
           "--min-lr", "3e-4", "--corpus-bytes", "5000000", "--val-tokens", "{val_tokens}",
           "--telemetry-interval", "{telemetry}", "--log-every", "1000000"]
 

@@ -54,9 +54,13 @@ class Verdict:
 
 def kept_arguments(kept_run: dict) -> tuple[Path, list[str]]:
     """The script and arguments the kept run ran with (its `ran_with`: the script's path from
-    the repository root, then its arguments, without the rank layout and the JSON output)."""
+    the repository root, then its arguments, without the rank layout and the JSON output; a
+    run kept before ``--data-seeding`` existed was seeded "offset")."""
     ran_with = kept_run["ran_with"]
-    return ROOT / ran_with[0], list(ran_with[1:])
+    args = list(ran_with[1:])
+    if "--data-seeding" not in args:  # kept before the flag: the seeding of then
+        args += ["--data-seeding", "offset"]
+    return ROOT / ran_with[0], args
 
 
 def first_difference(got: list[float], want: list[float]) -> str | None:

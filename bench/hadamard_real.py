@@ -1,10 +1,10 @@
 """The Hadamard transform of TLq-HS on real gradients: where it lowers the quantization error,
 and why (docs/numerics.md §3).
 
-    bash scripts/bench.sh hadamard_real --out bench/results   # about 2 minutes on 2 cores
+    SDP4BIT_TEST_OPS=1 bash scripts/bench.sh hadamard_real --out bench/results  # ~6 min, 2 cores
 
-Trains the convergence study's SDP4Bit row (examples/gpt_cpu/train.py, seed 1, W = 4 as
-2 nodes x 2, the study's schedule) and saves every rank's gradient buckets before any
+Trains the convergence study's SDP4Bit row (examples/gpt_cpu/train.py, W = 4 as 2 nodes x 2,
+the study's schedule, once per seed of --seeds) and saves every rank's gradient buckets before any
 reduction at --dump-steps (train.py --dump-grads, which leaves the run bit-identical). Then,
 for each dumped step, the same four ranks' buckets go through the core's in-process two-level
 reduce-scatter (the test build's ``simulate_grad_reduce_scatter``, the code of the distributed
@@ -20,6 +20,9 @@ collective's step picks its Philox streams), against the exact sum in fp64. Repo
   of a symmetric group is its peak; the error grows with peak/RMS) and its excess kurtosis,
   raw and after the block Hadamard, median and 99th percentile over groups.
 
+Those in full for the first seed; then, per step, each seed's error ratio (TLq-HS / TLq) and
+their mean with its 95% interval over the seeds, the step's effect as a tested one.
+
 The same on the same tensors with synthetic outlier channels (two fixed positions of every
 group, as a channel of a weight gradient recurs once per row, times --outlier-scale on every
 rank): where outliers exist the transform spreads them over the block; where the groups are
@@ -34,6 +37,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -58,14 +62,14 @@ CODECS = ("tlq", "tlq-hs")
 OUTLIER_POSITIONS = (3, 67)  # in every group of 128
 
 
-def codec_config(codec: str):
-    """The SDP4Bit row's gradient codec `codec`, weights uncompressed (the study's TLq rows).
-    sdp4bit is imported here, after the training run: loading it starts a thread, and the rank
-    launcher forks only a single-threaded process."""
+def codec_config(codec: str, seed: int = 1):
+    """The SDP4Bit row's gradient codec `codec`, weights uncompressed (the study's TLq rows),
+    rounding seed `seed`. sdp4bit is imported here, after the training runs: loading it starts
+    a thread, and the rank launcher forks only a single-threaded process."""
     from sdp4bit import Config
 
     return Config.from_knobs("sdp4bit", {"weight_codec": "none", "grad_codec": codec,
-                                         "seed": "1"})
+                                         "seed": str(seed)})
 
 
 def knob(config, name: str) -> int:
@@ -104,14 +108,15 @@ def with_outlier_channels(inputs: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
-def reduce_errors(inputs: torch.Tensor, bucket_id: int, draws: int) -> dict[str, dict]:
+def reduce_errors(inputs: torch.Tensor, bucket_id: int, draws: int,
+                  seed: int = 1) -> dict[str, dict]:
     """For each codec: the relative L2 error of every draw, and each group's mean square error
     over the draws relative to the group's mean square (groups of the codec's size; all-zero
     groups left out)."""
     exact = inputs.double().sum(0)
     out = {}
     for codec in CODECS:
-        config = codec_config(codec)
+        config = codec_config(codec, seed)
         group = knob(config, "grad_group_size")
         squared = torch.zeros_like(exact)
         rel = []
@@ -154,8 +159,10 @@ def summarize(errors_by_bucket: list[dict], shapes: list[dict], numels: list[int
     return row
 
 
-def analyse(dumps: Path, steps: list[int], draws: int, outlier_scale: float) -> dict:
-    """Every dumped step, as is and with outlier channels: step -> variant -> figures."""
+def analyse(dumps: Path, steps: list[int], draws: int, outlier_scale: float,
+            seed: int) -> dict:
+    """Every step dumped by seed `seed`'s run, as is and with outlier channels: step ->
+    variant -> figures."""
     config = codec_config("tlq-hs")
     block, group = knob(config, "hadamard_block"), knob(config, "grad_group_size")
     results: dict = {}
@@ -167,7 +174,7 @@ def analyse(dumps: Path, steps: list[int], draws: int, outlier_scale: float) -> 
                 inputs = torch.stack(per_rank).float()
                 if variant == "outlier channels":
                     inputs = with_outlier_channels(inputs, outlier_scale)
-                errors.append(reduce_errors(inputs, bucket_id, draws))
+                errors.append(reduce_errors(inputs, bucket_id, draws, seed))
                 shapes.append({"raw": group_shape(inputs[0], group),
                                "hadamard": group_shape(hadamard_blocks(inputs[0], block), group)})
                 numels.append(inputs.shape[1])
@@ -175,27 +182,30 @@ def analyse(dumps: Path, steps: list[int], draws: int, outlier_scale: float) -> 
     return results
 
 
-def dump_gradients(dumps: Path, steps: int, dump_steps: list[int], val_tokens: int) -> None:
-    """The SDP4Bit row's run at seed 1 with its gradients dumped at `dump_steps`."""
-    args = ["--ranks-per-node", "2", *ROWS["SDP4Bit"].args, "--seed", "1", "--steps", str(steps),
-            *common_args(steps, val_tokens), "--dump-grads", str(dumps),
+def dump_gradients(launcher: RankLauncher, dumps: Path, seed: int, steps: int,
+                   dump_steps: list[int], val_tokens: int) -> None:
+    """The SDP4Bit row's run at `seed` with its gradients dumped at `dump_steps`."""
+    args = ["--ranks-per-node", "2", *ROWS["SDP4Bit"].args, "--seed", str(seed),
+            "--steps", str(steps), *common_args(steps, val_tokens), "--dump-grads", str(dumps),
             "--dump-steps", ",".join(map(str, dump_steps))]
-    launcher = RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     done = launcher.run(TRAIN, args, WORLD, dumps, 1800)
     if done.returncode != 0:
         sys.exit(f"train.py failed (exit {done.returncode}):\n{done.output[-4000:]}")
 
 
-def report(args: argparse.Namespace, results: dict, started: str) -> str:
+def report(args: argparse.Namespace, by_seed: dict, started: str) -> str:
+    first = str(args.seeds[0])
+    results = by_seed[first]
     lines = [
         "# The Hadamard transform on real gradients",
         "",
         f"Produced by `python bench/hadamard_real.py --steps {args.steps} --dump-steps "
-        f"{','.join(map(str, args.dump_steps))} --draws {args.draws}` on {started} "
+        f"{','.join(map(str, args.dump_steps))} --draws {args.draws} --seeds "
+        f"{','.join(map(str, args.seeds))}` on {started} "
         f"({platform.processor() or platform.machine()}, {torch.__version__}); what it does: "
         "the docstring of [bench/hadamard_real.py](../hadamard_real.py).",
         "",
-        "Gradients of the study's SDP4Bit row, seed 1, W = 4 as 2 x 2, dumped before any "
+        f"Gradients of the study's SDP4Bit row, seed {first}, W = 4 as 2 x 2, dumped before any "
         "reduction; each step's four buckets reduced by the core with TLq and TLq-HS over "
         f"{args.draws} rounding draws. Relative L2 error: mean ± 95% interval over the draws. "
         "Group figures: groups of the codec's size; NMSE = mean square error over the draws / "
@@ -219,6 +229,22 @@ def report(args: argparse.Namespace, results: dict, started: str) -> str:
                 f"→ {had['crest_median']:.2f}, {had['crest_p99']:.2f} | "
                 f"{raw['kurtosis_median']:.2f}, {raw['kurtosis_p99']:.2f} → "
                 f"{had['kurtosis_median']:.2f}, {had['kurtosis_p99']:.2f} |")
+    seeds = [str(seed) for seed in args.seeds]
+    lines += [
+        "",
+        f"Over seeds {', '.join(seeds)} (each its own run, rounding seed and draws): TLq-HS's "
+        "error / TLq's per seed, and their mean with its 95% interval over the seeds.",
+        "",
+        "| step | data | per seed | mean ± 95% interval |",
+        "|---:|---|---|---:|",
+    ]
+    for step, variants in results.items():
+        for variant in variants:
+            ratios = [by_seed[seed][step][variant]["ratio"] for seed in seeds]
+            ci = interval(ratios)
+            spread = "-" if ci.n < 2 else f"{ci.mean:.3f} ± {ci.half_width:.3f}"
+            lines.append(f"| {step} | {variant} | {', '.join(f'{r:.3f}' for r in ratios)} | "
+                         f"{spread} |")
     return "\n".join(lines) + "\n"
 
 
@@ -230,19 +256,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draws", type=int, default=32, help="rounding draws per codec and step")
     p.add_argument("--outlier-scale", type=float, default=20.0)
     p.add_argument("--val-tokens", type=int, default=4096)
+    p.add_argument("--seeds", default="1,2,3", help="the runs' seeds, comma-separated")
     args = p.parse_args(argv)
     args.dump_steps = [int(s) for s in args.dump_steps.split(",")]
+    args.seeds = [int(s) for s in args.seeds.split(",")]
     if any(not 0 <= s < args.steps for s in args.dump_steps) or args.draws < 2:
         p.error("--dump-steps must lie in [0, --steps) and --draws be at least 2")
     return args
 
 
+def require_test_build() -> None:
+    """Exits with what to run unless the installed sdp4bit is the test build (its in-process
+    reference collectives, cargo feature test-ops); checked in a child process, since loading
+    sdp4bit here would start a thread before the launcher forks."""
+    probe = "import sdp4bit, torch; torch.ops.sdp4bit.simulate_grad_reduce_scatter"
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                           cwd=tempfile.gettempdir())  # not the source tree's sdp4bit/
+    if found.returncode != 0:
+        sys.exit("bench/hadamard_real.py needs sdp4bit's test build (the in-process reference "
+                 "collectives): SDP4BIT_TEST_OPS=1 bash scripts/bench.sh hadamard_real ...")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    require_test_build()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    with tempfile.TemporaryDirectory() as dumps:
-        dump_gradients(Path(dumps), args.steps, args.dump_steps, args.val_tokens)
-        results = analyse(Path(dumps), args.dump_steps, args.draws, args.outlier_scale)
+    launcher = RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    with tempfile.TemporaryDirectory() as scratch:
+        for seed in args.seeds:  # every run before sdp4bit loads (codec_config)
+            (Path(scratch) / str(seed)).mkdir()
+            dump_gradients(launcher, Path(scratch) / str(seed), seed, args.steps,
+                           args.dump_steps, args.val_tokens)
+        results = {str(seed): analyse(Path(scratch) / str(seed), args.dump_steps, args.draws,
+                                      args.outlier_scale, seed) for seed in args.seeds}
     args.out.mkdir(parents=True, exist_ok=True)
     text = report(args, results, started)
     (args.out / "hadamard_real.md").write_text(text)

@@ -31,7 +31,8 @@ import sdp4bit.fsdp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt_cpu"))
 
-from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402  (gpt_cpu's)
+from data import (batch, batch_generator, split, stdlib_corpus,  # noqa: E402  (gpt_cpu's)
+                  validation_windows)
 from study_args import study_parser  # noqa: E402  (gpt_cpu's)
 
 OWN = "fsdp"  # --preset value for FSDP's own collectives
@@ -163,7 +164,7 @@ def main() -> None:
                             tensorboard_writer=record)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train_text, val_text = split(stdlib_corpus(args.corpus_bytes), args.val_tokens + 1)
-    generator = torch.Generator().manual_seed(args.seed + 1000 + rank)
+    generator = batch_generator(args.seed, rank, args.data_seeding)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"byte-level GPT, {params / 1e6:.2f} M params, FSDP2 over {world} ranks "

@@ -3,6 +3,7 @@ a training part and a held-out validation part."""
 
 from __future__ import annotations
 
+import hashlib
 import sysconfig
 from pathlib import Path
 
@@ -30,6 +31,24 @@ def split(corpus: torch.Tensor, held_out: int) -> tuple[torch.Tensor, torch.Tens
         raise ValueError(f"{held_out:,d} held-out bytes of a {len(corpus):,d}-byte corpus: "
                          "ask for more corpus bytes or fewer validation tokens")
     return corpus[:-held_out], corpus[-held_out:]
+
+
+#: How a rank's batch stream is seeded (``--data-seeding``). "hashed": from a hash of (study
+#: seed, DP rank, "data"), so every seed's and rank's stream is independent of every other's.
+#: "offset": seed + 1000 + rank, the seeding of the convergence study committed in
+#: bench/results (its adjacent seeds share 3 of their 4 ranks' streams), kept so that its runs
+#: can be rerun as they ran.
+DATA_SEEDINGS = ("hashed", "offset")
+
+
+def batch_generator(seed: int, dp_rank: int, seeding: str = "hashed") -> torch.Generator:
+    """The generator of DP rank `dp_rank`'s training batches for the run seed `seed`."""
+    if seeding == "offset":
+        return torch.Generator().manual_seed(seed + 1000 + dp_rank)
+    if seeding != "hashed":
+        raise ValueError(f"data seeding {seeding!r}: one of {', '.join(DATA_SEEDINGS)}")
+    digest = hashlib.blake2b(f"{seed}/{dp_rank}/data".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 def batch(text: torch.Tensor, size: int, context: int, generator: torch.Generator):

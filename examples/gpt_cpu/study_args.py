@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from data import DATA_SEEDINGS
 from sdp4bit import presets
 
 
@@ -40,6 +41,9 @@ def study_parser(description: str, *, own: str, preset_help: str,
     p.add_argument("--min-lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234,
                    help="initial weights, data order and sdp4bit's random streams")
+    p.add_argument("--data-seeding", choices=DATA_SEEDINGS, default="hashed",
+                   help="hashed: each rank's batches from a hash of (seed, rank); offset: seed + "
+                        "1000 + rank, as the committed convergence study ran")
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
     p.add_argument("--val-tokens", type=int, default=65_536,
                    help="held-out tokens (the end of the corpus) the final validation loss "

@@ -58,7 +58,8 @@ import megatron_gpt as gpt  # noqa: E402  (megatron_on_cpu, put on the path abov
 import megatron_patch.megatron_core as sdp4bit_megatron  # noqa: E402
 from sdp4bit import Config, Sdp4bitError  # noqa: E402
 
-from data import batch, split, stdlib_corpus, validation_windows  # noqa: E402
+from data import (batch, batch_generator, split, stdlib_corpus,  # noqa: E402
+                  validation_windows)
 from study_args import study_parser  # noqa: E402
 
 
@@ -243,7 +244,7 @@ def main() -> None:
     scheduler = gpt.lr_schedule(optimizer, args.lr, args.min_lr, args.warmup_steps, args.steps,
                                 args.lr_decay)
     # By DP rank: the ranks of a TP group train on the same sequences.
-    generator = torch.Generator().manual_seed(args.seed + 1000 + dp_rank)
+    generator = batch_generator(args.seed, dp_rank, args.data_seeding)
     if rank == 0:
         params = sum(p.numel() * (args.tp if getattr(p, "tensor_model_parallel", False) else 1)
                      for p in ddp.module.parameters())  # the whole model's, not one TP rank's

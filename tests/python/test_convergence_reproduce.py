@@ -30,6 +30,7 @@ def test_the_kept_pairs_and_their_arguments_are_in_the_study():
             script, args = reproduce.kept_arguments(runs[name][reproduce.SEED])
             assert script.exists(), script
             assert args[args.index("--seed") + 1] == reproduce.SEED, name
+            assert args[args.index("--data-seeding") + 1] == "offset", name
 
 
 def _runs(reference_losses, compressed_losses):

@@ -108,7 +108,7 @@ EXERCISED = {
         TEST_SH, "bash scripts/bench.sh convergence_reproduce --steps 15"),
     "python bench/codec_digest.py": lambda: _run(sys.executable,
                                                 str(ROOT / "bench/codec_digest.py")),
-    "bash scripts/bench.sh hadamard_real --out bench/results": lambda: _contains(
+    "SDP4BIT_TEST_OPS=1 bash scripts/bench.sh hadamard_real --out bench/results": lambda: _contains(
         TEST_SH, "bash scripts/bench.sh hadamard_real --out .cache/hadamard-smoke"),
     "sudo bash scripts/bench.sh cluster --topologies 2x2,4x1 --rates-mbit 1000,10000": lambda: (
         _bench_in_test_plan('"cluster", "--topologies"')),

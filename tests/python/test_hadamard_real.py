@@ -62,3 +62,22 @@ def test_the_analysis_sees_the_hadamard_lower_the_error_of_outlier_channels():
     plain = _analysed(gaussian)
     assert 0.8 < plain["ratio"] < 1.25, plain["ratio"]
     assert plain["tlq"]["rel_l2_half_width"] > 0  # intervals over the draws
+
+
+def test_the_report_gives_each_seeds_ratio_and_their_interval():
+    import argparse
+
+    def figures(ratio):
+        error = {"rel_l2": 0.1, "rel_l2_half_width": 0.001, "group_nmse_median": 0.01,
+                 "group_nmse_p99": 0.1}
+        shape = {"crest_median": 3.0, "crest_p99": 4.0, "kurtosis_median": 0.0,
+                 "kurtosis_p99": 1.0}
+        return {"tlq": error, "tlq-hs": error, "ratio": ratio, "hs_lower_share": 0.5,
+                "raw": shape, "hadamard": shape}
+
+    by_seed = {"1": {"50": {"as trained": figures(0.90)}},
+               "2": {"50": {"as trained": figures(0.94)}}}
+    args = argparse.Namespace(steps=400, dump_steps=[50], draws=32, seeds=[1, 2])
+    text = hadamard_real.report(args, by_seed, "now")
+    assert "| 50 | as trained | 0.900, 0.940 | 0.920 ± 0.254 |" in text  # t(0.975, 1) = 12.706
+    assert text.count("| 50 | as trained |") == 2  # seed 1's detail row, then the seeds' row

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,3 +105,18 @@ def test_cuda_training_without_a_gpu_stops_before_the_process_group():
                           cwd="/tmp", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 1, done.stderr
     assert "train.py: --device cuda: torch sees no CUDA device on this host" in done.stderr
+
+
+def test_each_seeds_and_ranks_batches_are_independent_of_every_other_ones():
+    batch_generator = _train_module().batch_generator
+
+    def stream(seed, rank, seeding):
+        return torch.randint(0, 2**31, (64,), generator=batch_generator(seed, rank, seeding))
+
+    # The study's committed seeding: seed s's rank 1 draws seed s + 1's rank 0's batches.
+    assert torch.equal(stream(3, 1, "offset"), stream(4, 0, "offset"))
+    streams = [stream(seed, rank, "hashed") for seed in range(1, 6) for rank in range(4)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(streams) for b in streams[i + 1:])
+    assert torch.equal(stream(3, 1, "hashed"), stream(3, 1, "hashed"))
+    with pytest.raises(ValueError, match="data seeding 'random'"):
+        batch_generator(1, 0, "random")
