@@ -121,6 +121,9 @@ ROWS = {row.name: row for row in (
     # FSDP's own numerics through sdp4bit.fsdp's uncompressed path, then QSDP's codecs.
     Row(FSDP_BASELINE, _preset("baseline"), FSDP_TRAIN, reference=FSDP_BASELINE),
     Row("FSDP2 QSDP", _preset("qsdp"), FSDP_TRAIN, reference=FSDP_BASELINE),
+    # sdp4bit.fsdp's default: QSDP's 8-bit weights (FSDP keeps no previous weights for qWD)
+    # and TLq-HS gradients.
+    Row("FSDP2 SDP4Bit", _preset("sdp4bit"), FSDP_TRAIN, reference=FSDP_BASELINE),
 )}
 
 
@@ -154,9 +157,10 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: convergence.json; the machine was shared during most of them, so these are upper bounds)
 #: plus the launch of a run by megatron_on_cpu/rank_launcher.py (2.4 s a Megatron run, 5 s an
 #: FSDP2 run, measured on the shared machine): baseline 56 s, SDP4Bit 68 s, the other 7
-#: Megatron rows 427 s together, the 2 FSDP2 rows 180 s together, and the 2 TP = 2 rows 98 s
-#: together (their fastest kept runs, launch included, on the shared machine). 20 x (56 + 68)
-#: + 3 x (427 + 180 + 98) = 4595 s, 77 minutes, inside the 90 the study may take. Timed end to
+#: Megatron rows 427 s together, the 3 FSDP2 rows 270 s together (FSDP2 SDP4Bit counted as
+#: FSDP2 QSDP's 90 s), and the 2 TP = 2 rows 98 s together (their fastest kept runs, launch
+#: included, on the shared machine). 20 x (56 + 68) + 3 x (427 + 270 + 98) = 4865 s, 81
+#: minutes, inside the 90 the study may take. Timed end to
 #: end on the idle 2-core machine (2026-11-24, bench/results/convergence_default_timed.md),
 #: the default study took 55.7 minutes, 50 s a run, before the TP = 2 rows were added (6 runs
 #: more). Launched by torchrun, every run paid 12-24 s more, for the imports of torch and
@@ -165,7 +169,7 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: intervals there; its 85 runs took 147 minutes on the shared machine. Its TP = 2 rows ran
 #: later, on 10 seeds (bench/results/convergence.md).
 STEPS = 400
-ESTIMATED_MINUTES = 77
+ESTIMATED_MINUTES = 81
 SEEDS = "1,2,3"
 #: The rows whose paired difference the study's precision target is about (SDP4Bit's interval
 #: narrower than 0.5% of the baseline's loss), and the seeds they run when --seeds is left at

@@ -20,14 +20,15 @@ def test_every_row_is_differenced_against_a_reference_row_of_its_own_script():
         assert reference.is_reference and reference.script == row.script, row.name
     assert ROWS["SDP4Bit"].reference == BASELINE and ROWS[BASELINE].is_reference
     fsdp = [row for row in ROWS.values() if row.script == convergence.FSDP_TRAIN]
-    assert {row.name for row in fsdp} == {FSDP_BASELINE, "FSDP2 QSDP"}
+    assert {row.name for row in fsdp} == {FSDP_BASELINE, "FSDP2 QSDP", "FSDP2 SDP4Bit"}
     assert all(row.reference == FSDP_BASELINE for row in fsdp)
     assert ROWS[FSDP_BASELINE].args == ("--preset", "baseline")
     assert ROWS["FSDP2 QSDP"].args == ("--preset", "qsdp")
+    assert ROWS["FSDP2 SDP4Bit"].args == ("--preset", "sdp4bit")  # TLq-HS grads, QSDP weights
 
 
 def test_the_tp2_rows_pair_sdp4bit_with_megatrons_collectives_at_tp2_on_2_nodes():
-    assert list(ROWS)[-4:-2] == [TP_BASELINE, "SDP4Bit TP=2"]  # after ZeRO++-style, before FSDP2
+    assert list(ROWS)[-5:-3] == [TP_BASELINE, "SDP4Bit TP=2"]  # after ZeRO++-style, before FSDP2
     assert ROWS[TP_BASELINE].is_reference and ROWS["SDP4Bit TP=2"].reference == TP_BASELINE
     assert ROWS[TP_BASELINE].args == ("--preset", "baseline", *convergence.TP2)
     assert ROWS["SDP4Bit TP=2"].args == ("--preset", "sdp4bit", *convergence.TP2)
