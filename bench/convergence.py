@@ -63,6 +63,7 @@ TP_BASELINE = "baseline TP=2"
 FSDP_BASELINE = "FSDP2"
 #: Ranks of every run (2 nodes x 2), and the longest a run may take before it is stopped.
 WORLD = 4
+RANKS_PER_NODE = 2
 RUN_TIMEOUT_SECONDS = 1800
 
 
@@ -85,7 +86,8 @@ class Row:
     def script_args(self, seed: int, steps: int, common: list[str],
                     json_out: Path) -> list[str]:
         """The arguments of `script` for one run (on WORLD ranks as 2 nodes)."""
-        return ["--ranks-per-node", "2", *self.args, "--seed", str(seed), "--steps", str(steps),
+        return ["--ranks-per-node", str(RANKS_PER_NODE), *self.args, "--seed", str(seed),
+                "--steps", str(steps),
                 "--json-out", str(json_out), *common]
 
 
@@ -181,6 +183,12 @@ COMMON = ["--data-seeding", "hashed", "--lr", "3e-3", "--lr-decay", "cosine",
           "--warmup-steps", "{warmup}",
           "--min-lr", "3e-4", "--corpus-bytes", "5000000", "--val-tokens", "{val_tokens}",
           "--telemetry-interval", "{telemetry}", "--log-every", "1000000"]
+
+
+def study_launcher() -> RankLauncher:
+    """The launcher the study's runs (and the programs rerunning them) fork their ranks from:
+    one OpenMP thread per rank, library warnings off."""
+    return RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
 
 
 def common_args(steps: int, val_tokens: int) -> list[str]:
@@ -554,7 +562,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         runs_dir = args.runs_dir.resolve() if args.runs_dir else Path(scratch)
         runs_dir.mkdir(parents=True, exist_ok=True)
-        launcher = RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        launcher = study_launcher()
         runs = run_study(rows, seeds_by_row, args.steps, common, runs_dir, launcher)
     summary = summarize(rows, runs)
     text = report(args, rows, runs, summary, started, time.monotonic() - clock)

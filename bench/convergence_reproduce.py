@@ -29,16 +29,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "megatron_on_cpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rank_launcher import RankLauncher  # noqa: E402  (megatron_on_cpu, put on the path above)
+from convergence import RANKS_PER_NODE, ROOT, WORLD, study_launcher  # noqa: E402
 
 #: (reference row, compressed row) pairs checked by default.
 PAIRS = (("baseline TP=2", "SDP4Bit TP=2"),)
-#: Ranks of every kept run, as 2 nodes x 2 (bench/convergence.py's WORLD and layout).
-WORLD = 4
-RANKS_PER_NODE = "2"
 SEED = "1"
 RUN_TIMEOUT_SECONDS = 600
 
@@ -76,12 +72,12 @@ def first_difference(got: list[float], want: list[float]) -> str | None:
     return None
 
 
-def rerun(launcher: RankLauncher, kept_run: dict, steps: int, work: Path) -> list[float]:
+def rerun(launcher, kept_run: dict, steps: int, work: Path) -> list[float]:
     """The first `steps` training losses of the kept run's arguments, rerun now."""
     script, args = kept_arguments(kept_run)
     out = work / "run.json"
     out.unlink(missing_ok=True)
-    done = launcher.run(script, ["--ranks-per-node", RANKS_PER_NODE, *args,
+    done = launcher.run(script, ["--ranks-per-node", str(RANKS_PER_NODE), *args,
                                  "--stop-after", str(steps), "--json-out", str(out)],
                         WORLD, work, RUN_TIMEOUT_SECONDS)
     if done.returncode != 0:
@@ -90,7 +86,7 @@ def rerun(launcher: RankLauncher, kept_run: dict, steps: int, work: Path) -> lis
     return json.loads(out.read_text())["train_loss"]
 
 
-def check_pair(runs: dict, pair: tuple[str, str], steps: int, launcher: RankLauncher,
+def check_pair(runs: dict, pair: tuple[str, str], steps: int, launcher,
                work: Path) -> Verdict:
     """Probes `pair` (its reference row's first step) and, when comparable, reruns both rows
     for `steps` steps against their kept runs at seed 1."""
@@ -134,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"{args.kept} has no seed-{SEED} run of {', '.join(missing)}")
         return 1
-    launcher = RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    launcher = study_launcher()
     with tempfile.TemporaryDirectory() as work:
         verdicts = [check_pair(runs, pair, args.steps, launcher, Path(work))
                     for pair in args.pairs]

@@ -49,13 +49,10 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "megatron_on_cpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convergence import ROWS, TRAIN, WORLD, common_args  # noqa: E402
+from convergence import ROWS, WORLD, common_args, study_launcher  # noqa: E402
 from convergence_stats import interval  # noqa: E402
-from rank_launcher import RankLauncher  # noqa: E402
 
 LABELS = [0, 0, 1, 1]  # W = 4 as 2 nodes x 2, as the study runs
 CODECS = ("tlq", "tlq-hs")
@@ -182,13 +179,13 @@ def analyse(dumps: Path, steps: list[int], draws: int, outlier_scale: float,
     return results
 
 
-def dump_gradients(launcher: RankLauncher, dumps: Path, seed: int, steps: int,
-                   dump_steps: list[int], val_tokens: int) -> None:
+def dump_gradients(launcher, dumps: Path, seed: int, steps: int, dump_steps: list[int],
+                   val_tokens: int) -> None:
     """The SDP4Bit row's run at `seed` with its gradients dumped at `dump_steps`."""
-    args = ["--ranks-per-node", "2", *ROWS["SDP4Bit"].args, "--seed", str(seed),
-            "--steps", str(steps), *common_args(steps, val_tokens), "--dump-grads", str(dumps),
-            "--dump-steps", ",".join(map(str, dump_steps))]
-    done = launcher.run(TRAIN, args, WORLD, dumps, 1800)
+    row = ROWS["SDP4Bit"]
+    args = [*row.script_args(seed, steps, common_args(steps, val_tokens), dumps / "run.json"),
+            "--dump-grads", str(dumps), "--dump-steps", ",".join(map(str, dump_steps))]
+    done = launcher.run(row.script, args, WORLD, dumps, 1800)
     if done.returncode != 0:
         sys.exit(f"train.py failed (exit {done.returncode}):\n{done.output[-4000:]}")
 
@@ -281,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     require_test_build()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    launcher = RankLauncher({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    launcher = study_launcher()
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:  # every run before sdp4bit loads (codec_config)
             (Path(scratch) / str(seed)).mkdir()

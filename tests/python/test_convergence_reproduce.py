@@ -71,7 +71,7 @@ def test_the_exit_status_fails_on_a_difference_and_on_nothing_comparable_when_re
         monkeypatch, tmp_path, capsys):
     kept = tmp_path / "kept.json"
     kept.write_text(json.dumps({"runs": _runs([5.5, 5.4], [5.5, 5.3])}))
-    monkeypatch.setattr(reproduce, "RankLauncher", lambda env: None)
+    monkeypatch.setattr(reproduce, "study_launcher", lambda: None)
     args = ["--kept", str(kept), "--steps", "2", "--pairs", "ref,cmp"]
     _fake_reruns(monkeypatch, [[5.5], [5.5, 5.4], [5.5, 5.3]])
     assert reproduce.main(args) == 0
