@@ -1,14 +1,20 @@
 """ZeRO stages 1 and 2 (``DeepSpeedZeroOptimizer``).
 
-Each parameter group's gradients are accumulated, over the micro-steps of a step, in a
-buffer laid out like the group's flat bf16 parameter buffer, of DeepSpeed's own accumulation
-dtype (the optimizer's ``gradient_accumulation_dtype``: the config's
-``data_types.grad_accum_dtype``, by default the model's dtype, so bf16 for a bf16 model; fp32
-for an fp16 model, which the collective does not take), and reduce-scattered with the
-gradient codec at the gradient-accumulation boundary (a bf16 buffer straight from bf16,
-docs/numerics.md §7.5), so each rank receives exactly its ZeRO partition, in that dtype as
-DeepSpeed's own is (which the optimizer step then reads as DeepSpeed's flat gradient
-partition).
+Gradients are reduced bucket by bucket during the backward pass, when DeepSpeed reduces them
+(stage 2: every micro-step; stage 1: at the accumulation boundary). Each parameter group's
+flat buffer is cut into buckets of at most ``reduce_bucket_size`` elements in backward order
+(:mod:`.bucket_layout`); a bucket's gradients are gathered into a buffer of DeepSpeed's
+accumulation dtype (the optimizer's ``gradient_accumulation_dtype``: bf16 for a bf16 model
+unless ``data_types.grad_accum_dtype`` says fp32; fp32 for fp16, which the codecs do not take)
+and reduce-scattered with the gradient codec as soon as its last gradient arrives: with
+``overlap_comm`` while the backward pass goes on (two buckets in flight at most, as DeepSpeed's
+double-buffered IPG buckets), without it before the next gradient is taken. Each rank adds its
+shard of every bucket into a store of its shards (1/W of the group); at the accumulation
+boundary one all-to-all of exact values moves the shards' pieces to the ZeRO partitions they
+belong to, which the step reads as DeepSpeed's flat gradient partitions. Beyond DeepSpeed's own
+buffers a rank holds the store (1/W of the group, from a step's first reduction to its
+boundary), up to three bucket buffers, and at the boundary the received pieces (1/W).
+
 After the step the flat parameter buffer is all-gathered with the weight codec (qWD included:
 every replica keeps the previous weights in that buffer). All-gathers outside the step
 (checkpoint loading) stay exact and restart the weight codec from the gathered values.
@@ -18,16 +24,20 @@ from __future__ import annotations
 
 import contextvars
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .._patching import Patches
 from ..collectives import GradReduceScatter, WeightAllGather
+from ..config import limits
 from ..errors import Sdp4bitError
 from ..groups import ProcessGroups
 from ..integration import WireCounter, local_shard, log_route_notice, require_bf16
 from ..replicas import check_replicas_identical
+from .bucket_layout import BucketSpan, Run, plan_buckets, runs_between
 from .section import Settings
 
 _PATCHES = Patches()
@@ -35,16 +45,37 @@ _PATCHES = Patches()
 _STEPPING: contextvars.ContextVar = contextvars.ContextVar("sdp4bit_stepping", default=None)
 # Attached optimizers, for the all-gathers DeepSpeed runs outside a step.
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()
+# Buckets reduce-scattering at once with overlap_comm (DeepSpeed's two IPG buffers).
+_IN_FLIGHT = 2
+
+
+@dataclass
+class _Bucket:
+    """One gradient bucket: where it lies, its compressed reduce-scatter, where its shard's
+    sums are kept in the group's store, and the reduction under way."""
+
+    span: BucketSpan
+    reduce_scatter: GradReduceScatter
+    stored: slice  # this rank's shard (padding left out) in the group's store
+    holds_sums: bool = False  # its part of the store holds reductions not yet handed on
+    buffer: torch.Tensor | None = None  # this reduction's gradients, until it completes
+    arrived: set = field(default_factory=set)  # ids of the parameters gathered into `buffer`
+    started: bool = False  # reduce-scattering in this reduction
 
 
 @dataclass
 class _GroupState:
-    """One parameter group's buffers and compressed collectives."""
+    """One parameter group's buckets, the all-to-all that moves their shards into the ZeRO
+    partition, and its weight all-gather."""
 
-    grads: torch.Tensor | None  # the layout of the group's flat bf16 buffer, accumulation dtype
-    offsets: dict[int, int]  # id(param) -> element offset in the flat buffer
-    reduce_scatter: GradReduceScatter | None
-    all_gather: WeightAllGather | None = None  # with a weight codec, after set-up
+    buckets: list[_Bucket]  # in backward order
+    slot: dict[int, tuple[_Bucket, int]]  # id(param) -> its bucket, offset in the bucket
+    partition_size: int
+    store_size: int  # elements of this rank's shards of all buckets
+    sends: list[int]  # elements of the store each rank's partition holds, in rank order
+    receives: list[list[Run]]  # per source rank, its pieces of this rank's partition
+    device: torch.device
+    store: torch.Tensor | None = None  # the shards' sums, in ascending flat order
 
 
 @dataclass
@@ -54,9 +85,12 @@ class State:
     settings: Settings
     groups: ProcessGroups
     per_group: list[_GroupState]
-    grad_step: int = 0  # gradient reductions so far
+    dtype: torch.dtype  # the accumulation dtype
+    overlap: bool  # DeepSpeed's overlap_comm
+    reductions: int = 0  # backward passes whose gradients were reduced (the codec's step)
     weight_step: int = 0  # compressed all-gathers since the weight codec set up
-    pending: bool = False  # gradients accumulated since the last reduction
+    in_flight: deque = field(default_factory=deque)  # (bucket, handle), oldest first
+    weight_gathers: list[WeightAllGather] = field(default_factory=list)  # one per group
     wire: WireCounter = field(default_factory=WireCounter)
 
 
@@ -81,22 +115,56 @@ def attach(optimizer, settings: Settings) -> None:
                      'enable "bf16" in the DeepSpeed config')
     _install()
     groups = ProcessGroups.create(optimizer.dp_process_group, settings.ranks_per_node)
+    dtype = _accumulation_dtype(optimizer)
     per_group = []
-    for i, flat in enumerate(flats):
-        offsets = {id(p): (p.data_ptr() - flat.data_ptr()) // flat.element_size()
-                   for p in optimizer.bit16_groups[i]}
-        grads = rs = None
-        if config.compresses_grads:
-            grads = torch.zeros(flat.numel(), dtype=_accumulation_dtype(optimizer),
-                                device=flat.device)
-            rs = GradReduceScatter(groups, config, flat.numel(), bucket_id=i, device=flat.device)
-        per_group.append(_GroupState(grads, offsets, rs))
-    log_route_notice("ZeRO stage 1/2 parameter groups",
-                     [g.reduce_scatter for g in per_group if g.reduce_scatter is not None])
-    optimizer._sdp4bit = State(settings, groups, per_group)
+    if config.compresses_grads:
+        bucket_ids = iter(range(limits().max_bucket_id + 1))
+        per_group = [_group_state(optimizer, i, groups, config, dtype, bucket_ids)
+                     for i in range(len(flats))]
+    log_route_notice("ZeRO stage 1/2 gradient buckets",
+                     [b.reduce_scatter for g in per_group for b in g.buckets])
+    optimizer._sdp4bit = State(settings, groups, per_group, dtype, bool(optimizer.overlap_comm))
     if config.compresses_weights:
         _set_up_weights(optimizer)
     _ATTACHED.add(optimizer)
+
+
+def _group_state(optimizer, i: int, groups: ProcessGroups, config, dtype: torch.dtype,
+                 bucket_ids) -> _GroupState:
+    """Plans group `i`'s buckets and sets up their reduce-scatters (collective)."""
+    flat, params = optimizer.bit16_groups_flat[i], optimizer.bit16_groups[i]
+    rank, world = groups.rank, groups.size
+    partition_size = optimizer.partition_size[i]
+    if partition_size * world != flat.numel():
+        raise Sdp4bitError(f"parameter group {i}: DeepSpeed's partitions ({world} x "
+                           f"{partition_size}) do not tile its flat buffer of {flat.numel()} "
+                           "elements")
+    offsets = [(p.data_ptr() - flat.data_ptr()) // flat.element_size() for p in params]
+    spans = plan_buckets([(o, p.numel()) for o, p in zip(offsets, params)], flat.numel(),
+                         optimizer.reduce_bucket_size, world)
+    buckets, slot, stored = [], {}, 0
+    for span in spans:
+        bucket_id = next(bucket_ids, None)
+        if bucket_id is None:
+            raise Sdp4bitError(
+                f"ZeRO stage 1/2 needs more gradient buckets than the core's "
+                f"{limits().max_bucket_id + 1} bucket ids; raise zero_optimization."
+                f"reduce_bucket_size (now {optimizer.reduce_bucket_size})")
+        buckets.append(_Bucket(span, GradReduceScatter(groups, config, span.padded, bucket_id,
+                                                       device=flat.device), slice(0)))
+        for k in span.params:
+            slot[id(params[k])] = (buckets[-1], offsets[k] - span.lo)
+    # The store holds this rank's shards in ascending flat order: then the pieces for each
+    # partition follow one another in rank order, so the store is the all-to-all's input.
+    for bucket in sorted(buckets, key=lambda b: b.span.lo):
+        start, end = bucket.span.shard(rank, world)
+        bucket.stored = slice(stored, stored + end - start)
+        stored += end - start
+    sends = [sum(run.length for run in runs_between(spans, world, partition_size, rank, dest))
+             for dest in range(world)]
+    return _GroupState(buckets, slot, partition_size, stored, sends,
+                       [runs_between(spans, world, partition_size, source, rank)
+                        for source in range(world)], flat.device)
 
 
 def _accumulation_dtype(optimizer) -> torch.dtype:
@@ -115,9 +183,9 @@ def _set_up_weights(optimizer) -> None:
     """(Re)builds the weight all-gathers from the flat buffers as every replica holds them."""
     state = optimizer._sdp4bit
     check_replicas_identical(list(optimizer.bit16_groups_flat), optimizer.dp_process_group)
-    for i, (flat, group_state) in enumerate(zip(optimizer.bit16_groups_flat, state.per_group)):
-        group_state.all_gather = WeightAllGather(state.groups, state.settings.config, flat,
-                                                 bucket_id=i)
+    state.weight_gathers = [WeightAllGather(state.groups, state.settings.config, flat,
+                                            bucket_id=i)
+                            for i, flat in enumerate(optimizer.bit16_groups_flat)]
     state.weight_step = 0
 
 
@@ -127,8 +195,9 @@ def _install() -> None:
     cls = stage_1_and_2.DeepSpeedZeroOptimizer
     if _PATCHES.installed("step"):
         return
-    _PATCHES.install(cls, "reduce_independent_p_g_buckets_and_remove_grads", _accumulate)
+    _PATCHES.install(cls, "reduce_independent_p_g_buckets_and_remove_grads", _take_gradient)
     _PATCHES.install(cls, "independent_gradient_partition_epilogue", _epilogue)
+    _PATCHES.install(cls, "setup_buckets", _setup_buckets)
     _PATCHES.install(cls, "step", _step)
     _PATCHES.install(stage_1_and_2, "all_gather_dp_groups", _all_gather_dp_groups)
 
@@ -138,9 +207,18 @@ def _grads_state(optimizer) -> State | None:
     return state if isinstance(state, State) and state.settings.config.compresses_grads else None
 
 
-def _accumulate(self, param, i):
-    """Instead of bucketing `param`'s gradient for DeepSpeed's reduction: adds it into the
-    group's accumulation buffer at the parameter's place and frees it."""
+def _setup_buckets(self):
+    """DeepSpeed's set-up for a backward pass, less its IPG buffers (``reduce_bucket_size``
+    elements, two with overlap_comm), which sdp4bit's buckets replace."""
+    _PATCHES.original("setup_buckets")(self)
+    if _grads_state(self) is not None:
+        for bucket in self.ipg_buckets.values():
+            bucket.buffer.clear()
+
+
+def _take_gradient(self, param, i):
+    """Instead of DeepSpeed's IPG bucket: copies `param`'s gradient into its bucket's buffer,
+    frees it, and starts the bucket's reduce-scatter once its last gradient is in."""
     state = _grads_state(self)
     if state is None:
         return _PATCHES.original("reduce_independent_p_g_buckets_and_remove_grads")(self, param, i)
@@ -149,49 +227,118 @@ def _accumulate(self, param, i):
     grad = self.get_gradient_for_reduction(param)
     if grad is None:
         return None
-    group_state = state.per_group[i]
-    start = group_state.offsets[id(param)]
+    bucket, offset = state.per_group[i].slot[id(param)]
+    if bucket.started or id(param) in bucket.arrived:
+        raise Sdp4bitError(
+            f"a gradient of parameter group {i} (shape {tuple(param.shape)}) arrived twice in "
+            "one backward pass; DeepSpeed's ZeRO 1/2 reduces each gradient once per pass, and "
+            "so does sdp4bit")
+    if bucket.buffer is None:
+        bucket.buffer = torch.zeros(bucket.span.padded, dtype=state.dtype, device=grad.device)
     with torch.no_grad():
-        group_state.grads[start:start + param.numel()].add_(grad.detach().reshape(-1))
+        bucket.buffer[offset:offset + param.numel()].copy_(grad.detach().reshape(-1))
+    bucket.arrived.add(id(param))
     self.clear_grad_attribute(param)
     param.grad = None
-    state.pending = True
+    if len(bucket.arrived) == len(bucket.span.params):
+        _start(self, state, state.per_group[i], bucket)
     return None
 
 
+def _start(optimizer, state: State, group: _GroupState, bucket: _Bucket) -> None:
+    """Starts `bucket`'s reduce-scatter (of zeros where no gradient arrived); without
+    overlap_comm waits for it at once, with it first waits for the oldest of two in flight."""
+    if bucket.buffer is None:
+        bucket.buffer = torch.zeros(bucket.span.padded, dtype=state.dtype,
+                                    device=group.device)
+    if optimizer.gradient_average:
+        bucket.buffer.div_(state.groups.size / float(optimizer.sequence_parallel_size))
+    while state.overlap and len(state.in_flight) >= _IN_FLIGHT:
+        _complete_oldest(state)
+    shard = local_shard(bucket.buffer, state.groups.rank, state.groups.size)
+    handle = bucket.reduce_scatter.start(bucket.buffer, shard, state.reductions)
+    bucket.started = True
+    state.in_flight.append((group, bucket, handle))
+    if not state.overlap:
+        _complete_oldest(state)
+
+
+def _complete_oldest(state: State) -> None:
+    """Waits for the oldest bucket in flight and adds its shard into the group's store (every
+    bucket is reduced in every reduction, so the first one of a step writes each place)."""
+    group, bucket, handle = state.in_flight.popleft()
+    handle.wait()
+    state.wire.add_grad(bucket.reduce_scatter, state.reductions)
+    if group.store is None:
+        group.store = torch.empty(group.store_size, dtype=state.dtype, device=group.device)
+    shard = local_shard(bucket.buffer, state.groups.rank, state.groups.size)
+    summed = shard[:bucket.stored.stop - bucket.stored.start]
+    if bucket.holds_sums:
+        group.store[bucket.stored].add_(summed)
+    else:
+        group.store[bucket.stored].copy_(summed)
+        bucket.holds_sums = True
+    bucket.buffer = None
+
+
 def _epilogue(self):
-    """At the gradient-accumulation boundary: reduce-scatters every group's accumulated
-    gradients with the gradient codec and hands this rank's partition to the step as
-    DeepSpeed's flat gradient partition."""
+    """After a backward pass that reduced gradients: reduce-scatters the buckets still waiting
+    (whose gradients did not all arrive), completes every reduction, and at the accumulation
+    boundary moves the summed shards into this rank's ZeRO partitions, which the step reads
+    as DeepSpeed's flat gradient partitions."""
     state = _grads_state(self)
     if state is None:
         return _PATCHES.original("independent_gradient_partition_epilogue")(self)
-    from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
+    buckets = [b for g in state.per_group for b in g.buckets]
+    if any(b.started or b.arrived for b in buckets):
+        for group in state.per_group:
+            for bucket in group.buckets:
+                if not bucket.started:
+                    _start(self, state, group, bucket)
+        while state.in_flight:
+            _complete_oldest(state)
+        for bucket in buckets:
+            bucket.started = False
+            bucket.arrived.clear()
+        state.reductions += 1
+    if self.is_gradient_accumulation_boundary() and any(g.store is not None
+                                                         for g in state.per_group):
+        from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
 
-    if self.is_gradient_accumulation_boundary() and state.pending:
-        rank, size = state.groups.rank, state.groups.size
-        divisor = size / float(self.sequence_parallel_size) if self.gradient_average else 1.0
-        handles = []
-        for group_state in state.per_group:
-            if divisor != 1.0:
-                group_state.grads.div_(divisor)
-            shard = local_shard(group_state.grads, rank, size)
-            handles.append(group_state.reduce_scatter.start(group_state.grads, shard,
-                                                            state.grad_step))
-        for i, (group_state, handle) in enumerate(zip(state.per_group, handles)):
-            handle.wait()
-            state.wire.add_grad(group_state.reduce_scatter, state.grad_step)
-            partition = local_shard(group_state.grads, rank, size).clone()
-            group_state.grads.zero_()
+        for i, group_state in enumerate(state.per_group):
+            partition = _to_partition(self, state, group_state)
             self.averaged_gradients[i] = GradPartitionBufferGroup(
                 _partition_views(partition, self.params_in_partition[i], self.first_offset[i]),
                 partition)
-        state.grad_step += 1
-        state.pending = False
     for i in range(len(self.params_already_reduced)):
         self.params_already_reduced[i] = False
+    self._release_ipg_buffers()  # as DeepSpeed's epilogue: the next backward sets up again
     self._clear_param_grad_only()
     self._epilogue_ran_this_backward = True
+
+
+def _to_partition(optimizer, state: State, group: _GroupState) -> torch.Tensor:
+    """This rank's ZeRO partition of the summed gradients: every rank sends each piece of its
+    store to the partition holding it (one all-to-all, exact values) and the receiver places
+    the pieces. The store is released; the next reduction starts a new one."""
+    rank, size = state.groups.rank, group.store.element_size()
+    receive_sizes = [sum(run.length for run in runs) for runs in group.receives]
+    received = torch.empty(sum(receive_sizes), dtype=state.dtype, device=group.device)
+    dist.all_to_all_single(received.view(torch.uint8), group.store.view(torch.uint8),
+                           [n * size for n in receive_sizes], [n * size for n in group.sends],
+                           group=optimizer.dp_process_group)
+    state.wire.add_exact((group.store_size - group.sends[rank]) * size)
+    group.store = None
+    for bucket in group.buckets:
+        bucket.holds_sums = False
+    partition = torch.empty(group.partition_size, dtype=state.dtype, device=group.device)
+    first, at = rank * group.partition_size, 0
+    for runs in group.receives:
+        for run in runs:
+            partition[run.start - first:run.start - first + run.length].copy_(
+                received[at:at + run.length])
+            at += run.length
+    return partition
 
 
 def _partition_views(partition: torch.Tensor, params, first_offset: int) -> list[torch.Tensor]:
@@ -231,11 +378,11 @@ def _all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_grou
     state = getattr(stepping, "_sdp4bit", None)
     if (isinstance(state, State) and state.settings.config.compresses_weights
             and groups_flat is stepping.bit16_groups_flat):
-        handles = [g.all_gather.start(flat, state.weight_step)
-                   for g, flat in zip(state.per_group, groups_flat)]
-        for g, handle in zip(state.per_group, handles):
+        handles = [ag.start(flat, state.weight_step)
+                   for ag, flat in zip(state.weight_gathers, groups_flat)]
+        for ag, handle in zip(state.weight_gathers, handles):
             handle.wait()
-            state.wire.add_weight(g.all_gather)
+            state.wire.add_weight(ag)
         state.weight_step += 1
         return None
     result = _PATCHES.original("all_gather_dp_groups")(groups_flat, partitioned_param_groups,

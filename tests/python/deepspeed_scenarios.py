@@ -3,6 +3,7 @@ gloo), with and without the config's "sdp4bit" section."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -23,13 +24,15 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 def _ds_config(stage: int, gas: int, section: dict | None,
-               grad_accum_dtype: str | None = None) -> dict:
+               grad_accum_dtype: str | None = None, zero: dict | None = None) -> dict:
+    """A bf16 AdamW config; `zero` adds to ``zero_optimization`` (e.g. ``reduce_bucket_size``,
+    ``overlap_comm``)."""
     config = {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": gas,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero or {})},
         "steps_per_print": 10**9,
     }
     if section is not None:
@@ -54,46 +57,60 @@ def _replicas_identical(bits: torch.Tensor) -> bool:
 
 
 def _spy_on_reduce_scatters(optimizer, seen: list):
-    """Records each group's bucket as it enters the compressed reduce-scatter."""
+    """Records each gradient bucket as it enters its compressed reduce-scatter, with the
+    events "start"/"wait" of every bucket in the order they happen."""
     for i, group_state in enumerate(optimizer._sdp4bit.per_group):
-        rs = group_state.reduce_scatter
-        original = rs.start
+        for bucket in group_state.buckets:
+            rs = bucket.reduce_scatter
+            original = rs.start
 
-        def start(bucket, shard, step, rs=rs, i=i, original=original):
-            seen.append((i, rs, step, bucket.clone()))
-            return original(bucket, shard, step)
+            def start(buffer, shard, step, rs=rs, i=i, bucket=bucket, original=original):
+                seen.append((i, bucket, step, buffer.clone()))
+                return original(buffer, shard, step)
 
-        rs.start = start
+            rs.start = start
 
 
 def _check_partitions_against_core(optimizer, seen: list) -> int:
-    """Each group's gradient partition, as the step reads it, is of DeepSpeed's accumulation
-    dtype and equals the Rust core's in-process reduce-scatter of every rank's bucket (of its
-    fp32 values, rounded to bf16 for a bf16 bucket), byte for byte. Returns how many
-    partitions it compared."""
+    """At an accumulation boundary: each group's gradient partition, as the step reads it, is of
+    DeepSpeed's accumulation dtype and equals what the Rust core's in-process reduce-scatter
+    of every rank's buckets gives (of their fp32 values, rounded to bf16 for bf16 buckets),
+    summed over the step's reductions in that dtype and cut into DeepSpeed's partitions, byte
+    for byte. Returns how many partitions it compared."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    labels = optimizer._sdp4bit.groups.node_labels
-    for i, rs, step, bucket in seen:
-        every = [torch.empty_like(bucket) for _ in range(world)]
-        dist.all_gather(every, bucket)
-        expected = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
-            rs.config.spec(), labels, rs.bucket_id, step,
-            torch.stack(every).float())[rank].to(bucket.dtype)
+    state = optimizer._sdp4bit
+    labels = state.groups.node_labels
+    expected = [torch.zeros(g.partition_size * world, dtype=state.dtype)
+                for g in state.per_group]
+    summed = set()
+    for i, bucket, step, buffer in seen:
+        every = [torch.empty_like(buffer) for _ in range(world)]
+        dist.all_gather(every, buffer)
+        shards = torch.ops.sdp4bit.simulate_grad_reduce_scatter(
+            bucket.reduce_scatter.config.spec(), labels, bucket.reduce_scatter.bucket_id, step,
+            torch.stack(every).float()).to(buffer.dtype)
+        span = bucket.span
+        whole = shards.reshape(-1)[:span.hi - span.lo]
+        target = expected[i][span.lo:span.hi]
+        target.add_(whole) if id(bucket) in summed else target.copy_(whole)
+        summed.add(id(bucket))
+    for i, group_state in enumerate(state.per_group):
         got = optimizer.averaged_gradients[i].flat_partition
         assert got.dtype == optimizer.gradient_accumulation_dtype, got.dtype
+        size = group_state.partition_size
+        want = expected[i][rank * size:(rank + 1) * size]
         bits = torch.int32 if got.dtype == torch.float32 else torch.int16
-        assert torch.equal(got.view(bits), expected.view(bits)), (
-            f"group {i} step {step} differs from the core")
-    compared = len(seen)
+        assert torch.equal(got.view(bits), want.view(bits)), (
+            f"group {i} differs from the core at reduction {seen[-1][2]}")
     seen.clear()
-    return compared
+    return len(state.per_group)
 
 
 def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
-          exact_gather_at=None, grad_accum_dtype=None):
+          exact_gather_at=None, grad_accum_dtype=None, zero=None):
     """Trains `steps` optimizer steps of `gas` micro-batches; returns (losses, final params as
     bytes, (sent, uncompressed) bytes, partitions compared with the core). `section` None:
-    plain deepspeed.initialize."""
+    plain deepspeed.initialize; `zero`: more ``zero_optimization`` entries."""
     import deepspeed
 
     import sdp4bit.deepspeed as deepspeed_zero
@@ -102,17 +119,16 @@ def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model(1234)
-    config = _ds_config(stage, gas, section, grad_accum_dtype)
+    config = _ds_config(stage, gas, section, grad_accum_dtype, zero)
     init = deepspeed.initialize if section is None else deepspeed_zero.initialize
     engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(),
                                    config=config)
     seen, compared = [], 0
     if check_against_core:
-        # The accumulation buffer has DeepSpeed's accumulation dtype: bf16 (the model's) by
-        # default, fp32 when the config asks for it; no fp32 copy of a bf16 buffer.
+        # The buckets and the shards' sums have DeepSpeed's accumulation dtype: bf16 (the
+        # model's) by default, fp32 when the config asks for it; no fp32 copy of a bf16 buffer.
         wanted = torch.float32 if grad_accum_dtype == "fp32" else torch.bfloat16
-        for group_state in optimizer._sdp4bit.per_group:
-            assert group_state.grads.dtype == wanted, (group_state.grads.dtype, wanted)
+        assert optimizer._sdp4bit.dtype == wanted, (optimizer._sdp4bit.dtype, wanted)
         _spy_on_reduce_scatters(optimizer, seen)
     g = torch.Generator().manual_seed(500 + rank)
     target = torch.nn.Linear(HIDDEN, 8)
@@ -125,7 +141,7 @@ def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
                 y = target(x).detach()
                 loss = (engine(x.bfloat16()).float() - y).pow(2).mean()
                 engine.backward(loss)
-                if check_against_core and seen:
+                if check_against_core and engine.is_gradient_accumulation_boundary():
                     compared += _check_partitions_against_core(optimizer, seen)
                 engine.step()
                 losses.append(loss.item())
@@ -137,6 +153,150 @@ def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
     sent = deepspeed_zero.wire_bytes(optimizer)
     deepspeed_zero.detach(optimizer)
     return losses, params.numpy().tobytes(), sent, compared
+
+
+def first_partition(rank, world, section):
+    """ZeRO 2 in buckets of 5000 elements (`section` None: DeepSpeed's own path): one step's
+    backward pass. Returns this rank's gradient partition as the step would read it (fp32),
+    and with `section`, per element of it the sum over ranks of the magnitudes reduced
+    (|g_j| / W, from every rank's buckets)."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(2, 1, section, zero={"reduce_bucket_size": 5000})
+    init = deepspeed.initialize if section is None else deepspeed_zero.initialize
+    engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(),
+                                   config=config)
+    seen = []
+    if section is not None:
+        _spy_on_reduce_scatters(optimizer, seen)
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(800 + rank))
+    engine.backward(engine(x.bfloat16()).float().pow(2).mean())
+    grads = optimizer.averaged_gradients[0]
+    partition = getattr(grads, "flat_partition", None)
+    if partition is None:
+        partition = torch.cat([t.reshape(-1) for t in grads])
+    magnitudes = None
+    if section is not None:
+        size = optimizer._sdp4bit.per_group[0].partition_size
+        flat = torch.zeros(size * world)
+        for _, bucket, _, buffer in seen:
+            every = [torch.empty_like(buffer) for _ in range(world)]
+            dist.all_gather(every, buffer)
+            total = torch.stack(every).float().abs().sum(0)
+            flat[bucket.span.lo:bucket.span.hi] = total[:bucket.span.hi - bucket.span.lo]
+        magnitudes = flat[rank * size:(rank + 1) * size]
+        deepspeed_zero.detach(optimizer)
+    return partition.float(), magnitudes
+
+
+def reduction_timeline(rank, world, overlap):
+    """ZeRO 2 in buckets of 5000 elements with `overlap` as ``overlap_comm``: one step.
+    Returns the order of events: ("start", bucket) and ("wait", bucket) of each compressed
+    reduce-scatter, ("epilogue",) where the backward pass ends (DeepSpeed's epilogue)."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(1234)
+    config = _ds_config(2, 1, {"preset": "sdp4bit", "ranks_per_node": 1},
+                        zero={"reduce_bucket_size": 5000, "overlap_comm": overlap})
+    engine, optimizer, _, _ = deepspeed_zero.initialize(
+        model=model, model_parameters=model.parameters(), config=config)
+    events = []
+    for k, bucket in enumerate(optimizer._sdp4bit.per_group[0].buckets):
+        rs, original = bucket.reduce_scatter, bucket.reduce_scatter.start
+
+        def start(buffer, shard, step, k=k, original=original):
+            events.append(("start", k))
+            handle = original(buffer, shard, step)
+            wait = handle.wait
+
+            def recorded_wait():
+                events.append(("wait", k))
+                wait()
+
+            handle.wait = recorded_wait
+            return handle
+
+        rs.start = start
+    epilogue = optimizer.independent_gradient_partition_epilogue
+
+    def recorded_epilogue():
+        events.append(("epilogue",))
+        epilogue()
+
+    optimizer.independent_gradient_partition_epilogue = recorded_epilogue
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(900 + rank))
+    engine.backward(engine(x.bfloat16()).float().pow(2).mean())
+    engine.step()
+    deepspeed_zero.detach(optimizer)
+    return events
+
+
+LAYERS, WIDTH = 16, 512  # the memory test's model: N = 16 x 512^2 elements
+
+
+def _tensor_bytes() -> int:
+    """Bytes of the storages of every tensor Python can reach (each storage once)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def memory_held(rank, world, section, hold_full_buffer=False):
+    """ZeRO 2, overlap_comm, buckets of one layer, on a bf16 model of LAYERS square layers:
+    the bytes of every tensor Python can reach, less those before ``initialize``, as the
+    second step's backward pass ends (where DeepSpeed's epilogue starts: the reduction's
+    buffers are full) and after that step. `hold_full_buffer` (the control) keeps a gradient
+    buffer the size of the model from set-up on, as sdp4bit's ZeRO 1/2 path did before it
+    reduced by bucket."""
+    import deepspeed
+
+    import sdp4bit.deepspeed as deepspeed_zero
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False)
+                                  for _ in range(LAYERS)))
+    config = _ds_config(2, 1, section,
+                        zero={"reduce_bucket_size": WIDTH * WIDTH, "overlap_comm": True})
+    init = deepspeed.initialize if section is None else deepspeed_zero.initialize
+    g = torch.Generator().manual_seed(950 + rank)
+    before = _tensor_bytes()
+    engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(),
+                                   config=config)
+    full = torch.zeros(LAYERS * WIDTH * WIDTH, dtype=torch.bfloat16) if (
+        hold_full_buffer) else None
+    at_epilogue = []
+    epilogue = optimizer.independent_gradient_partition_epilogue
+
+    def measured_epilogue():
+        at_epilogue.append(_tensor_bytes() - before)
+        epilogue()
+
+    optimizer.independent_gradient_partition_epilogue = measured_epilogue
+    for _ in range(2):
+        loss = engine(torch.randn(8, WIDTH, generator=g).bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    del loss
+    after = _tensor_bytes() - before
+    if section is not None:
+        deepspeed_zero.detach(optimizer)
+    del full
+    return at_epilogue[-1], after
 
 
 def nan_skips_the_step(rank, world, stage):

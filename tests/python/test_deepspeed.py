@@ -28,30 +28,110 @@ def test_baseline_preset_is_bit_exact_with_deepspeeds_own_path(stage):
         assert sent == (0, 0)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_sdp4bit_partitions_equal_the_core_and_replicas_stay_identical(stage):
-    # W = 4 as 2 nodes x 2 ranks, two micro-batches per step, an exact all-gather (as when
-    # loading a checkpoint) after step 2, which restarts qWD from the gathered weights.
+# Buckets of at most 5000 elements cut the test model (33 608 parameters) into four, in
+# backward order: the last layer's three tensors, then one tensor each; at W = 4 their shards
+# straddle DeepSpeed's partitions of 8402 elements.
+BUCKETS = {"reduce_bucket_size": 5000}
+
+
+@pytest.mark.parametrize("stage, overlap", [(1, False), (1, True), (2, False), (2, True)])
+def test_sdp4bit_partitions_equal_the_core_and_replicas_stay_identical(stage, overlap):
+    # W = 4 as 2 nodes x 2 ranks, two micro-batches per step (ZeRO 2 reduces after each, ZeRO 1
+    # at the boundary), an exact all-gather (as when loading a checkpoint) after step 2, which
+    # restarts qWD from the gathered weights.
     section = {"preset": "sdp4bit", "ranks_per_node": 2, "seed": 3}
-    per_rank = run_ranks(4, ds.train, stage, section, 5, 2, True, 2, env=CPU)
+    zero = {**BUCKETS, "overlap_comm": overlap}
+    per_rank = run_ranks(4, ds.train, stage, section, 5, 2, True, 2, None, zero, env=CPU)
     for losses, _, (sent, uncompressed), compared in per_rank:
         assert compared == 5, "every step's partitions are compared with the core"
         assert all(torch.isfinite(torch.tensor(losses)))
-        assert 0 < sent < uncompressed / 3.5  # 4-bit weights and gradients, with group scales
+        # 4-bit weights and gradients with group scales, the two small buckets' shards padded
+        # to the codec's unit, plus at each boundary the exact bf16 all-to-all of the shards'
+        # pieces that lie in other ranks' partitions (about half of 1/W of the elements here).
+        assert 0 < sent < uncompressed / 2, (sent, uncompressed)
     params = {p for _, p, _, _ in per_rank}
     assert len(params) == 1, "replicas differ"
 
 
 def test_fp32_gradient_accumulation_stays_fp32_on_zero_2():
-    # "grad_accum_dtype": "fp32": DeepSpeed keeps fp32 gradient accumulators, and so does the
-    # buffer sdp4bit reduce-scatters (the partitions are fp32, checked against the core); the
-    # default (bf16, the model's dtype) is the test above.
+    # "grad_accum_dtype": "fp32": DeepSpeed keeps fp32 gradient accumulators, and so do the
+    # bucket buffers and shard sums sdp4bit keeps (the partitions are fp32, checked against the
+    # core); the default (bf16, the model's dtype) is the test above.
     section = {"preset": "sdp4bit", "ranks_per_node": 2, "seed": 3}
-    per_rank = run_ranks(4, ds.train, 2, section, 3, 2, True, None, "fp32", env=CPU)
+    per_rank = run_ranks(4, ds.train, 2, section, 3, 2, True, None, "fp32", BUCKETS, env=CPU)
     for losses, _, _, compared in per_rank:
         assert compared == 3, "every step's partitions are compared with the core"
         assert all(torch.isfinite(torch.tensor(losses)))
     assert len({p for _, p, _, _ in per_rank}) == 1, "replicas differ"
+
+
+def test_bucketed_reduction_gives_deepspeeds_own_partitions():
+    # The same bucket layout and data through DeepSpeed's own ZeRO 2 (bf16 reduce to each
+    # piece's owner) and through sdp4bit's buckets, shards and all-to-all with quantization
+    # deferred (grad_quant_start_step: the fp32 reduce-scatter): the partitions differ only by
+    # rounding. Ours rounds the fp32 sum of W bf16 terms x_j once, |ours - S| <= u |S|; a bf16
+    # reduction rounds after each of its W - 1 additions, |own - S| <= (W - 1) u sum|x_j|
+    # (to first order), u = 2^-8; so |ours - own| <= W u sum|x_j| per element, with 1% slack
+    # for the higher-order terms. The control: 4-bit gradients break that bound.
+    world = 4
+    own = run_ranks(world, ds.first_partition, None, env=CPU)
+    exact = {"preset": "sdp4bit", "ranks_per_node": 2, "grad_quant_start_step": 100}
+    ours = run_ranks(world, ds.first_partition, exact, env=CPU)
+    quantized = run_ranks(world, ds.first_partition, {**exact, "grad_quant_start_step": 0},
+                          env=CPU)
+    bound_kept = broken = 0
+    for (own_partition, _), (partition, magnitudes), (q_partition, _) in zip(own, ours,
+                                                                             quantized):
+        padding = own_partition.numel()
+        assert partition.numel() >= padding and not partition[padding:].any()
+        bound = world * 2.0**-8 * magnitudes[:padding] * 1.01
+        assert magnitudes.sum() > 0
+        bound_kept += bool(((partition[:padding] - own_partition).abs() <= bound).all())
+        broken += bool(((q_partition[:padding] - own_partition).abs() > bound).any())
+    assert bound_kept == world, "a partition differs from DeepSpeed's beyond rounding"
+    assert broken == world, "the control: quantized gradients should exceed the bound"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_buckets_reduce_during_the_backward_pass(overlap):
+    # The four buckets' reduce-scatters start from DeepSpeed's gradient hooks, before the
+    # backward pass ends. With overlap_comm each runs while later gradients are computed, two in
+    # flight at most (DeepSpeed's two IPG buffers); without it each completes before the next
+    # gradient is taken.
+    for events in run_ranks(2, ds.reduction_timeline, overlap, env=CPU):
+        starts = [e[1] for e in events if e[0] == "start"]
+        assert starts == [0, 1, 2, 3], events
+        end = events.index(("epilogue",))
+        assert ("start", 3) in events[:end], "the last bucket starts during the backward pass"
+        in_flight, most = set(), 0
+        for event in events:
+            if event[0] == "start":
+                in_flight.add(event[1])
+            elif event[0] == "wait":
+                in_flight.discard(event[1])
+            most = max(most, len(in_flight))
+        assert most == (2 if overlap else 1), events
+        if overlap:
+            assert ("wait", 3) in events[end:], "the last bucket is awaited at the epilogue"
+
+
+def test_zero_2_holds_no_more_memory_than_deepspeeds_own_reduction():
+    # Bytes of every tensor Python reaches (W = 4, ZeRO 2, overlap_comm, buckets of one of 16
+    # layers) where the backward pass ends and after the step: sdp4bit's store of shard sums
+    # and two buckets in flight take the place of DeepSpeed's gradient partition and two IPG
+    # buffers, and nothing stays after the step. The control holds a model-sized bf16 gradient
+    # buffer (sdp4bit's ZeRO 1/2 path before it reduced by bucket): it is seen, byte for byte,
+    # and breaks the comparison.
+    section = {"preset": "sdp4bit", "ranks_per_node": 2}
+    own = run_ranks(4, ds.memory_held, None, env=CPU)
+    ours = run_ranks(4, ds.memory_held, section, env=CPU)
+    control = run_ranks(4, ds.memory_held, section, True, env=CPU)
+    full = ds.LAYERS * ds.WIDTH**2 * 2
+    for own_bytes, our_bytes, control_bytes in zip(own, ours, control):
+        for own_at, our_at, control_at in zip(own_bytes, our_bytes, control_bytes):
+            assert our_at <= own_at, (our_bytes, own_bytes)
+            assert control_at - our_at == full
+            assert control_at > own_at
 
 
 @pytest.mark.parametrize("preset", ["qsdp", "global-qsgd", "zeropp"])
