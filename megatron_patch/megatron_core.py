@@ -43,7 +43,7 @@ from sdp4bit import (Config, GradReduceScatter, Handle, ProcessGroups, Sdp4bitEr
 from sdp4bit._patching import Patches
 from sdp4bit.integration import WireCounter, local_shard, log_route_notice, require_bf16
 from sdp4bit.replicas import check_replicas_identical, checksums_across
-from sdp4bit.telemetry import ErrorStats, Telemetry, announce
+from sdp4bit.telemetry import ErrorStats, Telemetry, announce, logger
 
 _PATCHES = Patches()
 # The data-parallel wrappers sdp4bit refuses, by class name (each __init__ in a set of its own:
@@ -134,8 +134,9 @@ def _ddp_init(self, *args, **kwargs):
                         "embedding's); make the buckets larger (bucket_size)")
             bucket.sdp4bit_bucket_id = bucket_id
             starts = {p: buffer.param_index_map[p][0] - bucket.offset for p in bucket.params_list}
+            bucket.sdp4bit_exact_params = [p for p in bucket.params_list if p in exact]
             bucket.sdp4bit_exact = sorted((starts[p], starts[p] + p.numel())
-                                          for p in bucket.params_list if p in exact)
+                                          for p in bucket.sdp4bit_exact_params)
     settings.models.append(self)
 
 
@@ -495,6 +496,40 @@ def _announce_when_set_up(settings: _Settings, bucket_group) -> None:
     announce(f"sdp4bit set up model chunk {chunk}: {buckets} buckets, {buckets - exact} "
              f"compressed ({exact} wholly exact); a step sends {sent:,d} B from this rank "
              f"against {uncompressed:,d} B with Megatron's own collectives ({ratio})")
+    left = _left_uncompressed(model, step)
+    if left and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("sdp4bit model chunk %d: exact_params=%s leaves uncompressed %s",
+                       chunk, settings.config.resolved.exact_params,
+                       "; ".join(f"{what}, {count:,d} B of a step's {sent:,d} B "
+                                 f"({100 * count / sent:.1f}%)" for what, count in left))
+
+
+def _left_uncompressed(ddp_model, step: int) -> list[tuple[str, int]]:
+    """What the ``exact_params`` knob keeps out of the codecs in `ddp_model`: per bucket whose
+    parameters are all exact, or that carries exact elements beside compressed ones, a
+    description naming its parameters and the bytes one step sends for them at `step`."""
+    names = {p: name for name, p in ddp_model.module.named_parameters()}
+    left = []
+    for bucket_group in _bucket_groups(ddp_model):
+        state = bucket_group._sdp4bit
+        world = state.groups.size
+        for k, bucket in enumerate(bucket_group.buckets):
+            exact = state.exact[k]
+            if state.all_exact[k]:
+                params, what = bucket.params_list, "bucket"
+                count = (state.grad[k].wire_bytes(step).total
+                         + state.weight[k].wire_bytes().total)
+            elif exact is not None:
+                params, what = bucket.sdp4bit_exact_params, "the exact elements of bucket"
+                count = exact.wire_bytes(world, 2) + (
+                    exact.wire_bytes(world, 4) if state.grad[k].quantizes_at(step) else 0)
+            else:
+                continue
+            shown = sorted(names.get(p, "?") for p in params)
+            more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+            left.append((f"{what} {bucket.sdp4bit_bucket_id} ({', '.join(shown[:3])}{more})",
+                         count))
+    return left
 
 
 def _dp_group(groups: ProcessGroups):

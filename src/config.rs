@@ -633,7 +633,9 @@ pub const KNOBS: &[Knob] = &[
     Knob {
         name: "grad_quant_start_step",
         values: ANY_U64,
-        doc: "optimizer step from which gradients are compressed (uncompressed before)",
+        doc: "gradient reduction from which gradients are compressed (uncompressed before): \
+              the optimizer step in Megatron and ZeRO 1, the reduction in ZeRO 2 (one per \
+              micro-step) and the gradient sync in FSDP2",
         applies: Applies::Always,
         set: |c, v| {
             c.grad_quant_start_step = parse(v)?;

@@ -435,12 +435,15 @@ class LogRecords(logging.Handler):
     def __init__(self, logger: logging.Logger | None = None):
         super().__init__(logging.INFO)
         self.messages = []
+        self.warnings = []  # those at WARNING or above
         logger = logger or logging.getLogger("sdp4bit")
         logger.addHandler(self)
         logger.setLevel(logging.INFO)
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+        if record.levelno >= logging.WARNING:
+            self.warnings.append(record.getMessage())
 
 
 def route_notice(rank, world, steps):
@@ -456,6 +459,20 @@ def route_notice(rank, world, steps):
     integration.disable()
     gpt.shutdown()
     return len(ddp.bucket_groups), records.messages
+
+
+def exact_params_notice(rank, world, mode):
+    """The GPT at W = 2 with ``exact_params=mode`` (no TP: only norms-biases-embeddings keeps
+    anything exact), one step. Returns the WARNING records of the ``sdp4bit`` logger."""
+    gpt.initialize(SEED)
+    records = LogRecords()
+    integration.enable(Config.from_knobs("sdp4bit", {"exact_params": mode}), local_world_size=2)
+    ddp = gpt.build_model(SHAPE, SEED, bucket_size=BUCKET)
+    optimizer = gpt.build_optimizer([ddp], lr=LR)
+    _train_step(ddp, optimizer, 0, rank)
+    integration.disable()
+    gpt.shutdown()
+    return records.warnings
 
 
 #: What sdp4bit refuses when the model is built: (name, build_model options, or the wrapper

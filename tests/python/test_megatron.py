@@ -181,6 +181,21 @@ def test_degraded_route_is_logged_once_per_bucket_group_and_rank_0_says_sdp4bit_
             assert buckets == compressed >= bucket_groups and 0 < sent < uncompressed / 2
 
 
+def test_parameters_kept_exact_are_named_in_one_warning_with_their_share_of_the_bytes():
+    # exact_params=norms-biases-embeddings (a fallback the user asks for): rank 0 warns once,
+    # naming each bucket or bucket's elements left uncompressed and its share of a step's bytes;
+    # the default (replicated, nothing replicated without TP) warns nothing.
+    per_rank = run_ranks(2, ms.exact_params_notice, "norms-biases-embeddings", env=ENV)
+    assert per_rank[1] == []
+    (warning,) = per_rank[0]
+    assert warning.startswith("sdp4bit model chunk 0: exact_params=norms-biases-embeddings "
+                              "leaves uncompressed "), warning
+    shares = [float(p) for p in re.findall(r"\(([\d.]+)%\)", warning)]
+    assert shares and all(0 < p < 100 for p in shares), warning
+    assert "embedding" in warning and "layernorm" in warning.lower(), warning
+    assert run_ranks(2, ms.exact_params_notice, "replicated", env=ENV) == [[], []]
+
+
 def test_exact_elements_keep_their_values_through_the_qwd_all_gather():
     # The set-up values put back give qWD differences of exactly 0 there, so every replica's
     # apply leaves the exact elements as they were (then they get the owners' exact values);
