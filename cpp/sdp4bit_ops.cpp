@@ -893,6 +893,114 @@ class WeightAllGather : public torch::CustomClassHolder {
   std::mutex mutex_;
 };
 
+// The Global-QSGD all-reduce of one fp32 or bf16 buffer across the groups of hybrid sharding
+// (docs/numerics.md §7.6), over `groups`, the process groups of the ranks that hold the same
+// shard in every group, on the CPU or on one CUDA device.
+class CrossGroupAllReduce : public torch::CustomClassHolder {
+ public:
+  // `stream_rank`: this rank's index in the whole DP world (its random streams');
+  // `side_stream_handle`: for a CUDA buffer, the cudaStream_t of the groups' reduce-scatter
+  // side stream of its device (ignored on the CPU).
+  CrossGroupAllReduce(c10::intrusive_ptr<ProcessGroups> groups, const std::string& config,
+                      int64_t numel, int64_t bucket_id, int64_t stream_rank,
+                      const std::string& device, int64_t side_stream_handle)
+      : groups_(std::move(groups)), numel_(numel), bucket_id_(checked_bucket_id(bucket_id)) {
+    TORCH_CHECK(numel > 0, "sdp4bit: cross-group buffer size ", numel, " must be positive");
+    TORCH_CHECK(stream_rank >= 0, "sdp4bit: stream rank ", stream_rank, " is negative");
+    std::string problem;
+    device_ = resolve_device(device, problem);
+    if (problem.empty()) problem = groups_->kind_problem(device_);
+    if (problem.empty()) problem = device_problem(device_);
+    executor_device_ = groups_->executor_device(device_, problem.empty());
+    auto parsed = ffi::parse_config(config);
+    groups_->run_in_order(executor_device_, [&] {
+      ffi::agree_on_setup(groups_->comms(), *parsed, problem, bucket_id_,
+                          static_cast<size_t>(numel));
+    });
+    bucket_ = rethrow_as_torch_error([&] {
+      auto size = static_cast<size_t>(groups_->size());
+      auto rank = static_cast<size_t>(groups_->rank());
+      auto numel_z = static_cast<size_t>(numel);
+      auto streams = static_cast<size_t>(stream_rank);
+      if (device_.is_cuda()) {
+        c10::Stream side = groups_->side_stream(device_, kKind);
+        uint64_t raw = checked_side_stream_handle(side, side_stream_handle);
+        c10::StreamGuard on_side(side);
+        return ffi::new_cuda_cross_group_bucket(*parsed, size, rank, numel_z, bucket_id_,
+                                                streams, static_cast<size_t>(device_.index()),
+                                                raw);
+      }
+      return ffi::new_cross_group_bucket(*parsed, size, rank, numel_z, bucket_id_, streams);
+    });
+    groups_->serve(device_);
+  }
+
+  std::string device() const { return device_.str(); }
+
+  int64_t wire_bytes() { return static_cast<int64_t>((*bucket_)->wire_bytes()); }
+
+  int64_t baseline_wire_bytes() {
+    return static_cast<int64_t>((*bucket_)->baseline_wire_bytes());
+  }
+
+  // All-reduces `data` in place for optimizer step `step`; ordered as
+  // GradReduceScatter::start is (a CUDA buffer on the side stream after the current stream's
+  // work; a CPU buffer on the executor).
+  c10::intrusive_ptr<Work> start(at::Tensor data, int64_t step, int64_t side_stream_handle) {
+    TORCH_CHECK(data.scalar_type() == at::kFloat || data.scalar_type() == at::kBFloat16,
+                "sdp4bit: the cross-group buffer must be torch.float32 or torch.bfloat16, got ",
+                data.scalar_type());
+    check_tensor("cross-group buffer", data, data.scalar_type(), numel_, device_);
+    uint64_t at_step = checked_step(step);
+    bool bf16 = data.scalar_type() == at::kBFloat16;
+    auto owner = c10::intrusive_ptr<CrossGroupAllReduce>::reclaim_copy(this);
+    if (device_.is_cuda()) {
+      c10::Stream side = groups_->side_stream(device_, kKind);
+      uint64_t raw = checked_side_stream_handle(side, side_stream_handle);
+      std::lock_guard<std::mutex> lock(mutex_);
+      DeviceCompletion done = groups_->enqueue_on_side_stream(side, {data}, [&] {
+        (*bucket_)->run_cuda(groups_->comms(), device_address(data.data_ptr()), bf16, raw,
+                             at_step);
+      });
+      return c10::make_intrusive<Work>(std::move(done), std::move(owner));
+    }
+    auto signal = new_completion_signal();
+    std::shared_future<void> done;
+    if (bf16) {
+      Span<uint16_t> span(data);
+      done = groups_->submit(
+          executor_device_,
+          [this, span, at_step] {
+            std::lock_guard<std::mutex> lock(mutex_);
+            (*bucket_)->run_bf16(groups_->comms(), span.out(), at_step);
+          },
+          signal);
+    } else {
+      Span<float> span(data);
+      done = groups_->submit(
+          executor_device_,
+          [this, span, at_step] {
+            std::lock_guard<std::mutex> lock(mutex_);
+            (*bucket_)->run(groups_->comms(), span.out(), at_step);
+          },
+          signal);
+    }
+    return c10::make_intrusive<Work>(std::move(done), std::move(signal),
+                                     std::vector<at::Tensor>{data}, std::move(owner));
+  }
+
+ private:
+  static constexpr CollectiveKind kKind = CollectiveKind::ReduceScatter;
+
+  c10::intrusive_ptr<ProcessGroups> groups_;
+  int64_t numel_;
+  uint32_t bucket_id_;
+  c10::Device device_ = c10::Device(at::kCPU);
+  std::optional<c10::Device> executor_device_;  // ProcessGroups::executor_device
+  std::optional<rust::Box<ffi::CrossGroupBucket>> bucket_;
+  std::mutex mutex_;
+};
+
 namespace {
 
 // `config` parsed, or a torch error saying why it is invalid.
@@ -955,6 +1063,28 @@ at::Tensor simulate_grad_reduce_scatter(const std::string& config,
     ffi::simulate_grad_reduce_scatter(*parsed, rust::Slice<const uint64_t>(labels.data(), labels.size()),
                                       checked_bucket_id(bucket_id), checked_step(step),
                                       const_slice<float>(in), mut_slice<float>(out));
+  });
+  return out;
+}
+
+at::Tensor simulate_cross_group_all_reduce(const std::string& config, int64_t bucket_id,
+                                           int64_t step, const std::vector<int64_t>& stream_ranks,
+                                           const at::Tensor& inputs) {
+  auto parsed = parse(config);
+  TORCH_CHECK(inputs.dim() == 2 && inputs.size(0) == static_cast<int64_t>(stream_ranks.size()),
+              "sdp4bit: inputs must be [ranks, numel] with one row per stream rank, got ",
+              inputs.sizes());
+  std::vector<uint64_t> ranks;
+  for (int64_t r : stream_ranks) {
+    TORCH_CHECK(r >= 0, "sdp4bit: stream rank ", r, " is negative");
+    ranks.push_back(static_cast<uint64_t>(r));
+  }
+  at::Tensor out = inputs.contiguous().clone();
+  check_tensor("inputs", out, at::kFloat, out.numel(), c10::Device(at::kCPU));
+  rethrow_as_torch_error([&] {
+    ffi::simulate_cross_group_all_reduce(*parsed, checked_bucket_id(bucket_id), checked_step(step),
+                                         rust::Slice<const uint64_t>(ranks.data(), ranks.size()),
+                                         mut_slice<float>(out));
   });
   return out;
 }
@@ -1042,6 +1172,13 @@ TORCH_LIBRARY(sdp4bit, m) {
       .def("shard_len", &WeightAllGather::shard_len)
       .def("wire_bytes", &WeightAllGather::wire_bytes)
       .def("baseline_wire_bytes", &WeightAllGather::baseline_wire_bytes);
+  m.class_<CrossGroupAllReduce>("CrossGroupAllReduce")
+      .def(torch::init<c10::intrusive_ptr<ProcessGroups>, std::string, int64_t, int64_t,
+                       int64_t, std::string, int64_t>())
+      .def("start", &CrossGroupAllReduce::start)
+      .def("device", &CrossGroupAllReduce::device)
+      .def("wire_bytes", &CrossGroupAllReduce::wire_bytes)
+      .def("baseline_wire_bytes", &CrossGroupAllReduce::baseline_wire_bytes);
   m.def("resolve_config(str config) -> str", &resolve_config);
   m.def("schema() -> str", &schema);
   m.def("cuda_device_report(int device) -> str", &cuda_device_report);
@@ -1055,6 +1192,10 @@ TORCH_LIBRARY(sdp4bit, m) {
       "simulate_grad_reduce_scatter(str config, int[] node_labels, int bucket_id, int step, "
       "Tensor inputs) -> Tensor",
       &simulate_grad_reduce_scatter);
+  m.def(
+      "simulate_cross_group_all_reduce(str config, int bucket_id, int step, int[] stream_ranks, "
+      "Tensor inputs) -> Tensor",
+      &simulate_cross_group_all_reduce);
   m.def(
       "simulate_weight_all_gather(str config, int[] node_labels, int bucket_id, int first_step, "
       "Tensor initial, Tensor targets) -> Tensor",

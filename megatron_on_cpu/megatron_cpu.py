@@ -103,6 +103,12 @@ def _host_stream() -> None:
     torch.cuda.current_stream = lambda device=None: HostStream()
 
 
+def _host_side_streams() -> None:
+    torch.cuda.Stream = lambda *args, **kwargs: HostStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.default_stream = lambda device=None: HostStream()
+
+
 def _no_synchronize() -> None:
     torch.cuda.synchronize = lambda device=None: None
 
@@ -126,6 +132,14 @@ SHIMS = (
          "- / distributed/param_and_grad_buffer.py:632 (0.19 only)",
          "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync",
          "torch.cuda.current_stream()", _host_stream),
+    Shim("side_streams",
+         "with several distributed-optimizer instances DDP makes a communication stream "
+         "(distributed/distributed_data_parallel.py:230 / -), which the gradient sync enters "
+         "and joins to the default stream (distributed/param_and_grad_buffer.py:417,422,529 / "
+         "-): on the CPU a collective has completed when it returns, so there is nothing to "
+         "order",
+         "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__",
+         "torch.cuda.Stream(", _host_side_streams),
     Shim("rng_tracker",
          "attention dropout always forks the CUDA RNG tracker: "
          "transformer/dot_product_attention.py:217 / 217, whose states are CUDA generator "

@@ -34,11 +34,13 @@ class Shape:
     heads: int = 4
 
 
-def initialize(seed: int, tp: int = 1, pp: int = 1, device: str | torch.device = "cpu") -> None:
+def initialize(seed: int, tp: int = 1, pp: int = 1, device: str | torch.device = "cpu",
+               instances: int = 1) -> None:
     """After ``torch.distributed.init_process_group``: on the CPU the shims, on a CUDA `device`
     that device made current (megatron-core allocates its buffers and optimizer scratch on the
     current device, as Megatron-LM's initialize sets it); then megatron-core's model parallel
-    groups (DP = world / (tp * pp)) and its RNG states, seeded as Megatron-LM seeds them."""
+    groups (DP = world / (tp * pp), in `instances` distributed-optimizer instances) and its
+    RNG states, seeded as Megatron-LM seeds them."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -48,7 +50,8 @@ def initialize(seed: int, tp: int = 1, pp: int = 1, device: str | torch.device =
         megatron_cpu.install()
     else:
         torch.cuda.set_device(_DEVICE)
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(
+        tp, pp, num_distributed_optimizer_instances=instances)
     model_parallel_cuda_manual_seed(seed)
 
 

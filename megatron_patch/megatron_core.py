@@ -38,14 +38,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from sdp4bit import (Config, GradReduceScatter, Handle, ProcessGroups, Sdp4bitError,
-                     WeightAllGather, limits)
+from sdp4bit import (Config, CrossGroupAllReduce, GradReduceScatter, Handle, ProcessGroups,
+                     Sdp4bitError, WeightAllGather, limits)
 from sdp4bit._patching import Patches
 from sdp4bit.integration import WireCounter, local_shard, log_route_notice, require_bf16
 from sdp4bit.replicas import check_replicas_identical, checksums_across
 from sdp4bit.telemetry import ErrorStats, Telemetry, announce, logger
 
 _PATCHES = Patches()
+# The bucket group's methods whose names the DDP class's patches also use (finish_grad_sync).
+_GROUP_PATCHES = Patches()
 # The data-parallel wrappers sdp4bit refuses, by class name (each __init__ in a set of its own:
 # a set names each attribute once).
 _WRAPPER_PATCHES: dict[str, Patches] = {}
@@ -135,6 +137,15 @@ def _ddp_init(self, *args, **kwargs):
             bucket.sdp4bit_bucket_id = bucket_id
             starts = {p: buffer.param_index_map[p][0] - bucket.offset for p in bucket.params_list}
             bucket.sdp4bit_exact_params = [p for p in bucket.params_list if p in exact]
+            if (bucket.sdp4bit_exact_params and len(bucket.sdp4bit_exact_params)
+                    < len(bucket.params_list)
+                    and self.ddp_config.num_distributed_optimizer_instances > 1):
+                raise Sdp4bitError(
+                    f"exact_params={settings.config.resolved.exact_params} keeps some "
+                    "parameters of a bucket exact, which sdp4bit does not do yet with "
+                    f"{self.ddp_config.num_distributed_optimizer_instances} distributed-"
+                    "optimizer instances; set exact_params=none (or "
+                    "--num-distributed-optimizer-instances 1)")
             bucket.sdp4bit_exact = sorted((starts[p], starts[p] + p.numel())
                                           for p in bucket.sdp4bit_exact_params)
     settings.models.append(self)
@@ -211,6 +222,7 @@ def enable(config: Config, local_world_size: int | None = None,
     cls = _bucket_group_class()
     _PATCHES.install(cls, "start_grad_sync", _start_grad_sync)
     _PATCHES.install(cls, "start_param_sync", _start_param_sync)
+    _GROUP_PATCHES.install(cls, "finish_grad_sync", _finish_grad_sync)
     _PATCHES.install(_ddp_class(), "__init__", _ddp_init)
     _PATCHES.install(_ddp_class(), "finish_grad_sync", _ddp_finish_grad_sync)
     for wrapper in _other_wrapper_classes():
@@ -233,10 +245,13 @@ def disable() -> None:
     global _SETTINGS
     if _SETTINGS is not None:
         for bucket_group in _SETTINGS.bucket_groups:
+            if bucket_group._sdp4bit.across is not None:
+                bucket_group._sdp4bit.across.close()
             del bucket_group._sdp4bit
         for groups in _SETTINGS.groups.values():
             groups.close()
     _PATCHES.restore()
+    _GROUP_PATCHES.restore()
     for patches in _WRAPPER_PATCHES.values():
         patches.restore()
     _SETTINGS = None
@@ -323,6 +338,64 @@ class _ExactElements:
         return 2 * (world - 1) * len(self.index) * element_bytes // world
 
 
+class _AcrossInstances:
+    """The all-reduce of each bucket's shard across the distributed-optimizer instances
+    (``num_distributed_optimizer_instances > 1``; docs/megatron.md, "Hybrid sharding"): with
+    ``cross_group_bits`` 8 or 16, Global-QSGD integers summed by the instances' group
+    (:class:`sdp4bit.CrossGroupAllReduce`, numerics §7.6), a bucket kept exact whole and
+    ``cross_group_bits=exact`` through Megatron's own fp32 all-reduce. Run from the training
+    thread after the reduce-scatter inside the instance, as megatron-core runs it."""
+
+    def __init__(self, settings: _Settings, group: dist.ProcessGroup, shard_lens: list[int],
+                 bucket_ids: list[int], exact: list[bool], device: torch.device) -> None:
+        self.group = group
+        self.size = group.size()
+        self.padded = [-(-n // self.size) * self.size for n in shard_lens]
+        self.shard_lens = shard_lens
+        config = settings.config
+        self.groups = None
+        self.reduces: list[CrossGroupAllReduce | None] = [None] * len(shard_lens)
+        if dict(config.resolved.values)["cross_group_bits"] != "exact" and not all(exact):
+            self.groups = ProcessGroups.create(group, node_labels=list(range(self.size)))
+            rank = dist.get_rank()
+            self.reduces = [
+                None if whole else CrossGroupAllReduce(self.groups, config, padded, bucket_id,
+                                                       stream_rank=rank, device=device)
+                for padded, bucket_id, whole in zip(self.padded, bucket_ids, exact)]
+
+    def run(self, shards: list[torch.Tensor], step: int) -> None:
+        """All-reduces every bucket's shard in place across the instances."""
+        handles, staged = [], []
+        for shard, reduce, padded in zip(shards, self.reduces, self.padded):
+            if reduce is None:
+                handles.append(dist.all_reduce(shard, group=self.group, async_op=True))
+                staged.append(None)
+                continue
+            data = shard
+            if padded != shard.numel():  # the core takes a multiple of the instance count
+                data = torch.zeros(padded, dtype=shard.dtype, device=shard.device)
+                data[:shard.numel()].copy_(shard)
+            handles.append(reduce.start(data, step))
+            staged.append(data if data is not shard else None)
+        for shard, handle, data in zip(shards, handles, staged):
+            handle.wait()
+            if data is not None:
+                shard.copy_(data[:shard.numel()])
+
+    def count(self, wire: WireCounter) -> None:
+        """Adds one call's bytes, and Megatron's fp32 ring all-reduce's, to `wire`."""
+        for reduce, n in zip(self.reduces, self.shard_lens):
+            ring = 2 * (self.size - 1) * n * 4 // self.size
+            if reduce is None:
+                wire.add(ring, ring)
+            else:
+                wire.add(reduce.wire_bytes(), ring)
+
+    def close(self) -> None:
+        if self.groups is not None:
+            self.groups.close()
+
+
 @dataclass
 class _BucketGroupState:
     """sdp4bit's per-bucket-group state, kept on the bucket group."""
@@ -334,17 +407,22 @@ class _BucketGroupState:
     exact: list[_ExactElements | None]
     # Per bucket: whether all of it is exact, its collectives then the uncompressed codecs'.
     all_exact: list[bool]
+    # With several distributed-optimizer instances: the all-reduce of each bucket's shard
+    # across them, else None.
+    across: _AcrossInstances | None = None
     grad_step: int = 0  # gradient syncs so far: the optimizer step being computed
     # No gradient sync since set-up (or resume): the replicas hold identical parameters.
     fresh: bool = True
 
     def count_grads(self, wire: WireCounter, step: int) -> None:
         """Adds the bytes of this group's gradient sync at `step` to `wire`, the exact
-        parameters' among them (fp32 sums)."""
+        parameters' among them (fp32 sums), and those of the all-reduce across instances."""
         for rs, exact, all_exact in zip(self.grad, self.exact, self.all_exact):
             wire.add_grad(rs, step, exact=all_exact)
             if exact is not None and rs.quantizes_at(step):
                 wire.add_exact(exact.wire_bytes(self.groups.size, 4))
+        if self.across is not None:
+            self.across.count(wire)
 
     def count_weights(self, wire: WireCounter) -> None:
         """Adds the bytes of this group's parameter sync to `wire`, the exact parameters'
@@ -387,11 +465,6 @@ def _refuse_ddp_config(cfg, module) -> None:
             "sdp4bit compresses the distributed optimizer's reduce-scatter and all-gather, but "
             "this model does not use it: pass --use-distributed-optimizer "
             "(DistributedDataParallelConfig(use_distributed_optimizer=True))")
-    if cfg.num_distributed_optimizer_instances != 1:
-        raise Sdp4bitError(
-            f"num_distributed_optimizer_instances={cfg.num_distributed_optimizer_instances}: "
-            "sdp4bit does not compress the all-reduce across distributed-optimizer instances; "
-            "use --num-distributed-optimizer-instances 1")
     if getattr(cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
         raise Sdp4bitError(
             "reuse_grad_buf_for_mxfp8_param_ag gathers MXFP8 parameters through the gradient "
@@ -470,7 +543,13 @@ def _state(bucket_group) -> _BucketGroupState | None:
         for bucket, elements in zip(bucket_group.buckets, exact):
             if elements is not None:
                 elements.keep_set_up_values(bucket.param_data)
-    state = _BucketGroupState(groups, grads, weights, exact, all_exact)
+    across = None
+    if bucket_group.ddp_config.num_distributed_optimizer_instances > 1:
+        across = _AcrossInstances(
+            settings, bucket_group.inter_distributed_optimizer_instance_group,
+            [b.grad_data.numel() // groups.size for b in bucket_group.buckets],
+            [rs.bucket_id for rs in grads], all_exact, bucket_group.buckets[0].grad_data.device)
+    state = _BucketGroupState(groups, grads, weights, exact, all_exact, across)
     first = settings.iteration() if settings.iteration is not None else 0
     state.grad_step = settings.resume_steps.pop(grads[0].bucket_id, first)
     bucket_group._sdp4bit = state
@@ -614,6 +693,8 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
         if reference is not None:
             # The reference sums the fp32 values, as the collective does.
             reference.append(_exact_reduce_scatter(data.float(), state.groups))
+            if state.across is not None:
+                dist.all_reduce(reference[-1], group=state.across.group)
         # Read before the collective overwrites this rank's shard of the bucket.
         pending.append(exact.start_grads(data, dp_group) if exact is not None else None)
         handles.append(rs.start(data, local_shard(data, rank, size), step))
@@ -623,6 +704,8 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
         for bucket, exact, started in zip(self.buckets, state.exact, pending):
             if exact is not None:
                 exact.finish_grads(started, local_shard(bucket.grad_data, rank, size))
+        if state.across is not None:
+            state.across.run([local_shard(b.grad_data, rank, size) for b in self.buckets], step)
         if reference is not None:
             got = [local_shard(b.grad_data, rank, size) for b in self.buckets]
             wire = WireCounter()
@@ -630,8 +713,9 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
             telemetry.report("grad", step, set_up, wire.sent, wire.uncompressed,
                              ErrorStats.of(got, reference), exact=wire.exact)
         if cfg.average_in_collective:
+            instances = state.across.size if state.across is not None else 1
             for bucket in self.buckets:
-                local_shard(bucket.grad_data, rank, size).div_(size)
+                local_shard(bucket.grad_data, rank, size).div_(size * instances)
 
     handle = BucketGroupHandle(handles, finish)
     if cfg.overlap_grad_reduce:
@@ -639,6 +723,18 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
     else:
         handle.wait()
         self.grad_reduce_handle = None
+
+
+def _finish_grad_sync(self, force_all_reduce: bool | None = False):
+    """megatron-core's finish_grad_sync, which with several distributed-optimizer instances
+    joins its communication stream instead of waiting for the handle; then sdp4bit's handle,
+    if one is pending, is waited for (every reduction, across the instances included, has
+    then completed)."""
+    result = _GROUP_PATCHES.original("finish_grad_sync")(self, force_all_reduce)
+    if isinstance(self.grad_reduce_handle, BucketGroupHandle):
+        self.grad_reduce_handle.wait()
+        self.grad_reduce_handle = None
+    return result
 
 
 def _start_param_sync(self, force_sync: bool = False):

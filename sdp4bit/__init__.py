@@ -19,7 +19,7 @@ launcher); the first two are imported when first used as ``sdp4bit.deepspeed`` /
 import importlib
 
 from . import _native
-from .collectives import GradReduceScatter, Handle, WeightAllGather, WireBytes
+from .collectives import CrossGroupAllReduce, GradReduceScatter, Handle, WeightAllGather, WireBytes
 from .config import Config, Knob, Limits, Resolved, knobs, limits, presets
 from .errors import Sdp4bitError
 from .groups import ProcessGroups
@@ -28,6 +28,7 @@ _native.load()  # registers torch.ops.sdp4bit and torch.classes.sdp4bit
 
 __all__ = [
     "Config",
+    "CrossGroupAllReduce",
     "GradReduceScatter",
     "Handle",
     "Knob",

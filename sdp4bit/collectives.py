@@ -1,7 +1,7 @@
-"""Compressed collectives of one flat bucket: the gradient reduce-scatter and the parameter
-all-gather, each started by ``start()`` (queued on the groups' background thread for CPU
-buckets, enqueued on the groups' side stream of their kind for CUDA buckets) and completed by
-``wait()``."""
+"""Compressed collectives of one flat bucket: the gradient reduce-scatter, the parameter
+all-gather and the all-reduce across the groups of hybrid sharding, each started by
+``start()`` (queued on the groups' background thread for CPU buckets, enqueued on the groups'
+side stream of their kind for CUDA buckets) and completed by ``wait()``."""
 
 from __future__ import annotations
 
@@ -343,3 +343,52 @@ class WeightAllGather:
     def baseline_wire_bytes(self) -> WireBytes:
         """Bytes the uncompressed bf16 all-gather of this bucket sends."""
         return WireBytes(*self._native.baseline_wire_bytes())
+
+
+class CrossGroupAllReduce:
+    """The Global-QSGD all-reduce of one fp32 or bf16 buffer of `numel` elements (a multiple
+    of the group count) across the groups of hybrid sharding (docs/numerics.md §7.6):
+    `groups` are the process groups of the ranks that hold the same shard in every group
+    (Megatron's distributed-optimizer instances, FSDP2's replicate dimension), `stream_rank`
+    this rank's index in the whole DP world (its random streams'). After
+    ``start(data, step).wait()`` every group's `data` holds the same bits, the sum over the
+    groups within `n` global scales (``cross_group_bits`` of `config`; its ``exact`` setting
+    is the framework's own all-reduce, not this class). Set-up is collective over `groups`,
+    with the same agreement check as the other collectives. On CUDA, ordered as
+    :class:`GradReduceScatter` is, on the groups' reduce-scatter side stream."""
+
+    def __init__(self, groups: ProcessGroups, config: Config, numel: int, bucket_id: int,
+                 stream_rank: int, device: torch.device | str = "cpu"):
+        _refuse_graph_capture(device, "setting up a CrossGroupAllReduce")
+        if numel <= 0:
+            raise ValueError(f"sdp4bit: cross-group buffer size must be positive, got {numel}")
+        self.groups, self.config, self.numel = groups, config, numel
+        self.bucket_id = bucket_id
+        with translated_errors():
+            self._native = _native.classes().CrossGroupAllReduce(
+                groups.native, config.spec(), numel, bucket_id, stream_rank, str(device),
+                _planned_side_stream_handle(groups, device, "reduce_scatter"),
+            )
+        self.device = torch.device(self._native.device())
+        self._side_stream = _side_stream_handle(groups, self.device, "reduce_scatter")
+
+    def start(self, data: torch.Tensor, step: int) -> Handle:
+        """Starts all-reducing `data` in place for optimizer step `step`."""
+        _refuse_graph_capture(self.device, "CrossGroupAllReduce.start")
+        if not isinstance(data, torch.Tensor) or data.dtype not in (torch.float32,
+                                                                     torch.bfloat16):
+            raise TypeError("sdp4bit: the cross-group buffer must be a torch.float32 or "
+                            f"torch.bfloat16 tensor, got {getattr(data, 'dtype', type(data))}")
+        _check_tensor("cross-group buffer", data, data.dtype, self.numel, self.device)
+        step = _check_step(step)
+        with translated_errors():
+            work = self._native.start(data, step, self._side_stream)
+        return Handle(work, self.device.type == "cuda")
+
+    def wire_bytes(self) -> int:
+        """Bytes this rank sends per call."""
+        return self._native.wire_bytes()
+
+    def baseline_wire_bytes(self) -> int:
+        """Bytes the framework's fp32 ring all-reduce of the buffer sends per rank."""
+        return self._native.baseline_wire_bytes()

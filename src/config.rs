@@ -134,6 +134,9 @@ pub struct Config {
     pub seed: u64,
     /// Parameters sent exact by the integrations that support it.
     pub exact_params: ExactParams,
+    /// The all-reduce across the groups of hybrid sharding (docs/numerics.md §7.6):
+    /// Global-QSGD with integers of this width, or `None` for the exact fp32 all-reduce.
+    pub cross_group_bits: Option<u8>,
 }
 
 /// Largest group size accepted for any codec.
@@ -146,6 +149,8 @@ pub const GROUP_QUANTUM: usize = 32;
 pub const DEFAULT_SEED: u64 = 1234;
 /// The value of a knob left for the core to choose (`pipeline_chunks`, `global_qsgd_bits`).
 pub const AUTO: &str = "auto";
+/// The value of `cross_group_bits` that keeps the all-reduce across groups exact.
+pub const EXACT: &str = "exact";
 
 impl WeightCodec {
     /// Whether the all-gather is compressed (every codec but `none`).
@@ -253,6 +258,7 @@ impl Config {
             grad_quant_start_step: 0,
             seed: DEFAULT_SEED,
             exact_params: ExactParams::Replicated,
+            cross_group_bits: (preset != Preset::Baseline).then_some(8),
         }
     }
 
@@ -667,6 +673,26 @@ pub const KNOBS: &[Knob] = &[
         },
         get: |c| c.exact_params.to_string(),
     },
+    Knob {
+        name: "cross_group_bits",
+        values: KnobValues::Names(&[EXACT, "8", "16"]),
+        doc: "the gradient all-reduce across the groups of hybrid sharding (Megatron's \
+              distributed-optimizer instances, FSDP2's replicate dimension): Global-QSGD \
+              integers of 8 or 16 bits summed by the all-reduce, or exact (fp32); default 8, \
+              exact for the baseline preset",
+        applies: Applies::Always,
+        set: |c, v| {
+            c.cross_group_bits = match v {
+                EXACT => None,
+                _ => Some(parse(v)?),
+            };
+            Ok(())
+        },
+        get: |c| {
+            c.cross_group_bits
+                .map_or(EXACT.to_string(), |b| b.to_string())
+        },
+    },
 ];
 
 macro_rules! named_enum {
@@ -755,12 +781,14 @@ impl fmt::Display for Config {
         }
         write!(
             f,
-            ";chunks={};grad_start={};seed={};exact={}",
+            ";chunks={};grad_start={};seed={};exact={};cross={}",
             self.pipeline_chunks
                 .map_or("auto".to_string(), |p| p.to_string()),
             self.grad_quant_start_step,
             self.seed,
-            self.exact_params
+            self.exact_params,
+            self.cross_group_bits
+                .map_or(EXACT.to_string(), |b| b.to_string())
         )
     }
 }

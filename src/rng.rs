@@ -47,6 +47,8 @@ pub enum Stage {
     GradSecond = 2,
     /// Global-QSGD's integer rounding.
     GlobalQsgd = 3,
+    /// The integer rounding of the all-reduce across the groups of hybrid sharding.
+    CrossGroup = 4,
 }
 
 /// Largest bucket id a stream can encode.

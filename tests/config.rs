@@ -16,9 +16,10 @@ use Rounding::{Nearest, Stochastic};
 /// changed deliberately when the preset's `pipeline_chunks` became `auto` (old builds
 /// exchange one chunk, new ones several: they must refuse each other, not hang), and when
 /// `exact_params` came in (with tensor parallelism new builds send the replicated parameters
-/// exact besides, old ones do not).
+/// exact besides, old ones do not), and when `cross_group_bits` came in (with hybrid sharding
+/// new builds all-reduce Global-QSGD integers across the groups, old ones refuse it).
 /// (FNV-1a 64 of the canonical string pinned in `canonical_form_of_every_preset`.)
-const SDP4BIT_FINGERPRINT: u64 = 0xec57_17ec_5ca4_dc96;
+const SDP4BIT_FINGERPRINT: u64 = 0x28c5_7faf_f446_fca0;
 
 /// FNV-1a 64 written out (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -343,8 +344,13 @@ fn every_knob_can_be_set() {
     let mut c = Config::preset(Preset::Baseline);
     c.set("grad_codec", "tlq-hs").unwrap();
     c.set("weight_codec", "qwd").unwrap();
+    c.set("cross_group_bits", "8").unwrap();
     assert_eq!(c, Config::preset(Preset::Sdp4bit));
-    assert_eq!(KNOBS.len(), 15);
+    let c = set(Preset::Sdp4bit, &[("cross_group_bits", "exact")]);
+    assert_eq!(c.cross_group_bits, None);
+    let c = set(Preset::Baseline, &[("cross_group_bits", "16")]);
+    assert_eq!(c.cross_group_bits, Some(16));
+    assert_eq!(KNOBS.len(), 16);
 }
 
 #[test]
@@ -533,29 +539,29 @@ fn canonical_form_of_every_preset() {
             Preset::Sdp4bit,
             "sdp4bit-config-v1;weight=qwd(bits=4,group=2048,rounding=stochastic);\
              grad=tlq-hs(intra_bits=8,inter_bits=4,group=128,hadamard=32,rounding=stochastic);\
-             chunks=auto;grad_start=0;seed=1234;exact=replicated",
+             chunks=auto;grad_start=0;seed=1234;exact=replicated;cross=8",
         ),
         (
             Preset::Qsdp,
             "sdp4bit-config-v1;weight=qsdp(bits=8,group=1024,rounding=stochastic);\
              grad=qsdp(bits=8,group=1024,rounding=stochastic);chunks=auto;grad_start=0;seed=1234;\
-             exact=replicated",
+             exact=replicated;cross=8",
         ),
         (
             Preset::GlobalQsgd,
             "sdp4bit-config-v1;weight=none;grad=global-qsgd(bits=auto,rounding=stochastic);\
-             chunks=auto;grad_start=0;seed=1234;exact=replicated",
+             chunks=auto;grad_start=0;seed=1234;exact=replicated;cross=8",
         ),
         (
             Preset::Zeropp,
             "sdp4bit-config-v1;weight=zeropp(bits=8,group=2048,rounding=nearest);\
              grad=zeropp(intra_bits=4,inter_bits=4,group=128,hadamard=0,rounding=nearest);\
-             chunks=auto;grad_start=0;seed=1234;exact=replicated",
+             chunks=auto;grad_start=0;seed=1234;exact=replicated;cross=8",
         ),
         (
             Preset::Baseline,
             "sdp4bit-config-v1;weight=none;grad=none;chunks=auto;grad_start=0;seed=1234;\
-             exact=replicated",
+             exact=replicated;cross=exact",
         ),
     ];
     for (p, s) in want {
@@ -580,7 +586,7 @@ fn canonical_form_of_every_preset() {
     assert_eq!(
         c.to_string(),
         "sdp4bit-config-v1;weight=none;grad=global-qsgd(bits=16,rounding=stochastic);\
-         chunks=2;grad_start=0;seed=9;exact=norms-biases-embeddings"
+         chunks=2;grad_start=0;seed=9;exact=norms-biases-embeddings;cross=8"
     );
 }
 
@@ -599,7 +605,7 @@ fn sdp4bit_fingerprint_is_pinned() {
 }
 
 /// One alternative value per knob (key, value, preset where it applies).
-const CHANGES: [(Preset, &str, &str); 22] = [
+const CHANGES: [(Preset, &str, &str); 25] = [
     (Preset::Sdp4bit, "weight_codec", "qw"),
     (Preset::Sdp4bit, "weight_bits", "8"),
     (Preset::Sdp4bit, "weight_group_size", "1024"),
@@ -622,6 +628,9 @@ const CHANGES: [(Preset, &str, &str); 22] = [
     (Preset::Baseline, "seed", "0"),
     (Preset::Sdp4bit, "exact_params", "none"),
     (Preset::Zeropp, "exact_params", "norms-biases-embeddings"),
+    (Preset::Sdp4bit, "cross_group_bits", "16"),
+    (Preset::Sdp4bit, "cross_group_bits", "exact"),
+    (Preset::Baseline, "cross_group_bits", "8"),
 ];
 
 #[test]

@@ -5,6 +5,8 @@
 //!   codecs' one- and two-level all-to-all paths, Global-QSGD's integer reduce-scatter);
 //! - [`WeightAllGather`]: the parameter all-gather of one bucket (baseline, qWD and the direct
 //!   weight codecs);
+//! - [`CrossGroupAllReduce`]: Global-QSGD's all-reduce of a shard across the groups of hybrid
+//!   sharding;
 //! - [`check_ranks_agree`]: the set-up check that all ranks use the same config and bucket;
 //! - [`local`]: an in-process [`Comm`] running W ranks as threads, for tests and benchmarks.
 //!
@@ -15,6 +17,7 @@
 //! that run one after another reuse the same memory (docs/cuda.md, "Device memory").
 
 mod agreement;
+mod cross_group;
 mod gradient;
 mod in_flight;
 pub mod local;
@@ -23,6 +26,7 @@ mod weight;
 mod wire;
 
 pub use agreement::{check_ranks_agree, check_setup_agrees};
+pub use cross_group::CrossGroupAllReduce;
 pub use gradient::{BucketElement, GradReduceScatter, global_bits, global_k};
 pub use in_flight::{InFlight, PendingExchange};
 pub use phases::{PHASE_LOG_ENV, ProfilerRanges, set_profiler_ranges};

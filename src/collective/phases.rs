@@ -57,6 +57,8 @@ pub(crate) enum CollectiveKind {
     ReduceScatter,
     /// The weight all-gather.
     AllGather,
+    /// The gradient all-reduce across the groups of hybrid sharding.
+    CrossGroupAllReduce,
 }
 
 impl CollectiveKind {
@@ -65,6 +67,7 @@ impl CollectiveKind {
         match self {
             Self::ReduceScatter => "reduce_scatter",
             Self::AllGather => "all_gather",
+            Self::CrossGroupAllReduce => "cross_group_all_reduce",
         }
     }
 
@@ -86,9 +89,11 @@ impl CollectiveKind {
         }
         const REDUCE_SCATTER: [&str; PHASES.len() + 1] = ranges!("reduce_scatter");
         const ALL_GATHER: [&str; PHASES.len() + 1] = ranges!("all_gather");
+        const CROSS_GROUP: [&str; PHASES.len() + 1] = ranges!("cross_group_all_reduce");
         match self {
             Self::ReduceScatter => &REDUCE_SCATTER,
             Self::AllGather => &ALL_GATHER,
+            Self::CrossGroupAllReduce => &CROSS_GROUP,
         }
     }
 }

@@ -68,7 +68,7 @@ static TORCH_ALLOCATOR: TorchCachingAllocator = TorchCachingAllocator;
 
 /// The CUDA backend of device `device` on the raw stream `stream` (the side stream of the
 /// bucket's process groups, current on the calling thread), with buffers from torch.
-fn cuda(device: usize, stream: u64) -> Result<Cuda> {
+pub(super) fn cuda(device: usize, stream: u64) -> Result<Cuda> {
     let kernels = Kernels::get(device)?;
     // SAFETY: the extension passes a stream of torch's pool on `device`, which torch never
     // destroys.
@@ -81,7 +81,7 @@ fn cuda(device: usize, stream: u64) -> Result<Cuda> {
 /// # Safety
 /// `addr` must be the data of a contiguous CUDA tensor of `len` elements on the backend's
 /// device that the extension keeps alive until the collective completes.
-unsafe fn span<T>(addr: u64, len: usize) -> DeviceSpan<T> {
+pub(super) unsafe fn span<T>(addr: u64, len: usize) -> DeviceSpan<T> {
     // SAFETY: forwarded to the caller.
     unsafe { DeviceSpan::from_raw(addr, len) }
 }
@@ -466,7 +466,7 @@ impl WeightBucket {
 }
 
 /// The error for a bucket planned in `planned` memory but run with `given` buffers.
-fn wrong_memory(what: &str, planned: &str, given: &str) -> Error {
+pub(super) fn wrong_memory(what: &str, planned: &str, given: &str) -> Error {
     Error::Buffer(format!(
         "this {what} was planned for {planned} memory but was run with {given} tensors"
     ))

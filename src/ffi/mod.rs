@@ -12,6 +12,7 @@
 //! references (`simulate_*`) only with `test-ops` as well.
 
 mod buckets;
+mod cross_group;
 mod schema;
 #[cfg(feature = "test-ops")]
 mod simulate;
@@ -24,9 +25,12 @@ use buckets::{
     new_cuda_grad_bucket, new_cuda_weight_bucket, new_grad_bucket, new_weight_bucket, nvrtc_report,
     parse_config,
 };
+use cross_group::{CrossGroupBucket, new_cross_group_bucket, new_cuda_cross_group_bucket};
 use schema::{max_bucket_id, schema_json};
 #[cfg(feature = "test-ops")]
-use simulate::{simulate_grad_reduce_scatter, simulate_weight_all_gather};
+use simulate::{
+    simulate_cross_group_all_reduce, simulate_grad_reduce_scatter, simulate_weight_all_gather,
+};
 
 #[cxx::bridge(namespace = "sdp4bit::ffi")]
 mod bridge {
@@ -203,6 +207,63 @@ mod bridge {
             stream: u64,
             step: u64,
         ) -> Result<()>;
+
+        /// The Global-QSGD all-reduce of one buffer across the groups of hybrid sharding
+        /// (docs/numerics.md §7.6), over the world communicator of the groups' ranks.
+        type CrossGroupBucket;
+        /// Plans the all-reduce of `numel` elements (a multiple of `size`) by rank `rank` of
+        /// the `size` ranks holding the same shard, its random streams those of bucket
+        /// `bucket_id` and DP-world rank `stream_rank`, on host buffers.
+        fn new_cross_group_bucket(
+            config: &ParsedConfig,
+            size: usize,
+            rank: usize,
+            numel: usize,
+            bucket_id: u32,
+            stream_rank: usize,
+        ) -> Result<Box<CrossGroupBucket>>;
+        /// Plans it like `new_cross_group_bucket` on buffers of CUDA device `device`, whose
+        /// kernels are loaded on the raw CUDA stream `stream`.
+        #[allow(clippy::too_many_arguments)]
+        fn new_cuda_cross_group_bucket(
+            config: &ParsedConfig,
+            size: usize,
+            rank: usize,
+            numel: usize,
+            bucket_id: u32,
+            stream_rank: usize,
+            device: usize,
+            stream: u64,
+        ) -> Result<Box<CrossGroupBucket>>;
+        /// Bytes one rank sends per call.
+        fn wire_bytes(self: &CrossGroupBucket) -> u64;
+        /// Bytes the fp32 ring all-reduce of the buffer sends per rank.
+        fn baseline_wire_bytes(self: &CrossGroupBucket) -> u64;
+        /// All-reduces the host buffer `data` in place at optimizer step `step`.
+        fn run(
+            self: &CrossGroupBucket,
+            comms: &TorchComms,
+            data: &mut [f32],
+            step: u64,
+        ) -> Result<()>;
+        /// [`run`](CrossGroupBucket::run) of a bf16 buffer (bf16 bit patterns).
+        fn run_bf16(
+            self: &CrossGroupBucket,
+            comms: &TorchComms,
+            data: &mut [u16],
+            step: u64,
+        ) -> Result<()>;
+        /// All-reduces the CUDA tensor at device address `data` (fp32, or bf16 when `bf16`)
+        /// in place, enqueuing every pass on the raw CUDA stream `stream`.
+        fn run_cuda(
+            self: &CrossGroupBucket,
+            comms: &TorchComms,
+            data: u64,
+            bf16: bool,
+            stream: u64,
+            step: u64,
+        ) -> Result<()>;
+
         /// Why CUDA device `device` cannot run the collectives (no driver, no such device,
         /// a kernel that fails to compile), or an empty string when its kernels are ready.
         fn cuda_device_problem(device: usize) -> String;
@@ -249,6 +310,18 @@ mod bridge {
             local_error: &str,
             bucket_id: u32,
             numel: usize,
+        ) -> Result<()>;
+
+        /// Runs the cross-group all-reduce of `stream_ranks.len()` ranks in this process
+        /// (threads, in-process exchanges): `data` is their buffers back to back, each
+        /// replaced by that rank's result.
+        #[cfg(feature = "test-ops")]
+        fn simulate_cross_group_all_reduce(
+            config: &ParsedConfig,
+            bucket_id: u32,
+            step: u64,
+            stream_ranks: &[u64],
+            data: &mut [f32],
         ) -> Result<()>;
 
         /// Runs the gradient reduce-scatter of all W ranks in this process (threads, in-process

@@ -5,8 +5,9 @@ use half::bf16;
 
 use super::buckets::ParsedConfig;
 use super::{FfiResult, guard};
-use crate::collective::local::LocalCluster;
-use crate::collective::{Comm, GradReduceScatter, WeightAllGather};
+use crate::backend::cpu::Host;
+use crate::collective::local::{LocalCluster, LocalGroup};
+use crate::collective::{Comm, CrossGroupAllReduce, GradReduceScatter, WeightAllGather};
 use crate::error::{Error, Result, check_len};
 use crate::layout::Topology;
 
@@ -90,5 +91,54 @@ pub(super) fn simulate_weight_all_gather(
             }
         }
         Ok(())
+    })
+}
+
+/// The cross-group all-reduce of `n = stream_ranks.len()` ranks (rank `r` rounding with the
+/// streams of DP-world rank `stream_ranks[r]`): `data` is their n buffers back to back, each
+/// replaced by that rank's result.
+pub(super) fn simulate_cross_group_all_reduce(
+    config: &ParsedConfig,
+    bucket_id: u32,
+    step: u64,
+    stream_ranks: &[u64],
+    data: &mut [f32],
+) -> FfiResult<()> {
+    guard("simulate_cross_group_all_reduce", || {
+        let n = stream_ranks.len();
+        if n == 0 || !data.len().is_multiple_of(n) {
+            return Err(Error::Buffer(format!(
+                "{} elements are not {n} equal buffers",
+                data.len()
+            )));
+        }
+        let numel = data.len() / n;
+        let group = LocalGroup::new(n);
+        let config = config.config()?;
+        std::thread::scope(|s| {
+            let runs: Vec<_> = data
+                .chunks_exact_mut(numel)
+                .enumerate()
+                .map(|(r, buffer)| {
+                    let comm = group.comm(r);
+                    let stream_rank = stream_ranks[r] as usize;
+                    s.spawn(move || -> Result<()> {
+                        CrossGroupAllReduce::<Host>::new(
+                            config,
+                            n,
+                            r,
+                            numel,
+                            bucket_id,
+                            stream_rank,
+                        )?
+                        .run_on(&Host, &comm, buffer, step)
+                    })
+                })
+                .collect();
+            runs.into_iter().try_for_each(|run| {
+                run.join()
+                    .map_err(|_| Error::Comm("a simulated rank panicked".into()))?
+            })
+        })
     })
 }

@@ -461,6 +461,72 @@ def route_notice(rank, world, steps):
     return len(ddp.bucket_groups), records.messages
 
 
+def hybrid_sharding(rank, world, preset, knobs, overlap, steps):
+    """W = 4 as 2 distributed-optimizer instances of 2 ranks (one per node), `steps` steps with
+    `preset` and `knobs` (None: Megatron's own collectives). After every step the parameters
+    are compared across all 4 ranks, both instances; with a compressing preset each
+    all-reduce across the instances is compared with the core's in-process one (the shard
+    before it from both instances in, this rank's result out), byte for byte. Returns
+    (losses, whether every step's parameters were identical on all ranks, (bytes sent,
+    uncompressed) in one step, all-reduces compared)."""
+    from sdp4bit import CrossGroupAllReduce
+
+    gpt.initialize(SEED, instances=2)
+    if preset is not None:
+        integration.enable(Config.from_knobs(preset, {"seed": 5, **knobs}), local_world_size=1)
+    ddp = gpt.build_model(SHAPE, SEED, overlap_grad_reduce=overlap, bucket_size=BUCKET,
+                          num_distributed_optimizer_instances=2)
+    optimizer = gpt.build_optimizer([ddp], lr=LR)
+    compared = []
+    original = CrossGroupAllReduce.start
+
+    def checked_start(self, data, step):
+        every = [torch.empty_like(data) for _ in range(2)]
+        dist.all_gather(every, data.clone(), group=self.groups.dp_group)
+        handle = original(self, data, step)
+        handle.wait()
+        members = dist.get_process_group_ranks(self.groups.dp_group)
+        want = torch.ops.sdp4bit.simulate_cross_group_all_reduce(
+            self.config.spec(), self.bucket_id, step, members,
+            torch.stack(every).float())[members.index(dist.get_rank())].to(data.dtype)
+        compared.append(torch.equal(data.view(torch.int32), want.view(torch.int32)))
+        return handle
+
+    CrossGroupAllReduce.start = checked_start
+    losses, identical = [], []
+    try:
+        for step in range(steps):
+            losses.append(_train_step(ddp, optimizer, step, rank))
+            bits = torch.cat([p.view(torch.int16).to(torch.int32)
+                              for p in gpt.bucket_params(ddp)])
+            every = [torch.empty_like(bits) for _ in range(world)]
+            dist.all_gather(every, bits)
+            identical.append(all(torch.equal(b, every[0]) for b in every))
+    finally:
+        CrossGroupAllReduce.start = original
+    sent = integration.wire_bytes(ddp, steps) if preset is not None else (0, 0)
+    integration.disable()
+    gpt.shutdown()
+    return losses, all(identical), sent, compared
+
+
+def exact_elements_across_instances_refused(rank, world):
+    """Two distributed-optimizer instances with exact_params=norms-biases-embeddings (buckets
+    that mix exact and compressed parameters): refused when the model is built. Returns the
+    error."""
+    gpt.initialize(SEED, instances=2)
+    integration.enable(Config.from_knobs("sdp4bit", {"exact_params": "norms-biases-embeddings"}),
+                       local_world_size=1)
+    try:
+        gpt.build_model(SHAPE, SEED, bucket_size=BUCKET, num_distributed_optimizer_instances=2)
+        error = None
+    except Sdp4bitError as refused:
+        error = str(refused)
+    integration.disable()
+    gpt.shutdown()
+    return error
+
+
 def exact_params_notice(rank, world, mode):
     """The GPT at W = 2 with ``exact_params=mode`` (no TP: only norms-biases-embeddings keeps
     anything exact), one step. Returns the WARNING records of the ``sdp4bit`` logger."""
@@ -480,8 +546,6 @@ def exact_params_notice(rank, world, mode):
 REFUSED = [
     ("no distributed optimizer", {"use_distributed_optimizer": False},
      "--use-distributed-optimizer"),
-    ("two distributed-optimizer instances", {"num_distributed_optimizer_instances": 2},
-     "--num-distributed-optimizer-instances 1"),
     ("fp16 gradient buffers", {"fp16": True, "grad_reduce_in_fp32": False},
      "gradient buffers of torch.float16"),
     ("fp16 parameters under qWD", {"fp16": True}, "['torch.float16']"),

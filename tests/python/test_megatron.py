@@ -181,6 +181,41 @@ def test_degraded_route_is_logged_once_per_bucket_group_and_rank_0_says_sdp4bit_
             assert buckets == compressed >= bucket_groups and 0 < sent < uncompressed / 2
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hybrid_sharding_sums_global_qsgd_integers_across_instances(overlap):
+    # W = 4 as 2 distributed-optimizer instances of 2 ranks: the reduce-scatter inside each
+    # instance, then Global-QSGD's all-reduce of each shard across them (every one equal to the
+    # core's in-process all-reduce), and every rank of both instances ends every step with the
+    # same parameters; Megatron's own partial distributed optimizer beside it.
+    env = {"LOCAL_WORLD_SIZE": "1"}
+    ours = run_ranks(4, ms.hybrid_sharding, "sdp4bit", {}, overlap, 4, env=env)
+    own = run_ranks(4, ms.hybrid_sharding, None, {}, overlap, 4, env=env)
+    for (losses, identical, (sent, uncompressed), compared), (own_losses, own_identical, _, _) \
+            in zip(ours, own):
+        assert identical and own_identical
+        assert compared and all(compared), compared
+        assert 0 < sent < uncompressed / 3, (sent, uncompressed)
+        assert losses[-1] < losses[0], losses
+        assert abs(losses[-1] - own_losses[-1]) < 0.1 * own_losses[-1], (losses, own_losses)
+
+
+def test_hybrid_sharding_with_an_exact_all_reduce_across_instances():
+    # cross_group_bits=exact: Megatron's fp32 all-reduce across the instances, counted at its
+    # full size; the replicas stay identical.
+    per_rank = run_ranks(4, ms.hybrid_sharding, "sdp4bit", {"cross_group_bits": "exact"},
+                         False, 3, env={"LOCAL_WORLD_SIZE": "1"})
+    for losses, identical, (sent, uncompressed), compared in per_rank:
+        assert identical and compared == [] and losses[-1] < losses[0]
+        assert 0 < sent < uncompressed
+
+
+def test_exact_elements_with_several_instances_are_refused_when_the_model_is_built():
+    for error in run_ranks(4, ms.exact_elements_across_instances_refused,
+                           env={"LOCAL_WORLD_SIZE": "1"}):
+        assert error and "exact_params=norms-biases-embeddings" in error, error
+        assert "2 distributed-optimizer instances" in error, error
+
+
 def test_parameters_kept_exact_are_named_in_one_warning_with_their_share_of_the_bytes():
     # exact_params=norms-biases-embeddings (a fallback the user asks for): rank 0 warns once,
     # naming each bucket or bucket's elements left uncompressed and its share of a step's bytes;
