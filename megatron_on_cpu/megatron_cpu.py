@@ -134,10 +134,10 @@ SHIMS = (
          "torch.cuda.current_stream()", _host_stream),
     Shim("side_streams",
          "with several distributed-optimizer instances DDP makes a communication stream "
-         "(distributed/distributed_data_parallel.py:230 / -), which the gradient sync enters "
-         "and joins to the default stream (distributed/param_and_grad_buffer.py:417,422,529 / "
-         "-): on the CPU a collective has completed when it returns, so there is nothing to "
-         "order",
+         "(distributed/distributed_data_parallel.py:230 / 297), which the gradient sync enters "
+         "and joins to the compute stream (distributed/param_and_grad_buffer.py:417,422,529 / "
+         "686,691,814): on the CPU a collective has completed when it returns, so there is "
+         "nothing to order",
          "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__",
          "torch.cuda.Stream(", _host_side_streams),
     Shim("rng_tracker",

@@ -2,7 +2,8 @@
 //! over the in-process communicator: every group ends with the same bits, equal to a scalar
 //! reference built from the spec (global absmax, stochastic rounding at `absmax / K` with
 //! each rank's own stream, integer sum, one multiplication), within `n` scales of the exact
-//! sum; a NaN anywhere makes every result NaN; bad plans are refused naming the problem.
+//! sum; the largest codes of every rank sum without overflow (the in-process sums are
+//! checked); a NaN anywhere makes every result NaN; bad plans are refused naming the problem.
 
 use half::bf16;
 use sdp4bit::backend::GradElement;
@@ -194,4 +195,35 @@ fn bad_plans_are_refused_naming_the_problem() {
     );
     assert_eq!(Config::preset(Preset::Baseline).cross_group_bits, None);
     assert_eq!(Config::preset(Preset::Sdp4bit).cross_group_bits, Some(8));
+}
+
+#[test]
+fn the_largest_codes_sum_without_overflow() {
+    // Every rank at +a or -a at the same positions: every code is +-K and every sum +-n K,
+    // which the checked in-process sums accept (K = floor((2^(w-1) - 1) / n)), and the result
+    // is exactly +-n a there.
+    for (n, bits) in [(2, "8"), (5, "8"), (127, "8"), (3, "16")] {
+        let config = config(bits);
+        let a = 0.5f32;
+        let data: Vec<Vec<f32>> = (0..n)
+            .map(|_| {
+                (0..2 * n)
+                    .map(|i| if i % 2 == 0 { a } else { -a })
+                    .collect()
+            })
+            .collect();
+        for result in all_reduce(&config, data) {
+            for (i, value) in result.iter().enumerate() {
+                let want = if i % 2 == 0 {
+                    n as f32 * a
+                } else {
+                    -(n as f32) * a
+                };
+                assert!(
+                    (value - want).abs() <= want.abs() * 1e-6,
+                    "n = {n}: {value} vs {want}"
+                );
+            }
+        }
+    }
 }

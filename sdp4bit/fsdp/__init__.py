@@ -9,6 +9,17 @@ parameter all-gather and gradient reduce-scatter, through FSDP2's custom-collect
     ...                                 # train as usual
     sdp4bit.fsdp.disable(model)         # before torch.distributed.destroy_process_group()
 
+Hybrid sharding (HSDP's layout, as torchtitan runs it: a 2-D mesh, replicate x shard):
+shard each unit over the shard dimension and pass the mesh, and sdp4bit all-reduces the
+reduce-scattered gradients over the replicate dimension compressed (Global-QSGD integers,
+``cross_group_bits``), from FSDP's all-reduce hook::
+
+    mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
+    sdp4bit.fsdp.enable(model, mesh=mesh)
+
 FSDP frees gathered parameters after use, so no rank keeps a previous copy to take qWD's
 differences against: the weight codecs here are the direct ones (qsdp, the default, qw,
 zeropp, or none), QSDP's own setting: the exact sharded parameters stay with their owner and
@@ -16,8 +27,9 @@ the gathers bring every rank the same quantized bytes. The gradient codecs are a
 core's. A preset given by name reads ``sdp4bit`` as qsdp weights (:func:`preset_config`); a
 :class:`~sdp4bit.Config` with qWD weights is refused.
 
-Refused with an error naming the problem, never run uncompressed: HSDP and replicated
-parameters (their all-reduce would go uncompressed), parameters on a device mesh of more than
+Refused with an error naming the problem, never run uncompressed: units sharded with FSDP's
+native HSDP or replicate() (FSDP's own all-reduce would go uncompressed; shard over the shard
+dimension and pass the mesh instead), a unit with an all-reduce hook of its own, parameters on a device mesh of more than
 one dimension (tensor parallelism: the copies of replicated parameters on the other dimension
 would be compressed separately and drift apart), ``exact_params=norms-biases-embeddings``
 (megatron-core only), a reduce op other than AVG or SUM
@@ -75,7 +87,8 @@ class State:
 
 def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
            local_world_size: int | None = None, node_labels: list[int] | None = None,
-           telemetry_interval: int = 0, tensorboard_writer=None, first_step: int = 0) -> State:
+           telemetry_interval: int = 0, tensorboard_writer=None, first_step: int = 0,
+           mesh=None) -> State:
     """Routes every FSDP unit of `model` (a module ``fully_shard`` was applied to, with its
     submodules) through sdp4bit with `config`: a :class:`~sdp4bit.Config`, or a preset name
     read by :func:`preset_config`. Collective: every rank calls it, after ``fully_shard`` and
@@ -88,6 +101,10 @@ def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
     steps (0: never) the quantization error against FSDP's exact collectives and the bytes are
     reported (:mod:`sdp4bit.telemetry`: rank 0 shows them, :func:`~sdp4bit.telemetry.announce`)
     and written to `tensorboard_writer`.
+
+    `mesh`, for hybrid sharding: the 2-D device mesh (replicate, shard) whose shard dimension
+    the units are sharded over; the gradients are then all-reduced over its replicate
+    dimension with ``cross_group_bits`` (docs/fsdp.md, "Hybrid sharding").
     """
     api = fsdp2()
     config = _fsdp_config(config)
@@ -103,17 +120,24 @@ def enable(model: nn.Module, config: Config | str = "sdp4bit", *,
     group = _shard_group(found)
     from . import comms  # its base classes are FSDP2's, whose presence fsdp2() checked
 
+    replicate = _replicate_group(mesh, group, found) if mesh is not None else None
     groups = ProcessGroups.create(group, local_world_size, node_labels)
     with_grads = sum(any(p.requires_grad for p in unit.params()) for unit in found)
     shared = comms.Shared(config, groups, Telemetry(telemetry_interval, tensorboard_writer),
                           units=len(found), units_with_grads=with_grads, first_step=first_step,
                           quant_start=config.resolved.grad_quant_start_step)
+    if replicate is not None:
+        compressed = dict(config.resolved.values)["cross_group_bits"] != "exact"
+        shared.across = comms.Across(replicate, ProcessGroups.create(
+            replicate, node_labels=list(range(replicate.size()))) if compressed else None)
     state = State(shared, [])
     for index, unit in enumerate(found):
         unit_state = comms.UnitState(unit.label, index, shared)
         state.units.append((unit, unit_state, unit.comms()))
         unit.module.set_custom_all_gather(comms.UnitAllGather(unit_state))
         unit.module.set_custom_reduce_scatter(comms.UnitReduceScatter(unit_state))
+        if replicate is not None:
+            unit.module.set_all_reduce_hook(comms.UnitAllReduceHook(unit_state))
     setattr(model, _ATTRIBUTE, state)
     announce(f"sdp4bit enabled on {len(found)} FSDP units: {config.describe()}")
     return state
@@ -128,8 +152,12 @@ def disable(model: nn.Module) -> None:
     for unit, _, (all_gather, reduce_scatter) in state.units:
         unit.module.set_custom_all_gather(all_gather)
         unit.module.set_custom_reduce_scatter(reduce_scatter)
+        if state.shared.across is not None:
+            unit.module.set_all_reduce_hook(None)
     delattr(model, _ATTRIBUTE)
     state.groups.close()
+    if state.shared.across is not None and state.shared.across.groups is not None:
+        state.shared.across.groups.close()
 
 
 def wire_bytes(model: nn.Module) -> tuple[int, int]:
@@ -152,6 +180,26 @@ def _fsdp_config(config: Config | str) -> Config:
             "zeropp), or pass the preset by name (sdp4bit.fsdp.enable(model, 'sdp4bit') reads "
             "it with qsdp weights)")
     return config
+
+
+def _replicate_group(mesh, shard_group: dist.ProcessGroup,
+                     found: list[Unit]) -> dist.ProcessGroup:
+    """The replicate dimension's group of `mesh` (2-D: replicate, shard), whose shard
+    dimension must be the group the units shard over; refuses units with hooks of their own."""
+    if getattr(mesh, "ndim", None) != 2:
+        raise Sdp4bitError(f"sdp4bit.fsdp.enable(mesh=...) takes the 2-D (replicate, shard) "
+                           f"device mesh of hybrid sharding, got {mesh!r}")
+    shard_ranks = dist.get_process_group_ranks(mesh.get_group(1))
+    if shard_ranks != dist.get_process_group_ranks(shard_group):
+        raise Sdp4bitError(
+            f"the units are sharded over ranks {dist.get_process_group_ranks(shard_group)}, "
+            f"but the mesh's shard dimension (its second) holds {shard_ranks}: shard each unit "
+            "over mesh['shard'] (fully_shard(..., mesh=mesh['shard']))")
+    for unit in found:
+        if unit.all_reduce_hook() is not None:
+            raise Sdp4bitError(f"{unit.label} has an all-reduce hook of its own; hybrid "
+                               "sharding runs sdp4bit's all-reduce there")
+    return mesh.get_group(0)
 
 
 def _shard_group(found: list[Unit]) -> dist.ProcessGroup:

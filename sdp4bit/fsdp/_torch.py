@@ -83,8 +83,10 @@ class Unit:
             kind = "HSDP" if hasattr(mesh_info, "shard_process_group") else "replicate()"
             raise Sdp4bitError(
                 f"{self.label} replicates its parameters over a mesh dimension ({kind}); "
-                "their all-reduce between replicas would go uncompressed: shard over a 1-D "
-                "data-parallel mesh")
+                "FSDP's own all-reduce between replicas would go uncompressed: shard over the "
+                "1-D shard dimension (fully_shard(..., mesh=mesh['shard'])) and pass the 2-D "
+                "mesh to sdp4bit.fsdp.enable(model, mesh=mesh), which all-reduces across the "
+                "replicate dimension compressed")
         shard_mesh = _attribute(mesh_info, "mesh", "FSDPMeshInfo")
         for param in self.params():
             mesh = param.device_mesh
@@ -99,6 +101,11 @@ class Unit:
                     "separately in each data-parallel group, so the copies would drift apart; "
                     "sdp4bit.fsdp supports a 1-D data-parallel mesh")
         return _attribute(mesh_info, "shard_process_group", "FSDPMeshInfo")
+
+    def all_reduce_hook(self):
+        """The hook FSDP runs after the unit's reduce-scatter (``set_all_reduce_hook``), or
+        None."""
+        return _attribute(self.param_group, "_all_reduce_hook", "FSDPParamGroup")
 
     def comms(self) -> tuple[object, object]:
         """The all-gather and reduce-scatter the unit runs now."""

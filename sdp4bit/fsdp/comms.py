@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from ..collectives import GradReduceScatter, WeightAllGather
+from ..collectives import CrossGroupAllReduce, GradReduceScatter, WeightAllGather
 from ..config import Config, limits
 from ..errors import Sdp4bitError
 from ..groups import ProcessGroups
@@ -59,6 +59,7 @@ class Shared:
     wire: WireCounter = field(default_factory=WireCounter)
     reduce_scatters: dict[int, GradReduceScatter] = field(default_factory=dict)
     all_gathers: dict[int, WeightAllGather] = field(default_factory=dict)
+    across: Across | None = None  # hybrid sharding: the all-reduce over the replicate dimension
 
     def reduce_scatter(self, numel: int, device: torch.device) -> GradReduceScatter:
         """The gradient collective of `numel`-element buffers, set up (collectively, with the
@@ -84,6 +85,35 @@ class Shared:
         return ag
 
 
+@dataclass
+class Across:
+    """Hybrid sharding (a 2-D mesh, replicate x shard, each unit sharded over the shard
+    dimension): the all-reduce of every unit's reduce-scattered gradients over the replicate
+    dimension, from FSDP's all-reduce hook. With ``cross_group_bits`` 8 or 16, Global-QSGD
+    integers summed by the replicate group (:class:`~sdp4bit.CrossGroupAllReduce`, one per
+    buffer size, numerics §7.6); with ``exact`` (and before ``grad_quant_start_step``),
+    FSDP's fp32 all-reduce."""
+
+    group: dist.ProcessGroup  # the replicate dimension's group of this rank
+    groups: ProcessGroups | None  # its sdp4bit groups, when compressed
+    reduces: dict[int, CrossGroupAllReduce] = field(default_factory=dict)  # by padded numel
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def all_reduce(self, numel: int, config: Config, device: torch.device) -> CrossGroupAllReduce:
+        """The compressed all-reduce of `numel`-element buffers, set up (collectively) when
+        first seen."""
+        reduce = self.reduces.get(numel)
+        if reduce is None:
+            reduce = CrossGroupAllReduce(self.groups, config, numel, _next_id(self.reduces,
+                                         "replicate all-reduce"), stream_rank=dist.get_rank(),
+                                         device=device)
+            self.reduces[numel] = reduce
+        return reduce
+
+
 def _next_id(pool: dict, kind: str) -> int:
     """The bucket id of the next collective of `pool`: in the order buffer sizes are first
     seen, the same on every rank."""
@@ -102,6 +132,7 @@ class UnitState:
     shared: Shared
     grad_syncs: int = 0
     param_reported_at: int = -1  # the last step whose all-gather telemetry was reported
+    reduced_at: int = -1  # the step of the unit's last reduce-scatter (its all-reduce's)
 
     @property
     def step(self) -> int:
@@ -175,6 +206,7 @@ class UnitReduceScatter(ReduceScatter):
         state.check_group(group)
         world = shared.groups.size
         step = state.step
+        state.reduced_at = step
         state.grad_syncs += 1
         uncompressed = _uncompressed_bytes(output_tensor, world)
         if not shared.config.compresses_grads:
@@ -215,6 +247,39 @@ class UnitReduceScatter(ReduceScatter):
             shared.telemetry.report("grad", step, shared.units_with_grads, sent, uncompressed,
                                     ErrorStats.of([output_tensor], [exact]))
         return None
+
+
+class UnitAllReduceHook:
+    """FSDP's all-reduce hook of a unit sharded over the shard dimension of a 2-D mesh: runs
+    after the unit's reduce-scatter (on FSDP's all-reduce stream, or in line on the CPU), sums
+    the reduced shard over the replicate dimension and divides by its size, so the shard holds
+    the gradient averaged over every data-parallel rank (as native HSDP's AVG all-reduce gives
+    it). Every replica then holds the same bits."""
+
+    def __init__(self, state: UnitState) -> None:
+        self.state = state
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        state, shared = self.state, self.state.shared
+        across = shared.across
+        step = state.reduced_at
+        numel = reduce_output.numel()
+        ring = 2 * (across.size - 1) * numel * 4 // across.size
+        if across.groups is None or step < shared.quant_start:
+            dist.all_reduce(reduce_output, group=across.group)
+            shared.wire.add(ring, ring)
+        else:
+            padded = -(-numel // across.size) * across.size
+            data = reduce_output
+            if padded != numel or data.dtype not in (torch.float32, torch.bfloat16):
+                data = torch.zeros(padded, dtype=torch.float32, device=reduce_output.device)
+                data[:numel].copy_(reduce_output.reshape(-1))
+            reduce = across.all_reduce(padded, shared.config, data.device)
+            reduce.start(data, state.stream_step(step)).wait()
+            if data is not reduce_output:
+                reduce_output.copy_(data[:numel].view_as(reduce_output))
+            shared.wire.add(reduce.wire_bytes(), ring)
+        reduce_output.div_(across.size)
 
 
 class UnitAllGather(AllGather):

@@ -217,6 +217,64 @@ def train(rank, world, config, steps, check=False, nan_at=None, enable_kwargs=No
     return result
 
 
+def hybrid(rank, world, config, steps, cross_group_bits="8"):
+    """W = 4 as replicate 2 x shard 2: each unit sharded over the mesh's shard dimension and
+    sdp4bit given the 2-D mesh (`config` None: FSDP's native HSDP on the same mesh, the
+    comparison). Every all-reduce over the replicate dimension is compared with the core's
+    in-process one, byte for byte; after every step each rank's shards are compared with the
+    other replica's. Returns (losses, shards identical across replicas every step, all-reduces
+    compared, (bytes sent, uncompressed))."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sdp4bit import CrossGroupAllReduce
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    if config is None:
+        model = build(mesh=mesh)
+    else:
+        model = build(mesh=mesh["shard"])
+        knobs = {"cross_group_bits": cross_group_bits}
+        sdp4bit.fsdp.enable(model, sdp4bit.fsdp.preset_config(config, knobs), mesh=mesh)
+    replicate = mesh.get_group(0)
+    compared = []
+    original = CrossGroupAllReduce.start
+
+    def checked_start(self, data, step):
+        every = [torch.empty_like(data) for _ in range(2)]
+        dist.all_gather(every, data.clone(), group=replicate)
+        handle = original(self, data, step)
+        handle.wait()
+        members = dist.get_process_group_ranks(replicate)
+        want = torch.ops.sdp4bit.simulate_cross_group_all_reduce(
+            self.config.spec(), self.bucket_id, step, members,
+            torch.stack(every).float())[members.index(rank)].to(data.dtype)
+        compared.append(torch.equal(_bits(data), _bits(want)))
+        return handle
+
+    CrossGroupAllReduce.start = checked_start
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(500 + rank)
+    losses, identical = [], []
+    try:
+        for _ in range(steps):
+            x, y = batch(g)
+            loss = (model(x).float() - y).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(mean_over_ranks(loss.item()))
+            mine = torch.cat([_bits(p.to_local().detach()).reshape(-1).to(torch.int32)
+                              for p in model.parameters()])
+            every = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(every, mine, group=replicate)
+            identical.append(torch.equal(every[0], every[1]))
+    finally:
+        CrossGroupAllReduce.start = original
+    sent = sdp4bit.fsdp.wire_bytes(model)
+    sdp4bit.fsdp.disable(model)
+    return losses, all(identical), compared, sent
+
+
 def own_and_baseline(rank, world, steps):
     """FSDP's own collectives and the baseline preset, each training a fresh model from the
     same start on the same batches; after disable() the units run FSDP's own collectives
@@ -293,6 +351,8 @@ def refusals(rank, world):
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     seen.append(_expect_error("replicates its parameters over a mesh dimension (HSDP)",
                               lambda: sdp4bit.fsdp.enable(build(mesh=mesh))))
+    seen.append(_expect_error("but the mesh's shard dimension (its second) holds",
+                              lambda: sdp4bit.fsdp.enable(build(), mesh=mesh)))
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     seen.append(_expect_error("FSDP unit 'blocks.0' has parameters on the 2-D device mesh "
                               "('dp', 'tp'): besides the data-parallel dimension it shards "

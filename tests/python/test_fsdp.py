@@ -112,7 +112,28 @@ def test_telemetry_reports_bytes_and_error_at_the_interval():
 
 def test_what_it_cannot_serve_is_refused_on_every_rank():
     per_rank = run_ranks(4, fs.refusals)
-    assert all(len(seen) == 7 for seen in per_rank)
+    assert all(len(seen) == 8 for seen in per_rank)
+
+
+def test_hybrid_sharding_all_reduces_global_qsgd_integers_over_the_replicate_dimension():
+    # W = 4 as replicate 2 x shard 2: sdp4bit's all-gather and reduce-scatter inside each shard
+    # group, then Global-QSGD's all-reduce over the replicate dimension from FSDP's all-reduce
+    # hook (every one equal to the core's in-process one); the replicas' shards stay
+    # identical; FSDP's native HSDP on the same mesh beside it.
+    ours = run_ranks(4, fs.hybrid, "sdp4bit", 6)
+    native = run_ranks(4, fs.hybrid, None, 6)
+    for (losses, identical, compared, (sent, uncompressed)), (own_losses, own_identical, _, _) \
+            in zip(ours, native):
+        assert identical and own_identical
+        assert compared and all(compared), compared
+        assert 0 < sent < uncompressed / 2, (sent, uncompressed)
+        assert losses[-1] < losses[0], losses
+        assert abs(losses[-1] - own_losses[-1]) < 0.1 * own_losses[-1], (losses, own_losses)
+
+
+def test_hybrid_sharding_with_an_exact_replicate_all_reduce():
+    for losses, identical, compared, _ in run_ranks(4, fs.hybrid, "sdp4bit", 3, "exact"):
+        assert identical and compared == [] and losses[-1] < losses[0]
 
 
 def test_preset_names_read_qwd_as_qsdp():

@@ -14,7 +14,7 @@ ENV = {"LOCAL_WORLD_SIZE": "2"}
 
 def test_the_cpu_shims_are_the_ones_this_megatron_core_needs():
     (shims, version), = run_ranks(1, ms.needed_shims)
-    expected = ["current_device", "rng_tracker", "synchronize"]
+    expected = ["current_device", "side_streams", "rng_tracker", "synchronize"]
     if tuple(int(p) for p in version.split(".")[:2]) >= (0, 19):
         expected.insert(1, "current_stream")  # 0.19's grad sync waits on the current stream
     assert shims == expected, (version, shims)
