@@ -164,7 +164,7 @@ def cross_group_bytes(shard: float, instances: int) -> tuple[float, float]:
     each on another node. Uncompressed: a ring all-reduce of fp32, a reduce-scatter and an
     all-gather. Global-QSGD: the integers' reduce-scatter as the core plans it for
     `instances` ranks on as many nodes, then an all-gather of the summed integers, as many
-    bytes again (its widths cannot overflow for the group, docs/numerics.md §7.2)."""
+    bytes again (its widths cannot overflow for the group, docs/numerics.md §7.6)."""
     if instances == 1:
         return 0.0, 0.0
     sample = instances * _SAMPLE_SHARD
