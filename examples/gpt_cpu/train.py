@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size N: TP groups of N consecutive ranks, DP groups "
                         "of W / N ranks")
+    p.add_argument("--instances", type=int, default=1,
+                   help="distributed-optimizer instances N (hybrid sharding: each of N groups "
+                        "of DP ranks shards the model, gradients all-reduced across them)")
     p.add_argument("--dump-grads", metavar="DIR",
                    help="at the steps of --dump-steps, save each rank's gradients before any "
                         "reduction, bucket by bucket (bench/hadamard_real.py reads them)")
@@ -88,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
+    if args.instances < 1:
+        p.error(f"--instances must be at least 1, got {args.instances}")
     return args
 
 
@@ -218,10 +223,13 @@ def main() -> None:
         dp = data_parallel_size(world, args.tp)
     except ValueError as e:
         raise SystemExit(f"train.py: {e}") from None
+    if dp % args.instances:
+        raise SystemExit(f"train.py: --instances {args.instances} does not divide the DP size "
+                         f"{dp}")
     if rank == 0:  # sdp4bit's notices and telemetry; megatron-core's warnings only
         logging.basicConfig(level=logging.WARNING, format="      %(message)s")
         logging.getLogger("sdp4bit").setLevel(logging.INFO)
-    gpt.initialize(args.seed, tp=args.tp, device=device)
+    gpt.initialize(args.seed, tp=args.tp, device=device, instances=args.instances)
     from megatron.core import parallel_state
 
     dp_group = parallel_state.get_data_parallel_group()
@@ -239,7 +247,8 @@ def main() -> None:
     # synchronously in the optimizer's step; gradients overlap with backward.
     ddp = gpt.build_model(shape, args.seed, overlap_grad_reduce=True,
                           overlap_param_gather=args.overlap_param_gather,
-                          bucket_size=args.bucket_size)
+                          bucket_size=args.bucket_size,
+                          num_distributed_optimizer_instances=args.instances)
     optimizer = gpt.build_optimizer([ddp], lr=args.lr, min_lr=args.min_lr)
     scheduler = gpt.lr_schedule(optimizer, args.lr, args.min_lr, args.warmup_steps, args.steps,
                                 args.lr_decay)
@@ -250,6 +259,9 @@ def main() -> None:
                      for p in ddp.module.parameters())  # the whole model's, not one TP rank's
         layout = (f" as TP = {args.tp} x DP = {dp} (DP group of rank 0: ranks "
                   f"{dist.get_process_group_ranks(dp_group)})" if args.tp > 1 else "")
+        if args.instances > 1:
+            layout += (f", {args.instances} distributed-optimizer instances of "
+                       f"{dp // args.instances} ranks")
         print(f"megatron-core GPTModel (byte-level), {params / 1e6:.2f} M params, "
               f"DistributedOptimizer, {world} ranks ({world // args.ranks_per_node} nodes x "
               f"{args.ranks_per_node}){layout}, {len(train_text) / 1e6:.1f} MB of stdlib "

@@ -22,8 +22,14 @@ TP2_LINES = ["4 ranks (2 nodes x 2) as TP = 2 x DP = 2 (DP group of rank 0: rank
              "bytes sent by rank 0 in its DP group of 2:", "of them exact (exact_params)"]
 
 
-@pytest.mark.parametrize("extra, lines", [([], []), (["--tp", "2"], TP2_LINES)],
-                         ids=["dp4", "tp2"])
+#: With --instances 2 (2 nodes x 2 ranks): two distributed-optimizer instances, the gradient
+#: shards all-reduced across them with Global-QSGD; all four ranks end bit-identical.
+INSTANCES_LINES = ["2 distributed-optimizer instances of 2 ranks", ";cross=8"]
+
+
+@pytest.mark.parametrize("extra, lines", [([], []), (["--tp", "2"], TP2_LINES),
+                                          (["--instances", "2"], INSTANCES_LINES)],
+                         ids=["dp4", "tp2", "instances2"])
 def test_main_job_trains_and_reports_bytes_saved(tmp_path, extra, lines):
     command = ["bash", str(ROOT / "scripts/main_job.sh"), "--steps", "6", "--log-every", "5",
                "--corpus-bytes", "400000", *extra]
@@ -59,6 +65,9 @@ def test_device_and_backend_arguments():
     assert (args.device, args.backend) == ("cuda", "gloo")
     with pytest.raises(SystemExit):
         train.parse_args(["--device", "tpu"])
+    assert train.parse_args(["--instances", "2"]).instances == 2
+    with pytest.raises(SystemExit):
+        train.parse_args(["--instances", "0"])
 
 
 def test_tensor_parallel_arguments():
