@@ -60,6 +60,7 @@ TRAIN = ROOT / "examples" / "gpt_cpu" / "train.py"
 FSDP_TRAIN = ROOT / "examples" / "fsdp2" / "train.py"
 BASELINE = "baseline"
 TP_BASELINE = "baseline TP=2"
+HYBRID_BASELINE = "baseline hybrid"
 FSDP_BASELINE = "FSDP2"
 #: Ranks of every run (2 nodes x 2), and the longest a run may take before it is stopped.
 WORLD = 4
@@ -100,6 +101,8 @@ def _preset(name: str, *knobs: str) -> tuple[str, ...]:
 
 #: The TP = 2 rows' layout and batch (train.py's arguments).
 TP2 = ("--tp", "2", "--batch", "16")
+#: The hybrid rows' layout: 2 distributed-optimizer instances, one per node.
+HYBRID = ("--instances", "2")
 
 ROWS = {row.name: row for row in (
     # Megatron's own collectives, through the integration's uncompressed path.
@@ -119,6 +122,13 @@ ROWS = {row.name: row for row in (
     # of the rows above. Another layout of the model, so differenced against its own baseline.
     Row(TP_BASELINE, (*_preset("baseline"), *TP2), reference=TP_BASELINE),
     Row("SDP4Bit TP=2", (*_preset("sdp4bit"), *TP2), reference=TP_BASELINE),
+    # Hybrid sharding: 2 distributed-optimizer instances, each one node of 2 ranks (sdp4bit's
+    # reduce-scatter and all-gather inside the node), the gradient shards all-reduced across
+    # the nodes: Megatron's own fp32 all-reduce, or Global-QSGD's 8-bit integers
+    # (cross_group_bits=8, numerics §7.6). Differenced against Megatron's own partial
+    # distributed optimizer.
+    Row(HYBRID_BASELINE, (*_preset("baseline"), *HYBRID), reference=HYBRID_BASELINE),
+    Row("SDP4Bit hybrid", (*_preset("sdp4bit"), *HYBRID), reference=HYBRID_BASELINE),
     # A different model (FSDP2's byte-level GPT), so differenced against its own baseline:
     # FSDP's own numerics through sdp4bit.fsdp's uncompressed path, then QSDP's codecs.
     Row(FSDP_BASELINE, _preset("baseline"), FSDP_TRAIN, reference=FSDP_BASELINE),
@@ -160,18 +170,20 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
 #: plus the launch of a run by megatron_on_cpu/rank_launcher.py (2.4 s a Megatron run, 5 s an
 #: FSDP2 run, measured on the shared machine): baseline 56 s, SDP4Bit 68 s, the other 7
 #: Megatron rows 427 s together, the 3 FSDP2 rows 270 s together (FSDP2 SDP4Bit counted as
-#: FSDP2 QSDP's 90 s), and the 2 TP = 2 rows 98 s together (their fastest kept runs, launch
-#: included, on the shared machine). 20 x (56 + 68) + 3 x (427 + 270 + 98) = 4865 s, 81
-#: minutes, inside the 90 the study may take. Timed end to
+#: FSDP2 QSDP's 90 s), the 2 TP = 2 rows 98 s together (their fastest kept runs, launch
+#: included, on the shared machine), and the 2 hybrid rows 106 s together (49 s and 52 s, their
+#: fastest runs in bench/results/hybrid/, plus two launches). 20 x (56 + 68) + 3 x (427 + 270 +
+#: 98 + 106) = 5183 s, 87 minutes, inside the 90 the study may take. Timed end to
 #: end on the idle 2-core machine (2026-11-24, bench/results/convergence_default_timed.md),
 #: the default study took 55.7 minutes, 50 s a run, before the TP = 2 rows were added (6 runs
 #: more). Launched by torchrun, every run paid 12-24 s more, for the imports of torch and
 #: megatron-core on every rank.
 #: The committed study ran the other rows on 5 seeds (`--seeds 1,2,3,4,5`), for narrower
 #: intervals there; its 85 runs took 147 minutes on the shared machine. Its TP = 2 rows ran
-#: later, on 10 seeds (bench/results/convergence.md).
+#: later, on 10 seeds (bench/results/convergence.md); the hybrid rows apart, on 5 seeds
+#: (bench/results/hybrid/).
 STEPS = 400
-ESTIMATED_MINUTES = 81
+ESTIMATED_MINUTES = 87
 SEEDS = "1,2,3"
 #: The rows whose paired difference the study's precision target is about (SDP4Bit's interval
 #: narrower than 0.5% of the baseline's loss), and the seeds they run when --seeds is left at
@@ -432,6 +444,12 @@ def report(args, rows: list[Row], runs: dict, summary: dict[str, dict],
             "node a TP pair, the DP groups {0, 2} and {1, 3} one rank per node (sdp4bit's "
             "gradient reduce-scatter: one level, 4-bit between nodes); parameters replicated "
             "across the TP pair travel exact (exact_params=replicated); 16 sequences per DP rank")
+    if HYBRID_BASELINE in megatron_references:
+        models.append(
+            f"- layout (rows against {HYBRID_BASELINE}): 2 distributed-optimizer instances "
+            "(train.py --instances 2), each one node of 2 ranks; the gradient shards "
+            "all-reduced across the instances, SDP4Bit hybrid with Global-QSGD's 8-bit "
+            "integers (cross_group_bits=8)")
     if any(row.script == FSDP_TRAIN for row in rows):
         models.append(
             f"- model (rows against {FSDP_BASELINE}): examples/fsdp2/train.py's byte-level GPT "

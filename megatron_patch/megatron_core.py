@@ -382,6 +382,10 @@ class _AcrossInstances:
             if data is not None:
                 shard.copy_(data[:shard.numel()])
 
+    def compresses(self) -> bool:
+        """Whether any bucket's all-reduce is Global-QSGD's."""
+        return any(reduce is not None for reduce in self.reduces)
+
     def count(self, wire: WireCounter) -> None:
         """Adds one call's bytes, and Megatron's fp32 ring all-reduce's, to `wire`."""
         for reduce, n in zip(self.reduces, self.shard_lens):
@@ -413,6 +417,15 @@ class _BucketGroupState:
     grad_step: int = 0  # gradient syncs so far: the optimizer step being computed
     # No gradient sync since set-up (or resume): the replicas hold identical parameters.
     fresh: bool = True
+
+    def compresses_grads_at(self, step: int) -> bool:
+        """Whether the gradient sync at `step` compresses anything: a bucket's reduce-scatter
+        (none does inside an instance of one rank) or the all-reduce across instances (from
+        ``grad_quant_start_step`` on, as the reduce-scatters)."""
+        if any(rs.quantizes_at(step) for rs in self.grad):
+            return True
+        return (self.across is not None and self.across.compresses()
+                and step >= _SETTINGS.config.resolved.grad_quant_start_step)
 
     def count_grads(self, wire: WireCounter, step: int) -> None:
         """Adds the bytes of this group's gradient sync at `step` to `wire`, the exact
@@ -673,7 +686,7 @@ def _start_grad_sync(self, force_all_reduce: bool | None = False):
     state = None if force_all_reduce else _state(self)
     if state is not None:
         state.fresh = False
-    if state is None or not any(rs.quantizes_at(state.grad_step) for rs in state.grad):
+    if state is None or not state.compresses_grads_at(state.grad_step):
         if state is not None:
             state.grad_step += 1
         return _PATCHES.original("start_grad_sync")(self, force_all_reduce)

@@ -10,6 +10,8 @@
 #                                              phase times on the emulated cluster; root)
 #   bash scripts/bench.sh cluster_cpu [ARGS]   python bench/cluster_cpu.py (each rank's CPU per
 #                                              preset on the emulated cluster; root)
+#   bash scripts/bench.sh cluster_hybrid [ARGS]  python bench/cluster_hybrid.py (hybrid
+#                                              sharding's steps and link bytes; root)
 #   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
 #   bash scripts/bench.sh convergence_reproduce [ARGS]  python bench/convergence_reproduce.py
 #                                              (the kept study's runs rerun on the tree)
@@ -22,7 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_cpu|cluster_phases|convergence|convergence_reproduce|hadamard_real [ARGS]}
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_cpu|cluster_hybrid|cluster_phases|convergence|convergence_reproduce|hadamard_real [ARGS]}
 shift
 case "$name" in
   cpu | gpu)
@@ -34,7 +36,7 @@ case "$name" in
     sdp4bit_cuda_tools
     exec cargo bench --locked --bench kernels -- "$@"
     ;;
-  cluster | cluster_cpu | cluster_phases | convergence | convergence_reproduce | hadamard_real)
+  cluster | cluster_cpu | cluster_hybrid | cluster_phases | convergence | convergence_reproduce | hadamard_real)
     sdp4bit_main_venv
     sdp4bit_install_current
     exec python "bench/$name.py" "$@"

@@ -132,7 +132,9 @@ class UnitState:
     shared: Shared
     grad_syncs: int = 0
     param_reported_at: int = -1  # the last step whose all-gather telemetry was reported
-    reduced_at: int = -1  # the step of the unit's last reduce-scatter (its all-reduce's)
+    # The step of the reduce-scatter the all-reduce hook follows, until the hook takes it
+    # (None: FSDP skipped the reduce-scatter, a shard group of one rank).
+    reduced_at: int | None = None
 
     @property
     def step(self) -> int:
@@ -262,7 +264,10 @@ class UnitAllReduceHook:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         state, shared = self.state, self.state.shared
         across = shared.across
-        step = state.reduced_at
+        step, state.reduced_at = state.reduced_at, None
+        if step is None:  # no reduce-scatter ran (one rank a shard): this is the sync
+            step = state.step
+            state.grad_syncs += 1
         numel = reduce_output.numel()
         ring = 2 * (across.size - 1) * numel * 4 // across.size
         if across.groups is None or step < shared.quant_start:

@@ -461,14 +461,15 @@ def route_notice(rank, world, steps):
     return len(ddp.bucket_groups), records.messages
 
 
-def hybrid_sharding(rank, world, preset, knobs, overlap, steps):
+def hybrid_sharding(rank, world, preset, knobs, overlap, steps, nan_step=None):
     """W = 4 as 2 distributed-optimizer instances of 2 ranks (one per node), `steps` steps with
     `preset` and `knobs` (None: Megatron's own collectives). After every step the parameters
     are compared across all 4 ranks, both instances; with a compressing preset each
     all-reduce across the instances is compared with the core's in-process one (the shard
     before it from both instances in, this rank's result out), byte for byte. Returns
     (losses, whether every step's parameters were identical on all ranks, (bytes sent,
-    uncompressed) in one step, all-reduces compared)."""
+    uncompressed) in one step, all-reduces compared, whether each step was taken). At
+    `nan_step` rank 1 puts a NaN in one of its gradients before the sync."""
     from sdp4bit import CrossGroupAllReduce
 
     gpt.initialize(SEED, instances=2)
@@ -493,10 +494,17 @@ def hybrid_sharding(rank, world, preset, knobs, overlap, steps):
         return handle
 
     CrossGroupAllReduce.start = checked_start
-    losses, identical = [], []
+    losses, identical, stepped = [], [], []
     try:
         for step in range(steps):
-            losses.append(_train_step(ddp, optimizer, step, rank))
+            gpt.zero_grads([ddp], optimizer)
+            loss = gpt.token_losses(ddp, windows(step, rank)).mean()
+            loss.backward()
+            if step == nan_step and rank == 1:
+                _poison_one_gradient(ddp)
+            gpt.finish_grad_sync([ddp])
+            stepped.append(gpt.optimizer_step(optimizer)[0])
+            losses.append(loss.item())
             bits = torch.cat([p.view(torch.int16).to(torch.int32)
                               for p in gpt.bucket_params(ddp)])
             every = [torch.empty_like(bits) for _ in range(world)]
@@ -507,7 +515,7 @@ def hybrid_sharding(rank, world, preset, knobs, overlap, steps):
     sent = integration.wire_bytes(ddp, steps) if preset is not None else (0, 0)
     integration.disable()
     gpt.shutdown()
-    return losses, all(identical), sent, compared
+    return losses, all(identical), sent, compared, stepped
 
 
 def exact_elements_across_instances_refused(rank, world):

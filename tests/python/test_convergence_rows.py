@@ -28,7 +28,7 @@ def test_every_row_is_differenced_against_a_reference_row_of_its_own_script():
 
 
 def test_the_tp2_rows_pair_sdp4bit_with_megatrons_collectives_at_tp2_on_2_nodes():
-    assert list(ROWS)[-5:-3] == [TP_BASELINE, "SDP4Bit TP=2"]  # after ZeRO++-style, before FSDP2
+    assert list(ROWS)[-7:-5] == [TP_BASELINE, "SDP4Bit TP=2"]  # after ZeRO++-style
     assert ROWS[TP_BASELINE].is_reference and ROWS["SDP4Bit TP=2"].reference == TP_BASELINE
     assert ROWS[TP_BASELINE].args == ("--preset", "baseline", *convergence.TP2)
     assert ROWS["SDP4Bit TP=2"].args == ("--preset", "sdp4bit", *convergence.TP2)
@@ -38,6 +38,16 @@ def test_the_tp2_rows_pair_sdp4bit_with_megatrons_collectives_at_tp2_on_2_nodes(
     assert args[:6] == ["--ranks-per-node", "2", "--preset", "sdp4bit", "--tp", "2"]
     with pytest.raises(ValueError, match="'SDP4Bit TP=2' is differenced against 'baseline TP=2'"):
         select_rows([BASELINE, "SDP4Bit TP=2"])
+
+
+def test_the_hybrid_rows_pair_sdp4bit_with_megatrons_partial_distributed_optimizer():
+    hybrid = convergence.HYBRID_BASELINE
+    assert list(ROWS)[-5:-3] == [hybrid, "SDP4Bit hybrid"]  # after the TP = 2 rows
+    assert ROWS[hybrid].is_reference and ROWS["SDP4Bit hybrid"].reference == hybrid
+    assert ROWS[hybrid].args == ("--preset", "baseline", "--instances", "2")
+    assert ROWS["SDP4Bit hybrid"].args == ("--preset", "sdp4bit", "--instances", "2")
+    with pytest.raises(ValueError, match="'SDP4Bit hybrid' is differenced against"):
+        select_rows([BASELINE, "SDP4Bit hybrid"])
 
 
 def test_a_row_needs_its_reference_among_the_selected_rows():

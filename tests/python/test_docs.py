@@ -116,6 +116,8 @@ EXERCISED = {
         "tests/python/test_plan.py", '"--rescore"'),
     "sudo bash scripts/bench.sh cluster_phases": lambda: (
         _bench_in_test_plan('"cluster_phases"')),
+    "sudo bash scripts/bench.sh cluster_hybrid": lambda: (
+        _bench_in_test_plan('"cluster_hybrid"')),
     "sudo bash scripts/bench.sh cluster_cpu": lambda: (
         _bench_in_test_plan('"cluster_cpu"')),
     # the cost model, run here

@@ -131,6 +131,15 @@ def test_hybrid_sharding_all_reduces_global_qsgd_integers_over_the_replicate_dim
         assert abs(losses[-1] - own_losses[-1]) < 0.1 * own_losses[-1], (losses, own_losses)
 
 
+def test_hybrid_sharding_over_shard_groups_of_one_rank():
+    # W = 2 as replicate 2 x shard 1 (FSDP skips the reduce-scatter): the hook's all-reduce is
+    # still Global-QSGD's, numbered by the unit's syncs.
+    for losses, identical, compared, (sent, uncompressed) in run_ranks(2, fs.hybrid, "sdp4bit",
+                                                                       3):
+        assert identical and compared and all(compared), compared
+        assert losses[-1] < losses[0] and 0 < sent < uncompressed
+
+
 def test_hybrid_sharding_with_an_exact_replicate_all_reduce():
     for losses, identical, compared, _ in run_ranks(4, fs.hybrid, "sdp4bit", 3, "exact"):
         assert identical and compared == [] and losses[-1] < losses[0]

@@ -190,7 +190,7 @@ def test_hybrid_sharding_sums_global_qsgd_integers_across_instances(overlap):
     env = {"LOCAL_WORLD_SIZE": "1"}
     ours = run_ranks(4, ms.hybrid_sharding, "sdp4bit", {}, overlap, 4, env=env)
     own = run_ranks(4, ms.hybrid_sharding, None, {}, overlap, 4, env=env)
-    for (losses, identical, (sent, uncompressed), compared), (own_losses, own_identical, _, _) \
+    for (losses, identical, (sent, uncompressed), compared, _), (own_losses, own_identical, *_) \
             in zip(ours, own):
         assert identical and own_identical
         assert compared and all(compared), compared
@@ -204,9 +204,28 @@ def test_hybrid_sharding_with_an_exact_all_reduce_across_instances():
     # full size; the replicas stay identical.
     per_rank = run_ranks(4, ms.hybrid_sharding, "sdp4bit", {"cross_group_bits": "exact"},
                          False, 3, env={"LOCAL_WORLD_SIZE": "1"})
-    for losses, identical, (sent, uncompressed), compared in per_rank:
+    for losses, identical, (sent, uncompressed), compared, _ in per_rank:
         assert identical and compared == [] and losses[-1] < losses[0]
         assert 0 < sent < uncompressed
+
+
+def test_instances_of_one_rank_still_compress_the_all_reduce_across_them():
+    # W = 2 as 2 instances of one rank: nothing to reduce-scatter inside an instance, and the
+    # all-reduce across them is still Global-QSGD's (not Megatron's fp32 one).
+    for losses, identical, (sent, uncompressed), compared, _ in run_ranks(
+            2, ms.hybrid_sharding, "sdp4bit", {}, False, 3, env={"LOCAL_WORLD_SIZE": "1"}):
+        assert identical and compared and all(compared), compared
+        assert 0 < sent < uncompressed / 2, (sent, uncompressed)
+
+
+def test_a_nan_in_one_instance_skips_the_step_in_both():
+    # Rank 1 (instance 0) poisons a gradient at step 1: the all-reduce across the instances
+    # carries the NaN to instance 1, and Megatron's found-inf check skips the step on all four
+    # ranks, which stay identical.
+    per_rank = run_ranks(4, ms.hybrid_sharding, "sdp4bit", {}, False, 3, 1,
+                         env={"LOCAL_WORLD_SIZE": "1"})
+    for _, identical, _, _, stepped in per_rank:
+        assert stepped == [True, False, True] and identical, stepped
 
 
 def test_exact_elements_with_several_instances_are_refused_when_the_model_is_built():

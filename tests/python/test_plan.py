@@ -302,6 +302,23 @@ def test_emulated_cluster_smoke(tmp_path):
         assert (tmp_path / "cluster.png").stat().st_size > 0
 
 
+def test_emulated_cluster_hybrid_smoke(tmp_path):
+    # 2 one-rank nodes as 2 distributed-optimizer instances: every gradient byte between the
+    # nodes is the all-reduce across the instances, fp32 for Megatron's own, 8-bit integers
+    # for sdp4bit's (plus the absmax word and the headers); the weights stay in their node.
+    with _emulated_cluster_bench(
+            tmp_path, "cluster_hybrid", "--nodes", "2", "--instances", "2", "--steps", "3",
+            "--short-steps", "1", "--warmup-steps", "1", "--reps", "1", "--model",
+            "--width 32 --layers 1 --batch 1 --context 8 --corpus-bytes 100000",
+            "--out", str(tmp_path)):
+        rows = {r["preset"]: r for r in
+                json.loads((tmp_path / "cluster_hybrid.json").read_text())["rows"]}
+        assert set(rows) == {"megatron", "sdp4bit"}
+        ratio = rows["sdp4bit"]["busiest_link_bytes"] / rows["megatron"]["busiest_link_bytes"]
+        assert 0 < ratio < 0.5, rows
+        assert "busiest link bytes" in (tmp_path / "cluster_hybrid.md").read_text()
+
+
 def test_emulated_cluster_phases_smoke(tmp_path):
     out = tmp_path / "phases.json"
     with _emulated_cluster_bench(
