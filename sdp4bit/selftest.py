@@ -7,8 +7,8 @@ On a host with a CUDA GPU it runs, and reports each outcome:
 - the kernels of every preset against the host backend on every GPU (the kernel check a CUDA
   bucket runs at its first set-up, here for a 2x2 DP group);
 - a one-process NCCL check through torch.distributed: the collectives sdp4bit uses on CUDA
-  tensors, with exact expected values, and a CUDA gradient bucket and weight bucket over the
-  NCCL group;
+  tensors, with exact expected values, a CUDA gradient bucket and weight bucket over the NCCL
+  group, and the cross-group all-reduce on CUDA against the host's;
 - with the source tree (``--source``, by default the checkout this package was installed
   from, or the working directory, when it holds ``Cargo.toml`` and ``tests/cuda_gpu.rs``): the
   GPU test suites (``cargo test --release --test cuda_gpu``, ``pytest tests/python/test_cuda.py``)
@@ -210,10 +210,36 @@ def check_nccl() -> str:
             torch.cuda.synchronize(device)
             if not torch.equal(params, before):
                 raise RuntimeError("a W = 1 CUDA weight bucket changed its params")
+            _check_cross_group(groups, device)
             groups.close()
         finally:
             dist.destroy_process_group()
-    return "NCCL collectives exact at W = 1; CUDA gradient and weight buckets over NCCL"
+    return ("NCCL collectives exact at W = 1; CUDA gradient and weight buckets over NCCL; the "
+            "CUDA cross-group all-reduce equal to the host's")
+
+
+def _check_cross_group(groups, device: torch.device) -> None:
+    """The Global-QSGD all-reduce across groups (numerics §7.6) of a one-rank group on CUDA
+    over NCCL (its device passes, int8 sums) against the host's over gloo, same streams: the
+    bits must be equal."""
+    import torch.distributed as dist
+
+    import sdp4bit
+
+    config = sdp4bit.Config("sdp4bit")
+    data = torch.randn(4096) * torch.logspace(-3, 1, 4096)
+    on_device = data.to(device)
+    sdp4bit.CrossGroupAllReduce(groups, config, data.numel(), 2, 0, device).start(
+        on_device, 1).wait()
+    host_groups = sdp4bit.ProcessGroups.create(dist.new_group([0], backend="gloo"),
+                                               node_labels=[0])
+    try:
+        sdp4bit.CrossGroupAllReduce(host_groups, config, data.numel(), 2, 0).start(data, 1).wait()
+    finally:
+        host_groups.close()
+    torch.cuda.synchronize(device)
+    if not torch.equal(on_device.cpu().view(torch.int32), data.view(torch.int32)):
+        raise RuntimeError("the CUDA cross-group all-reduce differs from the host's")
 
 
 def run(args: argparse.Namespace) -> int:
