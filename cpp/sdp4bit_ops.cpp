@@ -965,31 +965,35 @@ class CrossGroupAllReduce : public torch::CustomClassHolder {
       return c10::make_intrusive<Work>(std::move(done), std::move(owner));
     }
     auto signal = new_completion_signal();
-    std::shared_future<void> done;
-    if (bf16) {
-      Span<uint16_t> span(data);
-      done = groups_->submit(
-          executor_device_,
-          [this, span, at_step] {
-            std::lock_guard<std::mutex> lock(mutex_);
-            (*bucket_)->run_bf16(groups_->comms(), span.out(), at_step);
-          },
-          signal);
-    } else {
-      Span<float> span(data);
-      done = groups_->submit(
-          executor_device_,
-          [this, span, at_step] {
-            std::lock_guard<std::mutex> lock(mutex_);
-            (*bucket_)->run(groups_->comms(), span.out(), at_step);
-          },
-          signal);
-    }
+    std::shared_future<void> done =
+        bf16 ? submit_host(Span<uint16_t>(data), at_step, signal)
+             : submit_host(Span<float>(data), at_step, signal);
     return c10::make_intrusive<Work>(std::move(done), std::move(signal),
                                      std::vector<at::Tensor>{data}, std::move(owner));
   }
 
  private:
+  // Queues the host all-reduce of `data` (fp32, or bf16 bit patterns) on the executor.
+  template <class T>
+  std::shared_future<void> submit_host(Span<T> data, uint64_t at_step,
+                                       const std::shared_ptr<CompletionSignal>& signal) {
+    return groups_->submit(
+        executor_device_,
+        [this, data, at_step] {
+          std::lock_guard<std::mutex> lock(mutex_);
+          run_host(data.out(), at_step);
+        },
+        signal);
+  }
+
+  void run_host(rust::Slice<float> data, uint64_t step) {
+    (*bucket_)->run(groups_->comms(), data, step);
+  }
+
+  void run_host(rust::Slice<uint16_t> data, uint64_t step) {
+    (*bucket_)->run_bf16(groups_->comms(), data, step);
+  }
+
   static constexpr CollectiveKind kKind = CollectiveKind::ReduceScatter;
 
   c10::intrusive_ptr<ProcessGroups> groups_;

@@ -157,9 +157,9 @@ def train(rank, world, stage, section, steps, gas=1, check_against_core=False,
 
 def first_partition(rank, world, section):
     """ZeRO 2 in buckets of 5000 elements (`section` None: DeepSpeed's own path): one step's
-    backward pass. Returns this rank's gradient partition as the step would read it (fp32),
-    and with `section`, per element of it the sum over ranks of the magnitudes reduced
-    (|g_j| / W, from every rank's buckets)."""
+    backward pass. Returns this rank's gradient partition as the step would read it (fp32
+    values), and with `section`, per element of it the sum over ranks of the magnitudes
+    reduced (|g_j| / W, from every rank's buckets)."""
     import deepspeed
 
     import sdp4bit.deepspeed as deepspeed_zero
@@ -191,7 +191,9 @@ def first_partition(rank, world, section):
             flat[bucket.span.lo:bucket.span.hi] = total[:bucket.span.hi - bucket.span.lo]
         magnitudes = flat[rank * size:(rank + 1) * size]
         deepspeed_zero.detach(optimizer)
-    return partition.float(), magnitudes
+    # Plain lists: tensors sent between processes would live in shared memory that ends with
+    # the rank.
+    return partition.float().tolist(), None if magnitudes is None else magnitudes.tolist()
 
 
 def reduction_timeline(rank, world, overlap):

@@ -82,6 +82,9 @@ def test_bucketed_reduction_gives_deepspeeds_own_partitions():
     bound_kept = broken = 0
     for (own_partition, _), (partition, magnitudes), (q_partition, _) in zip(own, ours,
                                                                              quantized):
+        own_partition, partition, magnitudes, q_partition = (
+            torch.tensor(values) for values in (own_partition, partition, magnitudes,
+                                                q_partition))
         padding = own_partition.numel()
         assert partition.numel() >= padding and not partition[padding:].any()
         bound = world * 2.0**-8 * magnitudes[:padding] * 1.01
