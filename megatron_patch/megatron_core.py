@@ -41,7 +41,8 @@ import torch.distributed as dist
 from sdp4bit import (Config, CrossGroupAllReduce, GradReduceScatter, Handle, ProcessGroups,
                      Sdp4bitError, WeightAllGather, limits)
 from sdp4bit._patching import Patches
-from sdp4bit.integration import WireCounter, local_shard, log_route_notice, require_bf16
+from sdp4bit.integration import (WireCounter, cross_group_buffer, cross_group_len, local_shard,
+                                 log_route_notice, require_bf16, ring_all_reduce_bytes)
 from sdp4bit.replicas import check_replicas_identical, checksums_across
 from sdp4bit.telemetry import ErrorStats, Telemetry, announce, logger
 
@@ -335,7 +336,7 @@ class _ExactElements:
     def wire_bytes(self, world: int, element_bytes: int) -> int:
         """Bytes one rank sends in one all-reduce of the elements, `element_bytes` each, over
         `world` ranks, as a ring sends them (a reduce-scatter, then an all-gather)."""
-        return 2 * (world - 1) * len(self.index) * element_bytes // world
+        return ring_all_reduce_bytes(len(self.index), world, element_bytes)
 
 
 class _AcrossInstances:
@@ -350,7 +351,6 @@ class _AcrossInstances:
                  bucket_ids: list[int], exact: list[bool], device: torch.device) -> None:
         self.group = group
         self.size = group.size()
-        self.padded = [-(-n // self.size) * self.size for n in shard_lens]
         self.shard_lens = shard_lens
         config = settings.config
         self.groups = None
@@ -359,27 +359,24 @@ class _AcrossInstances:
             self.groups = ProcessGroups.create(group, node_labels=list(range(self.size)))
             rank = dist.get_rank()
             self.reduces = [
-                None if whole else CrossGroupAllReduce(self.groups, config, padded, bucket_id,
-                                                       stream_rank=rank, device=device)
-                for padded, bucket_id, whole in zip(self.padded, bucket_ids, exact)]
+                None if whole else CrossGroupAllReduce(
+                    self.groups, config, cross_group_len(n, self.size), bucket_id,
+                    stream_rank=rank, device=device)
+                for n, bucket_id, whole in zip(shard_lens, bucket_ids, exact)]
 
     def run(self, shards: list[torch.Tensor], step: int) -> None:
         """All-reduces every bucket's shard in place across the instances."""
-        handles, staged = [], []
-        for shard, reduce, padded in zip(shards, self.reduces, self.padded):
+        handles, buffers = [], []
+        for shard, reduce in zip(shards, self.reduces):
             if reduce is None:
                 handles.append(dist.all_reduce(shard, group=self.group, async_op=True))
-                staged.append(None)
+                buffers.append(shard)
                 continue
-            data = shard
-            if padded != shard.numel():  # the core takes a multiple of the instance count
-                data = torch.zeros(padded, dtype=shard.dtype, device=shard.device)
-                data[:shard.numel()].copy_(shard)
-            handles.append(reduce.start(data, step))
-            staged.append(data if data is not shard else None)
-        for shard, handle, data in zip(shards, handles, staged):
+            buffers.append(cross_group_buffer(shard, self.size))
+            handles.append(reduce.start(buffers[-1], step))
+        for shard, handle, data in zip(shards, handles, buffers):
             handle.wait()
-            if data is not None:
+            if data is not shard:
                 shard.copy_(data[:shard.numel()])
 
     def compresses(self) -> bool:
@@ -389,7 +386,7 @@ class _AcrossInstances:
     def count(self, wire: WireCounter) -> None:
         """Adds one call's bytes, and Megatron's fp32 ring all-reduce's, to `wire`."""
         for reduce, n in zip(self.reduces, self.shard_lens):
-            ring = 2 * (self.size - 1) * n * 4 // self.size
+            ring = ring_all_reduce_bytes(n, self.size)
             if reduce is None:
                 wire.add(ring, ring)
             else:

@@ -1,7 +1,8 @@
 """What every framework integration (megatron-core, DeepSpeed, FSDP2) shares: the shard of a
 bucket a DP rank owns, the bf16 requirement of the weight codecs, the count of bytes sent
-against the uncompressed collectives, the log line when a topology forces the slower
-one-level route, and the refusal of the exact parameters only megatron_patch implements."""
+against the uncompressed collectives, the buffer the all-reduce across groups takes, the log
+line when a topology forces the slower one-level route, and the refusal of the exact
+parameters only megatron_patch implements."""
 
 from __future__ import annotations
 
@@ -22,6 +23,34 @@ def local_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     Megatron's buckets and DeepSpeed's flat partitions)."""
     shard = tensor.numel() // size
     return tensor[rank * shard:(rank + 1) * shard]
+
+
+def ring_all_reduce_bytes(numel: int, world: int, element_bytes: int = 4) -> int:
+    """Bytes one rank sends in a ring all-reduce of `numel` elements of `element_bytes` each
+    over `world` ranks (a reduce-scatter, then an all-gather), as the frameworks' own
+    all-reduces send them."""
+    return 2 * (world - 1) * numel * element_bytes // world
+
+
+def cross_group_len(numel: int, groups: int) -> int:
+    """The length :class:`~sdp4bit.CrossGroupAllReduce` takes for `numel` elements over
+    `groups` groups: the next multiple of `groups`."""
+    return -(-numel // groups) * groups
+
+
+def cross_group_buffer(data: torch.Tensor, groups: int) -> torch.Tensor:
+    """What the all-reduce across `groups` groups reads and writes for the flat gradient shard
+    `data`: `data` itself when it is fp32 or bf16 of a length :func:`cross_group_len` keeps,
+    else a zero-padded fp32 copy, whose result the caller copies back (rounded as the
+    collective rounds a bf16 buffer)."""
+    numel = data.numel()
+    if numel == cross_group_len(numel, groups) and data.dtype in (torch.float32,
+                                                                  torch.bfloat16):
+        return data
+    staged = torch.zeros(cross_group_len(numel, groups), dtype=torch.float32,
+                         device=data.device)
+    staged[:numel].copy_(data.reshape(-1))
+    return staged
 
 
 def require_bf16(dtypes: Iterable[torch.dtype], what: str, remedy: str) -> None:

@@ -37,7 +37,8 @@ from ..collectives import CrossGroupAllReduce, GradReduceScatter, WeightAllGathe
 from ..config import Config, limits
 from ..errors import Sdp4bitError
 from ..groups import ProcessGroups
-from ..integration import WireCounter, log_route_notice, require_bf16
+from ..integration import (WireCounter, cross_group_buffer, log_route_notice, require_bf16,
+                           ring_all_reduce_bytes)
 from ..telemetry import ErrorStats, Telemetry
 
 #: Reduce dtypes the gradient codecs take: fp32 as is, the 16-bit ones through an fp32 copy.
@@ -269,17 +270,13 @@ class UnitAllReduceHook:
             step = state.step
             state.grad_syncs += 1
         numel = reduce_output.numel()
-        ring = 2 * (across.size - 1) * numel * 4 // across.size
+        ring = ring_all_reduce_bytes(numel, across.size)
         if across.groups is None or step < shared.quant_start:
             dist.all_reduce(reduce_output, group=across.group)
             shared.wire.add(ring, ring)
         else:
-            padded = -(-numel // across.size) * across.size
-            data = reduce_output
-            if padded != numel or data.dtype not in (torch.float32, torch.bfloat16):
-                data = torch.zeros(padded, dtype=torch.float32, device=reduce_output.device)
-                data[:numel].copy_(reduce_output.reshape(-1))
-            reduce = across.all_reduce(padded, shared.config, data.device)
+            data = cross_group_buffer(reduce_output, across.size)
+            reduce = across.all_reduce(data.numel(), shared.config, data.device)
             reduce.start(data, state.stream_step(step)).wait()
             if data is not reduce_output:
                 reduce_output.copy_(data[:numel].view_as(reduce_output))
