@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import hashlib
 import json
 import os
 import platform
@@ -50,6 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "megatron_on_cpu"))
+sys.path.insert(0, str(ROOT / "examples" / "gpt_cpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convergence_stats import (interval, paired_difference, seeds_for_width,  # noqa: E402
@@ -78,21 +81,36 @@ class Row:
     args: tuple[str, ...]
     script: Path = TRAIN
     reference: str = BASELINE
+    #: Set: sdp4bit's rounding streams are seeded from a hash of (seed, this salt) instead of
+    #: the run's seed (``--knob seed=``), all else equal: the null control's one change.
+    rounding_salt: str | None = None
 
     @property
     def is_reference(self) -> bool:
         """Whether this row is a reference (the baseline of its script's rows)."""
         return self.reference == self.name
 
+    def run_args(self, seed: int) -> tuple[str, ...]:
+        """The row's own arguments for the run of `seed`."""
+        if self.rounding_salt is None:
+            return self.args
+        return (*self.args, "--knob", f"seed={salted_seed(seed, self.rounding_salt)}")
+
     def script_args(self, seed: int, steps: int, common: list[str],
                     json_out: Path) -> list[str]:
         """The arguments of `script` for one run (on WORLD ranks as 2 nodes)."""
-        return ["--ranks-per-node", str(RANKS_PER_NODE), *self.args, "--seed", str(seed),
-                "--steps", str(steps),
-                "--json-out", str(json_out), *common]
+        return ["--ranks-per-node", str(RANKS_PER_NODE), *self.run_args(seed), "--seed",
+                str(seed), "--steps", str(steps), "--json-out", str(json_out), *common]
 
 
-def _preset(name: str, *knobs: str) -> tuple[str, ...]:
+def salted_seed(seed: int, salt: str) -> int:
+    """A 64-bit seed from a hash of (`seed`, `salt`), independent of the seed itself."""
+    digest = hashlib.blake2b(f"{seed}/{salt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def preset_args(name: str, *knobs: str) -> tuple[str, ...]:
+    """train.py's arguments for the preset `name` with `knobs` (NAME=VALUE) set."""
     args = ("--preset", name)
     for knob in knobs:
         args += ("--knob", knob)
@@ -106,43 +124,44 @@ HYBRID = ("--instances", "2")
 
 ROWS = {row.name: row for row in (
     # Megatron's own collectives, through the integration's uncompressed path.
-    Row(BASELINE, _preset("baseline")),
-    Row("qW", _preset("sdp4bit", "weight_codec=qw", "grad_codec=none")),
-    Row("qWD", _preset("sdp4bit", "weight_codec=qwd", "grad_codec=none")),
-    Row("TLq", _preset("sdp4bit", "weight_codec=none", "grad_codec=tlq")),
-    Row("TLq-HS", _preset("sdp4bit", "weight_codec=none", "grad_codec=tlq-hs")),
-    Row("SDP4Bit", _preset("sdp4bit")),
-    Row("QSDP", _preset("qsdp")),
-    Row("Global-QSGD", _preset("global-qsgd")),
-    Row("ZeRO++-style", _preset("zeropp")),
+    Row(BASELINE, preset_args("baseline")),
+    Row("qW", preset_args("sdp4bit", "weight_codec=qw", "grad_codec=none")),
+    Row("qWD", preset_args("sdp4bit", "weight_codec=qwd", "grad_codec=none")),
+    Row("TLq", preset_args("sdp4bit", "weight_codec=none", "grad_codec=tlq")),
+    Row("TLq-HS", preset_args("sdp4bit", "weight_codec=none", "grad_codec=tlq-hs")),
+    Row("SDP4Bit", preset_args("sdp4bit")),
+    Row("QSDP", preset_args("qsdp")),
+    Row("Global-QSGD", preset_args("global-qsgd")),
+    Row("ZeRO++-style", preset_args("zeropp")),
     # TP = 2 x DP = 2: Megatron's TP groups are consecutive ranks, so each node is a TP pair
     # and each DP group ({0, 2}, {1, 3}) has one rank per node: sdp4bit's gradient
     # reduce-scatter has one level, 4-bit between nodes. Parameters replicated across the TP
     # pair travel exact (exact_params=replicated). 16 sequences per DP rank: the 32 per step
     # of the rows above. Another layout of the model, so differenced against its own baseline.
-    Row(TP_BASELINE, (*_preset("baseline"), *TP2), reference=TP_BASELINE),
-    Row("SDP4Bit TP=2", (*_preset("sdp4bit"), *TP2), reference=TP_BASELINE),
+    Row(TP_BASELINE, (*preset_args("baseline"), *TP2), reference=TP_BASELINE),
+    Row("SDP4Bit TP=2", (*preset_args("sdp4bit"), *TP2), reference=TP_BASELINE),
     # Hybrid sharding: 2 distributed-optimizer instances, each one node of 2 ranks (sdp4bit's
     # reduce-scatter and all-gather inside the node), the gradient shards all-reduced across
     # the nodes: Megatron's own fp32 all-reduce, or Global-QSGD's 8-bit integers
     # (cross_group_bits=8, numerics §7.6). Differenced against Megatron's own partial
     # distributed optimizer.
-    Row(HYBRID_BASELINE, (*_preset("baseline"), *HYBRID), reference=HYBRID_BASELINE),
-    Row("SDP4Bit hybrid", (*_preset("sdp4bit"), *HYBRID), reference=HYBRID_BASELINE),
+    Row(HYBRID_BASELINE, (*preset_args("baseline"), *HYBRID), reference=HYBRID_BASELINE),
+    Row("SDP4Bit hybrid", (*preset_args("sdp4bit"), *HYBRID), reference=HYBRID_BASELINE),
     # A different model (FSDP2's byte-level GPT), so differenced against its own baseline:
     # FSDP's own numerics through sdp4bit.fsdp's uncompressed path, then QSDP's codecs.
-    Row(FSDP_BASELINE, _preset("baseline"), FSDP_TRAIN, reference=FSDP_BASELINE),
-    Row("FSDP2 QSDP", _preset("qsdp"), FSDP_TRAIN, reference=FSDP_BASELINE),
+    Row(FSDP_BASELINE, preset_args("baseline"), FSDP_TRAIN, reference=FSDP_BASELINE),
+    Row("FSDP2 QSDP", preset_args("qsdp"), FSDP_TRAIN, reference=FSDP_BASELINE),
     # sdp4bit.fsdp's default: QSDP's 8-bit weights (FSDP keeps no previous weights for qWD)
     # and TLq-HS gradients.
-    Row("FSDP2 SDP4Bit", _preset("sdp4bit"), FSDP_TRAIN, reference=FSDP_BASELINE),
+    Row("FSDP2 SDP4Bit", preset_args("sdp4bit"), FSDP_TRAIN, reference=FSDP_BASELINE),
 )}
 
 
 def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[Row]:
     """The rows `names` of `table` (default ROWS), in that order; raises ValueError for an
-    unknown or repeated name, a row whose reference is not among `names`, or a reference that
-    is not a reference row of the same script."""
+    unknown or repeated name, a row whose reference is not among `names`, or a reference of
+    another script. A reference may itself be differenced against another row (the null
+    control against SDP4Bit), as long as the chain ends at a reference row."""
     table = ROWS if table is None else table
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -155,9 +174,15 @@ def select_rows(names: list[str], table: dict[str, Row] | None = None) -> list[R
             raise ValueError(f"row {row.name!r} is differenced against {row.reference!r}: "
                              f"add {row.reference!r} to --rows")
         ref = table[row.reference]
-        if not ref.is_reference or ref.script != row.script:
-            raise ValueError(f"row {row.name!r}: its reference {ref.name!r} must be a reference "
-                             f"row of the same script ({_shown_path(row.script)})")
+        if ref.script != row.script:
+            raise ValueError(f"row {row.name!r}: its reference {ref.name!r} must be a row of "
+                             f"the same script ({shown_path(row.script)})")
+        chain = [row.name]
+        while not table[chain[-1]].is_reference:
+            chain.append(table[chain[-1]].reference)
+            if chain[-1] in chain[:-1]:
+                raise ValueError(f"rows reference each other in a circle: "
+                                 f"{' -> '.join(chain)}")
     return rows
 
 #: The full study's size. Precision: SDP4Bit's paired differences from the baseline have a
@@ -191,9 +216,11 @@ SEEDS = "1,2,3"
 DECIDING_ROWS = (BASELINE, "SDP4Bit")
 DECIDING_SEEDS = ",".join(str(s) for s in range(1, 21))
 VAL_TOKENS = 1_048_576
+#: Bytes of the training text (the standard library's sources, examples/gpt_cpu/data.py).
+CORPUS_BYTES = 5_000_000
 COMMON = ["--data-seeding", "hashed", "--lr", "3e-3", "--lr-decay", "cosine",
           "--warmup-steps", "{warmup}",
-          "--min-lr", "3e-4", "--corpus-bytes", "5000000", "--val-tokens", "{val_tokens}",
+          "--min-lr", "3e-4", "--corpus-bytes", str(CORPUS_BYTES), "--val-tokens", "{val_tokens}",
           "--telemetry-interval", "{telemetry}", "--log-every", "1000000"]
 
 
@@ -209,22 +236,55 @@ def common_args(steps: int, val_tokens: int) -> list[str]:
     return [arg.format(**values) for arg in COMMON]
 
 
+def run_file(row: Row, seed: int, runs_dir: Path) -> Path:
+    """Where the run of `row` and `seed` is kept in `runs_dir`."""
+    safe = "".join(c if c.isalnum() else "_" for c in row.name)
+    return runs_dir / f"{safe}-seed{seed}.json"
+
+
+def ran_with_args(row: Row, seed: int, steps: int, common: list[str]) -> list[str]:
+    """What a kept run records it ran with: the script, then its arguments but the layout's
+    and the output's (a kept run is reused only where these are equal)."""
+    return [shown_path(row.script), *row.run_args(seed), "--seed", str(seed), "--steps",
+            str(steps), *common]
+
+
+@functools.cache
+def training_text_digest() -> str:
+    """A digest of the training text this interpreter gives the runs: the standard library's
+    sources, which differ between Python builds (3.11.2 and 3.11.7 train on different bytes)."""
+    import torch
+
+    from data import stdlib_corpus  # examples/gpt_cpu, put on the path above
+
+    text = stdlib_corpus(CORPUS_BYTES).to(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
+
+
+def kept_run(row: Row, seed: int, steps: int, common: list[str], runs_dir: Path) -> dict | None:
+    """The run of `row` and `seed` kept in `runs_dir` with these arguments and this
+    interpreter's training text, or None."""
+    result = run_file(row, seed, runs_dir)
+    if not result.exists():
+        return None
+    data = json.loads(result.read_text())
+    same = (data.get("ran_with") == ran_with_args(row, seed, steps, common)
+            and data.get("training_text") == training_text_digest())
+    return data if same else None
+
+
 def run(row: Row, seed: int, steps: int, common: list[str], runs_dir: Path,
         launcher: RankLauncher) -> dict:
     """One training run, its ranks forked by `launcher`; its JSON, with the wall time it took
     and the arguments it ran with. A result already in `runs_dir` from the same script and
     arguments is reused (so a study that stopped part way resumes where it stopped); any other
     is run again."""
-    safe = "".join(c if c.isalnum() else "_" for c in row.name)
-    result = runs_dir / f"{safe}-seed{seed}.json"
-    ran_with = [_shown_path(row.script), *row.args, "--seed", str(seed), "--steps", str(steps),
-                *common]
-    if result.exists():
-        data = json.loads(result.read_text())
-        if data.get("ran_with") == ran_with:
-            print(f"{row.name:>13} seed {seed}: validation loss {data['val_loss']:.4f} "
-                  f"(reused from {result})", flush=True)
-            return data
+    result, ran_with = run_file(row, seed, runs_dir), ran_with_args(row, seed, steps, common)
+    data = kept_run(row, seed, steps, common, runs_dir)
+    if data is not None:
+        print(f"{row.name:>13} seed {seed}: validation loss {data['val_loss']:.4f} "
+              f"(reused from {result})", flush=True)
+        return data
     start = time.monotonic()
     done = launcher.run(row.script, row.script_args(seed, steps, common, result), WORLD,
                         runs_dir, RUN_TIMEOUT_SECONDS)
@@ -234,6 +294,7 @@ def run(row: Row, seed: int, steps: int, common: list[str], runs_dir: Path,
     data = json.loads(result.read_text())
     data["seconds"] = time.monotonic() - start
     data["ran_with"] = ran_with
+    data["training_text"] = training_text_digest()
     result.write_text(json.dumps(data))
     print(f"{row.name:>13} seed {seed}: validation loss {data['val_loss']:.4f}, "
           f"{data['seconds']:.0f} s", flush=True)
@@ -350,8 +411,9 @@ def difference_curves(rows: list[Row], runs: dict[str, dict[int, dict]],
     return curves
 
 
-def plot(rows: list[Row], runs: dict[str, dict[int, dict]], summary: dict[str, dict],
-         path: Path, steps: int) -> None:
+def plot(rows: list[Row], runs: dict[str, dict[int, dict]], path: Path, steps: int) -> None:
+    """Loss curves (every row over the seeds all rows ran) and each row's paired difference
+    from its reference along training, with its 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,11 +422,14 @@ def plot(rows: list[Row], runs: dict[str, dict[int, dict]], summary: dict[str, d
     window = max(steps // 30, 1)
     fig, (curves_ax, diff_ax) = plt.subplots(1, 2, figsize=(14, 5.5))
     differences = difference_curves(rows, runs, window)
+    # The curves average every row over the same seeds (rows may run more), so they compare.
+    common = sorted(set.intersection(*(set(runs[row.name]) for row in rows)))
     for row in rows:
         name, by_seed = row.name, runs[row.name]
-        smoothed = [smooth(r["train_loss"], window) for r in by_seed.values()]
+        smoothed = [smooth(by_seed[seed]["train_loss"], window) for seed in common]
         average = [sum(v) / len(v) for v in zip(*smoothed)]
-        label = f"{name} ({summary[name]['val_loss']['mean']:.4f})"
+        final = statistics.fmean(by_seed[seed]["val_loss"] for seed in common)
+        label = f"{name} ({final:.4f})"
         line, = curves_ax.plot(average, label=label, linewidth=1.1)
         if row.is_reference:
             continue
@@ -377,11 +442,8 @@ def plot(rows: list[Row], runs: dict[str, dict[int, dict]], summary: dict[str, d
                                  color=line.get_color(), alpha=0.15)
     curves_ax.set_xlabel("step")
     curves_ax.set_ylabel(f"training loss (mean over ranks and seeds, moving average of {window})")
-    models = [label for script, label in (
-        (TRAIN, "megatron-core GPTModel + DistributedOptimizer"),
-        (FSDP_TRAIN, "FSDP2 byte-level GPT")) if any(r.script == script for r in rows)]
-    curves_ax.set_title(f"W = 4 (2 x 2), {' and '.join(models)}, CPU;\n"
-                        "mean final validation loss in ()", fontsize=10)
+    curves_ax.set_title(f"W = 4 (2 x 2) on CPU, seeds {seed_text(','.join(map(str, common)))} "
+                        "of every row;\ntheir mean final validation loss in ()", fontsize=10)
     curves_ax.set_ylim(top=min(4.0, curves_ax.get_ylim()[1]))
     diff_ax.axhline(0.0, color="black", linewidth=0.8)
     settled = [d for row in rows if not row.is_reference
@@ -411,11 +473,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _error(value: float | None) -> str:
+def error_text(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
-def _shown_path(path: Path) -> str:
+def shown_path(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
@@ -427,7 +489,7 @@ def report(args, rows: list[Row], runs: dict, summary: dict[str, dict],
     shown = (f"bash scripts/bench.sh convergence --steps {args.steps} --seeds {args.seeds} "
              f"--deciding-seeds {args.deciding_seeds} --val-tokens {args.val_tokens} "
              f"--rows {shlex.quote(','.join(r.name for r in rows))} "
-             f"--out {_shown_path(args.out)}")
+             f"--out {shown_path(args.out)}")
     run_count = sum(s["seeds"] for s in summary.values())
     per_run = sum(s["mean_run_seconds"] * s["seeds"] for s in summary.values()) / run_count
     models = []
@@ -459,8 +521,8 @@ def report(args, rows: list[Row], runs: dict, summary: dict[str, dict],
     lines = [
         "# Convergence study (small-scale ablation)",
         "",
-        f"- the full study: `{full}` (defaults: {STEPS} steps, seeds {_seed_text(SEEDS)} "
-        f"for every row and {_seed_text(DECIDING_SEEDS)} for {' and '.join(DECIDING_ROWS)}, "
+        f"- the full study: `{full}` (defaults: {STEPS} steps, seeds {seed_text(SEEDS)} "
+        f"for every row and {seed_text(DECIDING_SEEDS)} for {' and '.join(DECIDING_ROWS)}, "
         f"{VAL_TOKENS:,d} held-out tokens; about {ESTIMATED_MINUTES} min on 2 cores, sized in "
         "bench/convergence.py)",
         f"- this run: `{shown}`",
@@ -499,9 +561,9 @@ def report(args, rows: list[Row], runs: dict, summary: dict[str, dict],
         rel_text = (f"{100 * rel['mean']:+.2f}% ± {100 * rel['half_width']:.2f}%"
                     if several else f"{100 * rel['mean']:+.2f}%")
         lines.append(f"| {row.name} | {s['seeds']} | {val_text} | {row.reference} | "
-                     f"{diff_text} | "
-                     f"{rel_text} | "
-                     f"{_error(s['grad_rel_l2'])} | {_error(s['param_rel_l2'])} | {ratio} | "
+                     f"{diff_text} | {rel_text} | "
+                     f"{error_text(s['grad_rel_l2'])} | {error_text(s['param_rel_l2'])} | "
+                     f"{ratio} | "
                      f"{s['median_step_ms']:.0f} ms |")
     lines += ["", f"Non-inferiority at a margin of +{100 * MARGIN:.2f}% of the loss, fixed "
                   "before the rows were read (a row is shown no worse than its reference only "
@@ -534,24 +596,30 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma-separated seeds of the rows {', '.join(DECIDING_ROWS)}, a "
                         f"superset of --seeds (default: {DECIDING_SEEDS} when --seeds is its "
                         "default, else --seeds)")
-    p.add_argument("--rows", default=",".join(ROWS),
+    add_study_arguments(p, ROWS)
+    return p.parse_args()
+
+
+def add_study_arguments(p: argparse.ArgumentParser, rows: dict[str, Row]) -> None:
+    """The arguments a study shares with the others: --rows (of `rows`), --val-tokens, --out,
+    --runs-dir."""
+    p.add_argument("--rows", default=",".join(rows),
                    help="comma-separated row names, each row's reference row among them")
     p.add_argument("--val-tokens", type=int, default=VAL_TOKENS)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--runs-dir", type=Path,
                    help="keep each run's JSON here and reuse those of the same arguments "
                         "(resumes a study that stopped); default: a temporary directory")
-    return p.parse_args()
 
 
-def _seed_text(text: str) -> str:
+def seed_text(text: str) -> str:
     """Comma-separated seeds as written, or `first-last` when they run consecutively."""
     seeds = [int(s) for s in text.split(",")]
     consecutive = seeds == list(range(seeds[0], seeds[0] + len(seeds)))
     return f"{seeds[0]}-{seeds[-1]}" if consecutive and len(seeds) > 2 else text
 
 
-def _seed_list(text: str) -> list[int]:
+def seed_list(text: str) -> list[int]:
     seeds = [int(s) for s in text.split(",")]
     if len(set(seeds)) != len(seeds):
         sys.exit(f"seeds repeat: {seeds}")
@@ -568,7 +636,7 @@ def main() -> None:
         sys.exit(f"--rows: {e}")
     if args.deciding_seeds is None:
         args.deciding_seeds = DECIDING_SEEDS if args.seeds == SEEDS else args.seeds
-    seeds, deciding = _seed_list(args.seeds), _seed_list(args.deciding_seeds)
+    seeds, deciding = seed_list(args.seeds), seed_list(args.deciding_seeds)
     try:
         seeds_by_row = row_seeds(rows, seeds, deciding)
     except ValueError as e:
@@ -586,7 +654,7 @@ def main() -> None:
     text = report(args, rows, runs, summary, started, time.monotonic() - clock)
     (args.out / "convergence.md").write_text(text)
     (args.out / "convergence.json").write_text(json.dumps({"summary": summary, "runs": runs}))
-    plot(rows, runs, summary, args.out / "convergence.png", args.steps)
+    plot(rows, runs, args.out / "convergence.png", args.steps)
     print(text)
 
 

@@ -7,7 +7,10 @@ tree still computes what the study ran.
 Pairs of rows at seed 1: by default baseline TP=2 / SDP4Bit TP=2, the pair kept last (on an
 Intel Xeon, with the training script as it is now); ``--pairs "baseline,SDP4Bit"`` adds the
 TP = 1 pair, kept on an AMD EPYC on 2026-11-24 by the scripts of then (its codecs' numerics
-are checked on any machine by tests/python/test_codec_digest.py). A pair is first probed:
+are checked on any machine by tests/python/test_codec_digest.py). ``--kept
+bench/results/long/convergence_long.json --pairs baseline,SDP4Bit`` checks the long study's
+pair (bench/convergence_long.py), kept under Debian's Python 3.11.2, the interpreter of CI's
+fresh machine. A pair is first probed:
 the reference row's first step alone, whose loss comes before any collective, optimizer step
 or sdp4bit code: it depends only on the initial weights, the data (the training text is the
 interpreter's standard library, so its Python build matters) and the floating-point kernels

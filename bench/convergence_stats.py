@@ -108,3 +108,33 @@ def seeds_for_width(spread: float, width: float) -> int:
     while 2 * t_quantile(0.975, n - 1) * spread / math.sqrt(n) >= width:
         n += 1
     return n
+
+
+def t_cdf(x: float, df: int) -> float:
+    """P(T < x) for Student's t with `df` degrees of freedom."""
+    inside = _t_cdf_above_zero(abs(x), df)
+    return 0.5 + inside if x >= 0 else 0.5 - inside
+
+
+def seeds_for_non_inferiority(spread: float, margin: float, power: float = 0.8) -> int:
+    """The fewest seeds (at least 2) at which a row truly equal to its reference has
+    probability `power` of a one-sided 95% upper bound under `margin`, when its paired
+    differences have standard deviation `spread`: n with (t(0.95, n - 1) + t(power, n - 1))
+    spread / sqrt(n) <= margin (the shifted-t approximation of the noncentral t)."""
+    if spread < 0 or margin <= 0 or not 0.5 < power < 1:
+        raise ValueError(f"seeds_for_non_inferiority needs spread >= 0, margin > 0 and "
+                         f"0.5 < power < 1, got {spread}, {margin}, {power}")
+    n = 2
+    while ((t_quantile(0.95, n - 1) + t_quantile(power, n - 1)) * spread / math.sqrt(n)
+           > margin):
+        n += 1
+    return n
+
+
+def power_to_detect(effect: float, spread: float, n: int) -> float:
+    """The probability that n paired seeds whose differences have mean `effect` and standard
+    deviation `spread` give a two-sided 95% interval above zero (the shifted-t
+    approximation)."""
+    if n < 2 or spread <= 0:
+        raise ValueError(f"power_to_detect needs n >= 2 and spread > 0, got {n}, {spread}")
+    return 1.0 - t_cdf(t_quantile(0.975, n - 1) - effect * math.sqrt(n) / spread, n - 1)

@@ -13,6 +13,8 @@
 #   bash scripts/bench.sh cluster_hybrid [ARGS]  python bench/cluster_hybrid.py (hybrid
 #                                              sharding's steps and link bytes; root)
 #   bash scripts/bench.sh convergence [ARGS]   python bench/convergence.py (convergence study)
+#   bash scripts/bench.sh convergence_long [ARGS]  python bench/convergence_long.py (the long
+#                                              study, with its controls)
 #   bash scripts/bench.sh convergence_reproduce [ARGS]  python bench/convergence_reproduce.py
 #                                              (the kept study's runs rerun on the tree)
 #   bash scripts/bench.sh hadamard_real [ARGS] python bench/hadamard_real.py (the Hadamard
@@ -24,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_cpu|cluster_hybrid|cluster_phases|convergence|convergence_reproduce|hadamard_real [ARGS]}
+name=${1:?usage: bash scripts/bench.sh cpu|gpu|kernels|cluster|cluster_cpu|cluster_hybrid|cluster_phases|convergence|convergence_long|convergence_reproduce|hadamard_real [ARGS]}
 shift
 case "$name" in
   cpu | gpu)
@@ -36,13 +38,13 @@ case "$name" in
     sdp4bit_cuda_tools
     exec cargo bench --locked --bench kernels -- "$@"
     ;;
-  cluster | cluster_cpu | cluster_hybrid | cluster_phases | convergence | convergence_reproduce | hadamard_real)
+  cluster | cluster_cpu | cluster_hybrid | cluster_phases | convergence | convergence_long | convergence_reproduce | hadamard_real)
     sdp4bit_main_venv
     sdp4bit_install_current
     exec python "bench/$name.py" "$@"
     ;;
   *)
-    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster, cluster_cpu, cluster_phases, convergence, convergence_reproduce or hadamard_real" >&2
+    echo "unknown benchmark '$name': cpu, gpu, kernels, cluster, cluster_cpu, cluster_hybrid, cluster_phases, convergence, convergence_long, convergence_reproduce or hadamard_real" >&2
     exit 2
     ;;
 esac

@@ -143,8 +143,17 @@ OMP_NUM_THREADS=1 bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows
 test -s .cache/convergence-smoke/convergence.png
 grep -q "SDP4Bit's interval is" .cache/convergence-smoke/convergence.md
 
-step "the kept convergence study reproduces: seed 1's first 15 steps rerun bit for bit where this machine computes as the study's did"
+step "long convergence study smoke run (3 steps, SDP4Bit, its baseline and the controls x 2 seeds; the study is bench/convergence_long.py)"
+OMP_NUM_THREADS=1 bash scripts/bench.sh convergence_long --steps 3 --seeds 1,2 \
+  --rows "baseline,SDP4Bit,positive: qW8/shard,null control,positive: qW8/4096" --val-tokens 4096 \
+  --out .cache/convergence-long-smoke
+test -s .cache/convergence-long-smoke/convergence_long.png
+grep -q "Null control" .cache/convergence-long-smoke/convergence_long.md
+
+step "the kept convergence studies reproduce: seed 1's first 15 steps rerun bit for bit where this machine computes as the study's did"
 bash scripts/bench.sh convergence_reproduce --steps 15
+bash scripts/bench.sh convergence_reproduce --kept bench/results/long/convergence_long.json \
+  --pairs baseline,SDP4Bit --steps 15
 
 step "the Hadamard transform on real gradients, smoke run (3 steps; the analysis is bench/hadamard_real.py)"
 bash scripts/bench.sh hadamard_real --out .cache/hadamard-smoke --steps 3 --dump-steps 0,2 --draws 2 \

@@ -64,15 +64,15 @@ def test_a_row_needs_its_reference_among_the_selected_rows():
         select_rows([BASELINE, BASELINE])
 
 
-def test_a_reference_must_be_a_reference_row_of_the_same_script():
+def test_a_reference_must_be_a_row_of_the_same_script_whose_chain_ends_at_a_reference():
     table = {"a": Row("a", (), reference="a"), "b": Row("b", (), reference="a"),
              "c": Row("c", (), convergence.FSDP_TRAIN, reference="a"),
              "d": Row("d", (), reference="b")}
     assert [r.name for r in select_rows(["a", "b"], table)] == ["a", "b"]
-    with pytest.raises(ValueError, match="must be a reference row of the same script"):
+    with pytest.raises(ValueError, match="must be a row of the same script"):
         select_rows(["a", "c"], table)
-    with pytest.raises(ValueError, match="must be a reference row of the same script"):
-        select_rows(["a", "b", "d"], table)
+    # d against b against a: the null control's shape (bench/convergence_long.py)
+    assert [r.name for r in select_rows(["a", "b", "d"], table)] == ["a", "b", "d"]
 
 
 def _run(val_loss: float, train_loss: list[float], sent: int = 0) -> dict:

@@ -63,3 +63,36 @@ def test_seeds_for_width_is_the_fewest_seeds_whose_interval_is_narrow_enough():
     assert seeds_for_width(0.0, 0.01) == 2
     with pytest.raises(ValueError, match="width > 0"):
         seeds_for_width(0.01, 0.0)
+
+
+def _paired_draws(rng, n, mean, spread):
+    return [rng.gauss(mean, spread) for _ in range(n)]
+
+
+def test_seeds_for_non_inferiority_gives_the_power_asked_for():
+    from convergence_stats import seeds_for_non_inferiority, upper_bound
+
+    rng = random.Random(11)
+    spread, margin = 0.005, 0.0025
+    n = seeds_for_non_inferiority(spread, margin, 0.8)
+    assert n == 27  # (1.645 + 0.842)^2 (0.005 / 0.0025)^2 = 24.7, plus the t's heavier tails
+    trials = 4000
+    shown = sum(upper_bound(_paired_draws(rng, n, 0.0, spread)) < margin for _ in range(trials))
+    fewer = sum(upper_bound(_paired_draws(rng, n - 8, 0.0, spread)) < margin
+                for _ in range(trials))
+    assert 0.77 < shown / trials < 0.85  # binomial sd 0.006 at 4000 trials
+    assert fewer / trials < 0.72  # the control: 8 seeds fewer fall clearly short
+    with pytest.raises(ValueError):
+        seeds_for_non_inferiority(0.005, 0.0, 0.8)
+
+
+def test_power_to_detect_matches_simulated_intervals():
+    from convergence_stats import interval, power_to_detect, t_cdf
+
+    assert t_cdf(-1.0, 3) == pytest.approx(0.19550, abs=1e-4)  # tables' value
+    rng = random.Random(12)
+    trials = 4000
+    for effect, n in ((0.005, 10), (0.0025, 19), (0.0, 10)):
+        seen = sum(interval(_paired_draws(rng, n, effect, 0.005)).low > 0
+                   for _ in range(trials)) / trials
+        assert seen == pytest.approx(power_to_detect(effect, 0.005, n), abs=0.03), (effect, n)

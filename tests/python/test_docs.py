@@ -104,6 +104,14 @@ EXERCISED = {
         and _contains("bench/gpu.rs", "SDP4BIT_REQUIRE_GPU")),
     "bash scripts/bench.sh convergence --out bench/results": lambda: _contains(
         TEST_SH, "bash scripts/bench.sh convergence --steps 3 --seeds 1,2"),
+    "bash scripts/bench.sh convergence_long --runs-dir .cache/convergence-long-runs --out "
+    "bench/results/long": lambda: _contains(TEST_SH, "bash scripts/bench.sh convergence_long "
+                                                     "--steps 3 --seeds 1,2"),
+    "bash scripts/bench.sh convergence_reproduce --kept bench/results/long/convergence_long.json "
+    "--pairs baseline,SDP4Bit --steps 15": lambda: _contains(
+        TEST_SH, "bash scripts/bench.sh convergence_reproduce --kept "
+                 "bench/results/long/convergence_long.json \\\n"
+                 "  --pairs baseline,SDP4Bit --steps 15"),
     "bash scripts/bench.sh convergence_reproduce --steps 15": lambda: _contains(
         TEST_SH, "bash scripts/bench.sh convergence_reproduce --steps 15"),
     "python bench/codec_digest.py": lambda: _run(sys.executable,
