@@ -375,6 +375,15 @@ def summarize(rows: list[Row], runs: dict[str, dict[int, dict]]) -> dict[str, di
 MARGIN = 0.0025
 
 
+def relative_differences(row: Row, runs: dict[str, dict[int, dict]]) -> tuple[list[float], float]:
+    """The row's paired differences of final validation loss, seed by seed, as fractions of its
+    reference's mean over the row's seeds; and that mean."""
+    mine, base = runs[row.name], runs[row.reference]
+    reference_mean = statistics.fmean(base[seed]["val_loss"] for seed in mine)
+    return ([(mine[seed]["val_loss"] - base[seed]["val_loss"]) / reference_mean
+             for seed in sorted(mine)], reference_mean)
+
+
 def non_inferiority(rows: list[Row], runs: dict) -> list[str]:
     """The non-inferiority table: per compressed row, its paired difference from its reference
     (each as a fraction of the reference's mean loss over the row's own seeds), the one-sided
@@ -385,10 +394,7 @@ def non_inferiority(rows: list[Row], runs: dict) -> list[str]:
     for row in rows:
         if row.is_reference:
             continue
-        mine = runs[row.name]
-        base = {seed: runs[row.reference][seed]["val_loss"] for seed in mine}
-        base_mean = statistics.fmean(base.values())
-        deltas = [(mine[seed]["val_loss"] - base[seed]) / base_mean for seed in sorted(mine)]
+        deltas, base_mean = relative_differences(row, runs)
         bound = upper_bound(deltas)
         lines.append(f"| {row.name} | {len(deltas)} | {row.reference} ({base_mean:.4f}) | "
                      f"{100 * statistics.fmean(deltas):+.2f}% | {100 * bound:+.2f}% | "

@@ -53,7 +53,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence  # noqa: E402
-from convergence import BASELINE, MARGIN, Row, preset_args  # noqa: E402
+from convergence import (BASELINE, MARGIN, Row, preset_args,  # noqa: E402
+                         relative_differences)
 from convergence_stats import (interval, power_to_detect, seeds_for_non_inferiority,  # noqa: E402
                                upper_bound)
 
@@ -119,15 +120,6 @@ def kept_whole_seeds(rows: list[Row], seeds: list[int], steps: int, val_tokens: 
             for name, run in kept.items():
                 runs[name][seed] = run
     return runs
-
-
-def relative_differences(row: Row, runs: dict[str, dict[int, dict]]) -> tuple[list[float], float]:
-    """The row's paired differences of final validation loss, seed by seed, as fractions of its
-    reference's mean over the row's seeds; and that mean."""
-    mine, base = runs[row.name], runs[row.reference]
-    reference_mean = statistics.fmean(base[seed]["val_loss"] for seed in mine)
-    return ([(mine[seed]["val_loss"] - base[seed]["val_loss"]) / reference_mean
-             for seed in sorted(mine)], reference_mean)
 
 
 def lag_one_autocorrelation(values: list[float]) -> float:
