@@ -6,8 +6,9 @@ Model and training: bench/convergence.py's megatron-core GPT and DistributedOpti
 W = 4 gloo ranks as 2 nodes x 2, at width 64 (0.12 M parameters) for 1,200 steps of 32
 sequences of 64 bytes: 2.46 M tokens, 20 per parameter (the compute-optimal ratio of
 Hoffmann et al.; the 400-step study trains 1.9 per parameter and its loss is still falling
-at the end), with warm-up and cosine decay to 3e-4 so the loss is flat over the last
-quarter of training. Each rank's data from a hash of (seed, rank), so seeds are independent.
+at the end), with warm-up and cosine decay to 3e-4 so the loss flattens towards the end (the
+report gives how fast it still falls). Each rank's data from a hash of (seed, rank), so seeds
+are independent.
 
 Rows, each differenced seed by seed from its reference:
 
@@ -32,8 +33,10 @@ Rows, each differenced seed by seed from its reference:
 Runs are kept in --runs-dir and reused with the same arguments, seed after seed over every
 row, so a stopped study resumes and a cut-short one has whole seeds. The report
 (convergence_long.md, .json, .png) gives each row's paired difference and its one-sided 95%
-bound against :data:`convergence.MARGIN`, the controls' verdicts, the paired difference of the
-training loss along training, and the power calculation from the measured spread.
+bound against :data:`convergence.MARGIN` (and the deciding rows' bounds corrected for being
+tested together), the controls' verdicts, the power calculation from the measured spread, the
+paired difference of the training loss along training, and how fast the baseline's loss still
+falls at the end.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ ROWS = {row.name: row for row in (
                                    "weight_bits=8", "weight_group_size=4096")),
 )}
 POSITIVE_CONTROLS = (POSITIVE_4096, POSITIVE_SHARD)
+#: The rows whose verdicts decide the paper's claims (the rest are controls).
+DECIDING = (SDP4BIT, "TLq", "TLq-HS", "qWD")
 #: The range of effects the positive controls stand for (fractions of the loss).
 CONTROL_RANGE = (0.0025, 0.01)
 #: The study's CPU budget on 2 cores, and its seeds: the most whole seeds of every row the
@@ -150,6 +155,36 @@ def along_training(row: Row, runs: dict[str, dict[int, dict]], windows: int) -> 
     return out
 
 
+def flattening(runs: dict[str, dict[int, dict]], name: str, windows: int,
+               tail: int = 100) -> tuple[list[float], float]:
+    """How far row `name`'s training has flattened: its mean training loss over each of
+    `windows` equal spans (averaged over seeds), and the least-squares slope of that average
+    over the last span, as the fall per `tail` steps (positive while it still falls)."""
+    by_seed = runs[name]
+    curves = [run["train_loss"] for run in by_seed.values()]
+    steps = len(curves[0])
+    windows = min(windows, steps)
+    average = [statistics.fmean(values) for values in zip(*curves)]
+    spans = [(i * steps // windows, (i + 1) * steps // windows) for i in range(windows)]
+    means = [statistics.fmean(average[a:b]) for a, b in spans]
+    start = spans[-1][0]
+    if steps - start < 2:
+        return means, math.nan
+    slope = statistics.linear_regression(range(start, steps), average[start:]).slope
+    return means, -slope * tail
+
+
+def flattening_line(runs: dict[str, dict[int, dict]], name: str = BASELINE,
+                    windows: int = 6) -> str:
+    """One sentence on how far the reference row's loss has flattened, against the margin."""
+    means, fall = flattening(runs, name, windows)
+    rate = fall / means[-1]
+    return (f"The {name}'s mean training loss over each sixth (over its seeds): "
+            f"{', '.join(f'{m:.3f}' for m in means)}; over the last sixth it still falls "
+            f"{fall:.4f} per 100 steps ({100 * rate:.2f}% of the loss, "
+            f"{rate / MARGIN:.1f} times the margin).")
+
+
 def _percent(value: float) -> str:
     return f"{100 * value:+.2f}%"
 
@@ -177,6 +212,25 @@ def row_table(rows: list[Row], runs: dict[str, dict[int, dict]]) -> list[str]:
             f"{'yes' if bound < MARGIN else 'no'} | {convergence.error_text(errors[0])} | "
             f"{convergence.error_text(errors[1])} | {ratio:.3f} |")
     return lines
+
+
+def corrected_bounds(rows: list[Row], runs: dict[str, dict[int, dict]]) -> list[str]:
+    """The deciding rows' bounds corrected for being tested together (Bonferroni: each at
+    1 - 0.05 / k, so that all k hold at once with probability 95% or more), as a paragraph;
+    none where fewer than two deciding rows ran."""
+    deciding = [row for row in rows if row.name in DECIDING]
+    if len(deciding) < 2:
+        return []
+    confidence = 1 - 0.05 / len(deciding)
+    bounds = [(row.name, upper_bound(relative_differences(row, runs)[0], confidence))
+              for row in deciding]
+    under = [name for name, bound in bounds if bound < MARGIN]
+    verdict = ("all under the margin" if len(under) == len(bounds) else
+               f"under the margin: {', '.join(under) or 'none'}")
+    return [f"Corrected for testing the {len(deciding)} deciding rows together (Bonferroni: "
+            f"one-sided {100 * confidence:.2f}% bounds): "
+            + ", ".join(f"{name} {_percent(bound)}" for name, bound in bounds)
+            + f"; {verdict}.", ""]
 
 
 def controls(runs: dict[str, dict[int, dict]]) -> tuple[list[str], bool]:
@@ -291,6 +345,7 @@ def report(args: argparse.Namespace, rows: list[Row], runs: dict[str, dict[int, 
         "",
         *row_table(rows, runs),
         "",
+        *corrected_bounds(rows, runs),
         "## Controls",
         "",
         *control_lines,
@@ -305,6 +360,8 @@ def report(args: argparse.Namespace, rows: list[Row], runs: dict[str, dict[int, 
         "the reference's; 95% intervals over seeds; the same batches in both runs of a seed):",
         "",
         *training_table(rows, runs),
+        "",
+        flattening_line(runs),
         "",
     ]
     if not valid:

@@ -65,6 +65,12 @@ class Interval:
         return f"{self.mean:+.{digits}f} ± {self.half_width:.{digits}f}"
 
 
+def _standard_error(samples: list[float], mean: float) -> float:
+    """The standard error of the mean of `samples` (n - 1 in the variance; n >= 2)."""
+    n = len(samples)
+    return math.sqrt(sum((x - mean) ** 2 for x in samples) / (n - 1) / n)
+
+
 def interval(samples: list[float]) -> Interval:
     """The mean of `samples` with its 95% interval (Student t, n - 1 degrees of freedom)."""
     n = len(samples)
@@ -73,19 +79,18 @@ def interval(samples: list[float]) -> Interval:
     mean = sum(samples) / n
     if n < 2:
         return Interval(mean, math.nan, n)
-    variance = sum((x - mean) ** 2 for x in samples) / (n - 1)
-    return Interval(mean, t_quantile(0.975, n - 1) * math.sqrt(variance / n), n)
+    return Interval(mean, t_quantile(0.975, n - 1) * _standard_error(samples, mean), n)
 
 
-def upper_bound(samples: list[float]) -> float:
-    """The one-sided 95% upper confidence bound of the mean of `samples` (Student t, n - 1
-    degrees of freedom): the mean plus t(0.95, n - 1) standard errors; NaN below two samples."""
+def upper_bound(samples: list[float], confidence: float = 0.95) -> float:
+    """The one-sided upper confidence bound of the mean of `samples` at `confidence` (Student
+    t, n - 1 degrees of freedom): the mean plus t(confidence, n - 1) standard errors; NaN below
+    two samples."""
     n = len(samples)
-    mean = sum(samples) / n
     if n < 2:
         return math.nan
-    variance = sum((x - mean) ** 2 for x in samples) / (n - 1)
-    return mean + t_quantile(0.95, n - 1) * math.sqrt(variance / n)
+    mean = sum(samples) / n
+    return mean + t_quantile(confidence, n - 1) * _standard_error(samples, mean)
 
 
 def paired_difference(row: dict[int, float], baseline: dict[int, float]) -> Interval:

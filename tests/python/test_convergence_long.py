@@ -105,6 +105,25 @@ def test_the_report_gives_each_rows_bound_and_the_seeds_power_asks_for(tmp_path)
     assert "steps 0-1 | steps 2-3" in text  # six spans of 12 steps
 
 
+def test_the_deciding_rows_bounds_are_corrected_for_being_tested_together(tmp_path):
+    runs = _runs(0.005)
+    rows = select_rows(list(study.ROWS), study.ROWS)
+    (line, blank) = study.corrected_bounds(rows, runs)
+    assert line.startswith("Corrected for testing the 4 deciding rows together (Bonferroni: "
+                           "one-sided 98.75% bounds): SDP4Bit +") and blank == ""
+    deltas, _ = study.relative_differences(study.ROWS["qWD"], runs)
+    corrected = study.upper_bound(deltas, 0.9875)
+    assert corrected > study.upper_bound(deltas)  # wider than the row's own bound
+    assert f"qWD {100 * corrected:+.2f}%" in line and line.endswith("all under the margin.")
+    assert line in _report(runs, tmp_path)
+    # A deciding row 1% worse is named apart; a lone deciding row needs no correction.
+    for seed in runs["TLq"]:
+        runs["TLq"][seed] = _run(runs[BASELINE][seed]["val_loss"] * 1.01)
+    assert study.corrected_bounds(rows, runs)[0].endswith(
+        "under the margin: SDP4Bit, TLq-HS, qWD.")
+    assert study.corrected_bounds(select_rows([BASELINE, study.SDP4BIT], study.ROWS), runs) == []
+
+
 def test_the_difference_along_training_is_taken_span_by_span():
     runs = {BASELINE: {1: _run(2.0), 2: _run(2.0)}, study.SDP4BIT: {}}
     for seed in (1, 2):
@@ -114,6 +133,22 @@ def test_the_difference_along_training_is_taken_span_by_span():
     spans = study.along_training(study.ROWS[study.SDP4BIT], runs, 2)
     assert [span for span, _ in spans] == [(0, 6), (6, 12)]
     assert [d.mean for _, d in spans] == pytest.approx([0.0, 0.1])
+
+
+def test_flattening_is_the_fall_of_the_seed_average_over_the_last_span():
+    steps = 600
+    curve = [2.0 + 1000.0 / (step + 100) for step in range(steps)]  # falls ever slower
+    runs = {BASELINE: {seed: {"train_loss": [v + 0.01 * (-1) ** seed for v in curve]}
+                       for seed in (1, 2)}}  # opposite offsets: the average is the curve
+    means, fall = study.flattening(runs, BASELINE, 6)
+    assert means == pytest.approx([sum(curve[i:i + 100]) / 100 for i in range(0, steps, 100)])
+    # The slope of 1000 / (step + 100) over steps 500-599, near its value at 550: 1000 / 650^2.
+    assert fall == pytest.approx(100 * 1000 / 650 ** 2, rel=0.01)
+    line = study.flattening_line(runs)
+    assert f"falls {fall:.4f} per 100 steps" in line
+    assert f"{fall / means[-1] / study.MARGIN:.1f} times the margin" in line
+    flat = {BASELINE: {1: {"train_loss": [2.0] * steps}, 2: {"train_loss": [2.0] * steps}}}
+    assert study.flattening(flat, BASELINE, 6)[1] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_only_seeds_every_row_kept_are_reported(tmp_path):
@@ -149,5 +184,6 @@ def test_the_committed_report_is_the_one_its_runs_give():
     rows = select_rows(list(runs), study.ROWS)
     text = (RESULTS / "convergence_long.md").read_text()
     for table in (study.row_table(rows, runs), study.controls(runs)[0],
-                  study.power_lines(runs, len(runs[BASELINE])), study.training_table(rows, runs)):
+                  study.power_lines(runs, len(runs[BASELINE])), study.training_table(rows, runs),
+                  [study.flattening_line(runs)], study.corrected_bounds(rows, runs)):
         assert "\n".join(table) in text

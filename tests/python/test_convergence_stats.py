@@ -86,6 +86,20 @@ def test_seeds_for_non_inferiority_gives_the_power_asked_for():
         seeds_for_non_inferiority(0.005, 0.0, 0.8)
 
 
+def test_upper_bound_covers_the_mean_at_the_confidence_asked_for():
+    from convergence_stats import upper_bound
+
+    rng = random.Random(5)
+    trials = 20000
+    draws = [_paired_draws(rng, 15, 0.0, 1.0) for _ in range(trials)]
+    # Misses (a bound under the true mean, 0) at 1 - confidence: binomial sd 0.0008 at 1.25%.
+    corrected = sum(upper_bound(d, 1 - 0.05 / 4) < 0.0 for d in draws) / trials
+    assert 0.0095 < corrected < 0.0155
+    plain = sum(upper_bound(d) < 0.0 for d in draws) / trials  # the default, 95%
+    assert 0.045 < plain < 0.055
+    assert math.isnan(upper_bound([1.0], 0.99))
+
+
 def test_power_to_detect_matches_simulated_intervals():
     from convergence_stats import interval, power_to_detect, t_cdf
 
