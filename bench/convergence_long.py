@@ -98,6 +98,10 @@ BUDGET_MINUTES = 180
 SEEDS = ",".join(str(s) for s in range(1, 16))
 #: The power the non-inferiority calculation asks for, with a true difference of zero.
 POWER = 0.8
+#: Training is read in this many equal spans (sixths) along the way.
+SPANS = 6
+#: The fall of the loss at the end is given per this many steps.
+FALL_STEPS = 100
 
 
 def common_args(steps: int, val_tokens: int) -> list[str]:
@@ -138,15 +142,20 @@ def lag_one_autocorrelation(values: list[float]) -> float:
     return sum(a * b for a, b in zip(deviations, deviations[1:])) / total
 
 
+def spans(steps: int, windows: int) -> list[tuple[int, int]]:
+    """`windows` equal spans of `steps` steps as (start, end); a span a step when fewer (a
+    smoke run's)."""
+    windows = min(windows, steps)
+    return [(i * steps // windows, (i + 1) * steps // windows) for i in range(windows)]
+
+
 def along_training(row: Row, runs: dict[str, dict[int, dict]], windows: int) -> list:
     """The paired difference of the mean training loss over each of `windows` equal spans of
     training (a fraction of the reference's, with its 95% interval over seeds)."""
     mine, base = runs[row.name], runs[row.reference]
     steps = len(next(iter(mine.values()))["train_loss"])
-    windows = min(windows, steps)  # a smoke run's few steps: a span each
-    spans = [(i * steps // windows, (i + 1) * steps // windows) for i in range(windows)]
     out = []
-    for start, end in spans:
+    for start, end in spans(steps, windows):
         def span_mean(run):
             return statistics.fmean(run["train_loss"][start:end])
         reference_mean = statistics.fmean(span_mean(base[seed]) for seed in mine)
@@ -155,33 +164,29 @@ def along_training(row: Row, runs: dict[str, dict[int, dict]], windows: int) -> 
     return out
 
 
-def flattening(runs: dict[str, dict[int, dict]], name: str, windows: int,
-               tail: int = 100) -> tuple[list[float], float]:
+def flattening(runs: dict[str, dict[int, dict]], name: str,
+               windows: int) -> tuple[list[float], float]:
     """How far row `name`'s training has flattened: its mean training loss over each of
     `windows` equal spans (averaged over seeds), and the least-squares slope of that average
-    over the last span, as the fall per `tail` steps (positive while it still falls)."""
-    by_seed = runs[name]
-    curves = [run["train_loss"] for run in by_seed.values()]
-    steps = len(curves[0])
-    windows = min(windows, steps)
-    average = [statistics.fmean(values) for values in zip(*curves)]
-    spans = [(i * steps // windows, (i + 1) * steps // windows) for i in range(windows)]
-    means = [statistics.fmean(average[a:b]) for a, b in spans]
-    start = spans[-1][0]
-    if steps - start < 2:
+    over the last span, as the fall per FALL_STEPS steps (positive while it still falls)."""
+    average = [statistics.fmean(values)
+               for values in zip(*(run["train_loss"] for run in runs[name].values()))]
+    windows_of_steps = spans(len(average), windows)
+    means = [statistics.fmean(average[a:b]) for a, b in windows_of_steps]
+    start, end = windows_of_steps[-1]
+    if end - start < 2:
         return means, math.nan
-    slope = statistics.linear_regression(range(start, steps), average[start:]).slope
-    return means, -slope * tail
+    slope = statistics.linear_regression(range(start, end), average[start:]).slope
+    return means, -slope * FALL_STEPS
 
 
-def flattening_line(runs: dict[str, dict[int, dict]], name: str = BASELINE,
-                    windows: int = 6) -> str:
-    """One sentence on how far the reference row's loss has flattened, against the margin."""
-    means, fall = flattening(runs, name, windows)
+def flattening_line(runs: dict[str, dict[int, dict]], name: str = BASELINE) -> str:
+    """One sentence on how far the row's loss has flattened, against the margin."""
+    means, fall = flattening(runs, name, SPANS)
     rate = fall / means[-1]
     return (f"The {name}'s mean training loss over each sixth (over its seeds): "
             f"{', '.join(f'{m:.3f}' for m in means)}; over the last sixth it still falls "
-            f"{fall:.4f} per 100 steps ({100 * rate:.2f}% of the loss, "
+            f"{fall:.4f} per {FALL_STEPS} steps ({100 * rate:.2f}% of the loss, "
             f"{rate / MARGIN:.1f} times the margin).")
 
 
@@ -296,12 +301,13 @@ def power_lines(runs: dict[str, dict[int, dict]], seeds: int) -> list[str]:
 
 
 def training_table(rows: list[Row], runs: dict[str, dict[int, dict]],
-                   windows: int = 6) -> list[str]:
+                   windows: int = SPANS) -> list[str]:
     """The paired difference of the training loss along training, per compared row."""
     compared = [row for row in rows if not row.is_reference]
-    spans = [span for span, _ in along_training(compared[0], runs, windows)]
-    lines = ["| row | " + " | ".join(f"steps {a}-{b - 1}" for a, b in spans) + " |",
-             "|---|" + "---:|" * len(spans)]
+    steps = len(next(iter(runs[compared[0].name].values()))["train_loss"])
+    columns = spans(steps, windows)
+    lines = ["| row | " + " | ".join(f"steps {a}-{b - 1}" for a, b in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
     for row in compared:
         cells = [f"{_percent(d.mean)} ± {100 * d.half_width:.2f}%"
                  for _, d in along_training(row, runs, windows)]
