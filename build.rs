@@ -3,14 +3,14 @@
 //! compiles the C++ half of the cxx bridge (`src/ffi/mod.rs`; the torch adapter it calls,
 //! `cpp/torch_comms.h`, is compiled by the torch extension build, against the installed torch).
 //!
-//! The kernel table `kernels/sdp4bit_kernels.h` (one `SDP_KERNEL(name, parameter struct,
-//! widest load, widest store, pointer parameters)` line per kernel), the launch bounds of the
-//! kernels' definitions and the parameter structs of `kernels/sdp4bit_abi.h` become
-//! `$OUT_DIR/kernels.rs` (the `Kernel` enum, `SOURCES`, `HEADERS`; included by
-//! `src/backend/cuda/source.rs`) and `$OUT_DIR/abi.rs` (the `#[repr(C)]` mirrors; included by
-//! `src/backend/cuda/abi.rs`). The build fails, naming the file, when a kernel is defined by no
-//! `.cu` file or by two, when a `.cu` file defines a kernel the table lacks or one without
-//! launch bounds, or when a struct has a field without a comment or padding.
+//! The kernel table `kernels/sdp4bit_kernels.h` (one `SDP_KERNEL(name, body, parameter struct,
+//! widest load, widest store, pointer parameters)` line per kernel), the `.cu` files defining
+//! the bodies and the parameter structs of `kernels/sdp4bit_abi.h` become `$OUT_DIR/kernels.rs`
+//! (the `Kernel` enum, `SOURCES`, `HEADERS`; included by `src/backend/cuda/source.rs`) and
+//! `$OUT_DIR/abi.rs` (the `#[repr(C)]` mirrors; included by `src/backend/cuda/abi.rs`). The
+//! build fails, naming the file, when a body is defined by no `.cu` file or by two, when a `.cu`
+//! file defines a body (a template `..._of`) the table lacks, or when a struct has a field
+//! without a comment or padding.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,10 +69,11 @@ fn nvrtc_dirs(root: &Path) {
     }
 }
 
-/// A line of the kernel table, and the blocks per multiprocessor its definition's
-/// `__launch_bounds__` asks for.
+/// A line of the kernel table.
 struct Kernel {
     name: String,
+    /// The template in a `.cu` file its entry points instantiate.
+    body: String,
     /// The C name of its parameter struct.
     params: String,
     /// Widths in bits of its widest global load and store (0: none).
@@ -81,9 +82,6 @@ struct Kernel {
     pointers: Vec<Pointer>,
     /// The comment above its line.
     doc: String,
-    /// `B` of its definition's `__launch_bounds__(SDP_BLOCK_THREADS, B)` (set once the `.cu`
-    /// files are read).
-    min_blocks: u32,
 }
 
 /// A pointer parameter: `[const] ELEMENT* NAME`.
@@ -120,7 +118,7 @@ fn kernel_abi(dir: &Path, out: &Path) -> Result<(), String> {
     let read = |name: &str| {
         std::fs::read_to_string(dir.join(name)).map_err(|e| format!("kernels/{name}: {e}"))
     };
-    let mut kernels = kernel_table(&read("sdp4bit_kernels.h")?)
+    let kernels = kernel_table(&read("sdp4bit_kernels.h")?)
         .map_err(|e| format!("kernels/sdp4bit_kernels.h: {e}"))?;
     let structs =
         structs(&read("sdp4bit_abi.h")?).map_err(|e| format!("kernels/sdp4bit_abi.h: {e}"))?;
@@ -144,19 +142,16 @@ fn kernel_abi(dir: &Path, out: &Path) -> Result<(), String> {
     headers.sort();
     let mut defined_in: BTreeMap<String, String> = BTreeMap::new();
     for file in &files {
-        for (name, min_blocks) in
-            definitions(&read(file)?).map_err(|e| format!("kernels/{file}: {e}"))?
-        {
-            let Some(kernel) = kernels.iter_mut().find(|k| k.name == name) else {
+        for body in bodies(&read(file)?) {
+            if !kernels.iter().any(|k| k.body == body) {
                 return Err(format!(
-                    "kernels/{file} defines the kernel {name}, which kernels/sdp4bit_kernels.h \
+                    "kernels/{file} defines the body {body}, which kernels/sdp4bit_kernels.h \
                      does not list"
                 ));
-            };
-            kernel.min_blocks = min_blocks;
-            if let Some(other) = defined_in.insert(name.clone(), file.clone()) {
+            }
+            if let Some(other) = defined_in.insert(body.clone(), file.clone()) {
                 return Err(format!(
-                    "the kernel {name} is defined by kernels/{other} and by kernels/{file}"
+                    "the body {body} is defined by kernels/{other} and by kernels/{file}"
                 ));
             }
         }
@@ -164,9 +159,12 @@ fn kernel_abi(dir: &Path, out: &Path) -> Result<(), String> {
     // Every file with its kernels, in the order of the table's first kernel of each.
     let mut sources: Vec<(&str, Vec<&Kernel>)> = Vec::new();
     for kernel in &kernels {
-        let file = defined_in
-            .get(&kernel.name)
-            .ok_or_else(|| format!("no kernels/*.cu file defines the kernel {}", kernel.name))?;
+        let file = defined_in.get(&kernel.body).ok_or_else(|| {
+            format!(
+                "no kernels/*.cu file defines the body {} of the kernel {}",
+                kernel.body, kernel.name
+            )
+        })?;
         match sources.iter_mut().find(|(f, _)| f == file) {
             Some((_, listed)) => listed.push(kernel),
             None => sources.push((file, vec![kernel])),
@@ -202,9 +200,9 @@ fn kernel_table(text: &str) -> Result<Vec<Kernel>, String> {
             .and_then(|l| l.strip_suffix(')'))
             .ok_or_else(|| at(format!("not a comment or an SDP_KERNEL(...) line: {line}")))?;
         let args: Vec<&str> = args.split(',').map(str::trim).collect();
-        let [name, params, load, store, pointers @ ..] = &args[..] else {
+        let [name, body, params, load, store, pointers @ ..] = &args[..] else {
             return Err(at(
-                "SDP_KERNEL needs a name, a struct and the widest load and store".into(),
+                "SDP_KERNEL needs a name, a body, a struct and the widest load and store".into(),
             ));
         };
         let width = |bits: &str| {
@@ -222,12 +220,12 @@ fn kernel_table(text: &str) -> Result<Vec<Kernel>, String> {
             .collect::<Result<_, _>>()?;
         kernels.push(Kernel {
             name: name.to_string(),
+            body: body.to_string(),
             params: params.to_string(),
             widest_load: width(load)?,
             widest_store: width(store)?,
             pointers,
             doc: doc.join(" "),
-            min_blocks: 0,
         });
         doc.clear();
     }
@@ -334,39 +332,19 @@ fn structs(text: &str) -> Result<BTreeMap<String, Struct>, String> {
     Ok(structs)
 }
 
-/// The kernels `.cu` source `code` defines, each `extern "C" __global__ void
-/// __launch_bounds__(SDP_BLOCK_THREADS, B) NAME(`, with its `B`: every kernel launches
-/// `SDP_BLOCK_THREADS` threads per block (`kernels/common.cuh`), and `B` decides its register
-/// budget.
-fn definitions(code: &str) -> Result<Vec<(String, u32)>, String> {
-    let mut names = Vec::new();
-    for (at, _) in code.match_indices("extern \"C\"") {
-        let not_a_kernel = || format!("the extern \"C\" at byte {at} is not a kernel definition");
-        let rest = code[at + "extern \"C\"".len()..].trim_start();
-        let rest = rest
-            .strip_prefix("__global__")
-            .and_then(|r| r.trim_start().strip_prefix("void"))
-            .map(str::trim_start)
-            .ok_or_else(not_a_kernel)?;
-        let (bounds, rest) = rest
-            .strip_prefix("__launch_bounds__(")
-            .and_then(|r| r.split_once(')'))
-            .ok_or_else(|| {
-                format!("the kernel at byte {at} has no __launch_bounds__(SDP_BLOCK_THREADS, B)")
-            })?;
-        let min_blocks = bounds
-            .split_once(',')
-            .filter(|(threads, _)| threads.trim() == "SDP_BLOCK_THREADS")
-            .and_then(|(_, blocks)| blocks.trim().parse::<u32>().ok())
-            .filter(|&b| b > 0)
-            .ok_or_else(|| {
-                format!("the kernel at byte {at}: __launch_bounds__({bounds}) is not (SDP_BLOCK_THREADS, B)")
-            })?;
-        let rest = rest.trim_start();
-        let name = rest[..rest.find('(').ok_or_else(not_a_kernel)?].trim();
-        names.push((name.to_string(), min_blocks));
-    }
-    Ok(names)
+/// The kernel bodies `.cu` source `code` defines: the functions `void NAME_of(` of its top level
+/// (a template on its own line before them), the templates the kernel table's entry points
+/// instantiate.
+fn bodies(code: &str) -> Vec<String> {
+    code.lines()
+        .filter(|line| line.starts_with("__device__ __forceinline__ void "))
+        .filter_map(|line| {
+            let name = line["__device__ __forceinline__ void ".len()..]
+                .split('(')
+                .next()?;
+            name.ends_with("_of").then(|| name.to_string())
+        })
+        .collect()
 }
 
 /// `grad_quantize_first` as `GradQuantizeFirst`.
@@ -414,7 +392,14 @@ fn kernels_rs(
         format!("&[{}]", list.join(", "))
     });
     let params = arms(kernels, |k| format!("{:?}", k.params));
-    let min_blocks = arms(kernels, |k| k.min_blocks.to_string());
+    let bodies = arms(kernels, |k| format!("{:?}", k.body));
+    let files = arms(kernels, |k| {
+        let (file, _) = sources
+            .iter()
+            .find(|(_, defined)| defined.iter().any(|d| d.name == k.name))
+            .expect("every kernel has a source");
+        format!("{file:?}")
+    });
     let loads = arms(kernels, |k| k.widest_load.to_string());
     let stores = arms(kernels, |k| k.widest_store.to_string());
     let sizes = arms(kernels, |k| {
@@ -459,7 +444,7 @@ impl Kernel {{
     pub const ALL: [Kernel; Self::COUNT] = [
 {all}    ];
 
-    /// The `extern "C"` name of the kernel (its `.entry` in the PTX).
+    /// The kernel's name, which its specialised entry points start with (`NAME__...`).
     pub fn name(self) -> &'static str {{
         match self {{
 {names}        }}
@@ -477,11 +462,16 @@ impl Kernel {{
 {params}        }}
     }}
 
-    /// `B` of its `__launch_bounds__(SDP_BLOCK_THREADS, B)`: the blocks per multiprocessor
-    /// its register budget must allow.
-    pub fn min_blocks_per_multiprocessor(self) -> u32 {{
+    /// The template of `kernels/` that its entry points instantiate with a spec.
+    pub fn body(self) -> &'static str {{
         match self {{
-{min_blocks}        }}
+{bodies}        }}
+    }}
+
+    /// The `.cu` file of `kernels/` that defines its body.
+    pub fn file(self) -> &'static str {{
+        match self {{
+{files}        }}
     }}
 
     /// Width in bits of its widest global load, as the kernel table plans it (0: none).
@@ -509,7 +499,8 @@ pub const SOURCES: [KernelSource; {source_count}] = [
 {source_list}];
 
 /// The headers the sources include, as `(include name, contents)`: every `.h` and `.cuh` file
-/// of `kernels/`.
+/// of `kernels/`. A specialised entry point's program includes its kernel's source too
+/// (`SOURCES`).
 pub const HEADERS: [(&str, &str); {header_count}] = [
 {header_list}];
 "#

@@ -4,20 +4,27 @@ same parameter count, measured in the same run on the same GPU.
 
     python bench/gpu_cost.py [--from BENCH_OUTPUT] [--tokens N] [--out FILE]
 
-Without --from it runs `cargo bench --bench gpu` with SDP4BIT_BENCH_SECTIONS=cost itself. A
-layer of P parameters has hidden size h with 12 h^2 = P (rounded to a multiple of 64); its
-GEMM step is the forward and backward products of its four linear layers (QKV, attention
+Without --from it runs `cargo bench --bench gpu` with SDP4BIT_BENCH_SECTIONS=cost,concurrent
+itself. A layer of P parameters has hidden size h with 12 h^2 = P (rounded to a multiple of
+64); its GEMM step is the forward and backward products of its four linear layers (QKV, attention
 output, MLP up and down: 12 products, 6 T P floating-point operations for T tokens) on one
 micro-batch of T tokens (default 8192, e.g. 4 sequences of 2048), each timed with CUDA events
 as the median of repeated runs. Attention's own products and everything else a step does are
 left out, so the fraction is an upper bound for one micro-batch; with k micro-batches per
 optimizer step it divides by k, since a bucket is compressed once per step.
+
+It then prints issue 42's targets (item 6) met or missed: each bucket's whole sequence within
+`TARGETS.sequence` (sdp4bit/kernel_times.py) of the time its bytes take at the benchmark's
+copy bandwidth, and compression at most 10% of the GEMM step of one micro-batch; and the GEMM
+step's slowdown beside the compression kernels (the benchmark's `concurrent` section), which
+is reported without a target.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -28,6 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COST_PREFIX = "cost-json: "
+CONCURRENT_PREFIX = "concurrent-json: "
+#: Issue 42's target (item 6): one rank's compression kernels per bucket at most this fraction
+#: of a GEMM step of one micro-batch.
+GEMM_FRACTION_TARGET = 0.10
 
 
 def parse_costs(text: str) -> dict:
@@ -36,6 +47,67 @@ def parse_costs(text: str) -> dict:
     if not lines:
         raise ValueError("the benchmark output has no cost-json line (did its cost section run?)")
     return json.loads(lines[-1][len(COST_PREFIX):])
+
+
+def parse_concurrent(text: str) -> dict | None:
+    """The benchmark's GEMM beside the compression kernels (its `concurrent-json:` line), or
+    None where its section did not run."""
+    lines = [line for line in text.splitlines() if line.startswith(CONCURRENT_PREFIX)]
+    return json.loads(lines[-1][len(CONCURRENT_PREFIX):]) if lines else None
+
+
+def sequence_target() -> float:
+    """Issue 42's target for the per-bucket sequence, as sdp4bit/kernel_times.py writes it
+    (loaded by path: the package itself needs its extension)."""
+    spec = importlib.util.spec_from_file_location("sdp4bit_kernel_times",
+                                                  ROOT / "sdp4bit" / "kernel_times.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.TARGETS.sequence
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
+def target_lines(costs: dict, fractions: list[float], tokens: int,
+                 concurrent: dict | None) -> list[str]:
+    """Issue 42's targets met or missed, one line each, and the GEMM's slowdown beside the
+    compression kernels."""
+    lines = ["Targets (issue 42, item 6):"]
+    target = sequence_target()
+    copy = costs.get("copy_gbps")
+    for row in costs["rows"]:
+        what = f"{row['numel'] >> 20} Mi, {row['grad']} gradients"
+        ms = row["reduce_scatter_ms"] + row["all_gather_ms"]
+        if copy is None or row.get("bytes") is None:
+            lines.append(f"- sequence within {target}x of its bytes at copy speed ({what}): not "
+                         "known (this benchmark output has no bytes or copy bandwidth)")
+            continue
+        at_copy = row["bytes"] / (copy * 1e9) * 1e3
+        lines.append(f"- sequence within {target}x of its bytes at copy speed ({what}): "
+                     f"{ms:.3f} ms against {at_copy:.3f} ms for {row['bytes'] / 2**20:.1f} MiB at "
+                     f"{copy:.1f} GB/s, {ms / at_copy:.2f}x: {verdict(ms / at_copy <= target)}")
+    for row, fraction in zip(costs["rows"], fractions):
+        lines.append(f"- compression at most {GEMM_FRACTION_TARGET:.0%} of a GEMM step of "
+                     f"{tokens} tokens ({row['numel'] >> 20} Mi, {row['grad']} gradients): "
+                     f"{fraction:.1%}: {verdict(fraction <= GEMM_FRACTION_TARGET)}")
+    rows = (concurrent or {}).get("rows") or []
+    if rows:
+        for r in rows:
+            slowdown = r["gemm_beside_ms"] / r["gemm_ms"] - 1
+            lines.append(f"- GEMM step beside the compression kernels on the side stream "
+                         f"({concurrent['numel'] >> 20} Mi, {r['grad']} gradients, hidden "
+                         f"{concurrent['hidden']}, {concurrent['tokens']} tokens): "
+                         f"{r['gemm_ms']:.3f} ms alone, {r['gemm_beside_ms']:.3f} ms beside, "
+                         f"slowdown {slowdown:+.1%} (reported; compression "
+                         f"{r['compression_ms']:.3f} ms alone, "
+                         f"{r['compression_beside_ms']:.3f} ms beside)")
+    else:
+        why = (concurrent or {}).get("skipped") or "its section did not run"
+        lines.append(f"- GEMM step beside the compression kernels: not measured ({why})")
+    return lines
 
 
 def layer_hidden(params: int) -> int:
@@ -82,8 +154,8 @@ def gemm_step_ms(hidden: int, tokens: int, repeats: int = 20) -> float:
 def table(costs: dict, tokens: int, gemm: dict[int, float]) -> tuple[list[str], list[float]]:
     """The markdown rows and the fractions, one per cost row."""
     rows = ["| bucket elements | gradients | GPT layer (hidden, params) | GEMM step ms | TFLOP/s "
-            "| compression ms (RS + AG) | fraction of the GEMM step |",
-            "|---:|---|---|---:|---:|---:|---:|"]
+            "| compression ms (RS + AG) | fraction of the GEMM step | target |",
+            "|---:|---|---|---:|---:|---:|---:|---|"]
     fractions = []
     for row in costs["rows"]:
         hidden = layer_hidden(row["numel"])
@@ -94,13 +166,14 @@ def table(costs: dict, tokens: int, gemm: dict[int, float]) -> tuple[list[str], 
         fractions.append(compression / ms)
         rows.append(f"| {row['numel'] >> 20} Mi | {row['grad']} | {hidden}, {params / 1e6:.1f} M "
                     f"| {ms:.3f} | {tflops:.0f} | {row['reduce_scatter_ms']:.3f} + "
-                    f"{row['all_gather_ms']:.3f} | {100 * compression / ms:.1f}% |")
+                    f"{row['all_gather_ms']:.3f} | {100 * compression / ms:.1f}% | "
+                    f"{verdict(compression / ms <= GEMM_FRACTION_TARGET)} |")
     return rows, fractions
 
 
 def bench_output() -> str:
     """The GPU benchmark's cost section, run now."""
-    env = dict(os.environ, SDP4BIT_BENCH_SECTIONS="cost", SDP4BIT_REQUIRE_GPU="1")
+    env = dict(os.environ, SDP4BIT_BENCH_SECTIONS="cost,concurrent", SDP4BIT_REQUIRE_GPU="1")
     done = subprocess.run(["cargo", "bench", "--locked", "--bench", "gpu"], cwd=ROOT, env=env,
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -120,7 +193,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("skipped: torch sees no CUDA GPU")
         return 0
-    costs = parse_costs(Path(args.source).read_text() if args.source else bench_output())
+    output = Path(args.source).read_text() if args.source else bench_output()
+    costs = parse_costs(output)
     gemm = {h: gemm_step_ms(h, args.tokens)
             for h in sorted({layer_hidden(r["numel"]) for r in costs["rows"]})}
     rows, fractions = table(costs, args.tokens, gemm)
@@ -133,6 +207,7 @@ def main() -> int:
         f"- one rank's compression kernels per step (preset {costs['preset']}, W = 4 as "
         f"{costs['world']}, exchanges excluded) against the bf16 forward and backward GEMMs of "
         f"a GPT layer's linear layers on {args.tokens} tokens", "", *rows, "",
+        *target_lines(costs, fractions, args.tokens, parse_concurrent(output)), "",
         f"compression kernels: {100 * min(fractions):.1f}% to {100 * max(fractions):.1f}% of a "
         f"GEMM step of a GPT layer of the same parameter count ({args.tokens} tokens)"])
     print(text)

@@ -5,14 +5,15 @@
 // dequantize::<i8 | i16>. Each kernel has a _bf16 variant that reads a bf16 bucket or writes a
 // bf16 shard (docs/numerics.md §7.5; common.cuh's gradient elements).
 //
-// Launch: blockDim = (256, 1, 1), any gridDim.x >= 1, no dynamic shared memory.
-// Work unit: one run of 4 consecutive elements per thread (one Philox block for quantize),
-// grid-stride over ceil(numel / 4) runs; a run is moved with one 16-byte access of fp32 (8 of
-// bf16, and a 4- or 8-byte access of the integers) when the buffers are aligned for it and the
-// run is whole, element by element otherwise (the rounding and the dequantization take those
-// runs in a second loop). global_absmax reduces each warp's elements with a warp reduction and
-// issues one atomicMax per warp.
-#include "common.cuh"
+// Spec: sdp_elementwise_spec<stochastic rounding (quantize only), runs per thread> (spec.cuh).
+// Work unit: a run of 4 consecutive elements (one Philox block for quantize); a thread takes
+// Runs runs per step of its grid-stride loop (runs b + k T, T the threads of the grid, so every
+// warp access stays contiguous), all their loads issued before any arithmetic. A run is moved
+// with one 16-byte access of fp32 (8 of bf16, and a 4- or 8-byte access of the integers) when
+// the buffers are aligned for it and the run is whole, element by element otherwise (the
+// rounding and the dequantization take those runs in a second loop). global_absmax reduces each
+// warp's elements with a warp reduction and issues one atomicMax per warp.
+#include "quantize.cuh"
 
 // Runs of 4 elements of a bucket of numel elements.
 __device__ __forceinline__ uint64_t global_runs(const sdp_global& args)
@@ -41,19 +42,31 @@ __device__ __forceinline__ void global_load_run(const G* __restrict__ x, const s
 // global_absmax(bucket, abs_bits): *abs_bits = max over the bucket of min(bits & 0x7fffffff,
 // +Inf's bits), the caller zeroes it first: the f32 max |x|, or +Inf when a NaN or Inf is
 // present (local_absmax), which a MAX all-reduce of the word as an f32 maximises.
-template <class G>
+template <class Spec, class G>
 __device__ __forceinline__ void global_absmax_of(const G* __restrict__ bucket, uint32_t* __restrict__ abs_bits,
                                                  const sdp_global& args)
 {
     const bool vector = sdp_grad_run_aligned(bucket);
+    const uint64_t threads = sdp_thread_count();
     uint32_t m = 0;
-    for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += sdp_thread_count()) {
-        float v[4];
-        global_load_run(bucket, args, b, vector, v);
+    for (uint64_t b = sdp_thread_id(); b < global_runs(args); b += Spec::runs * threads) {
+        float v[Spec::runs][4];
 #pragma unroll
-        for (uint32_t e = 0; e < 4; ++e) {
-            const uint32_t bits = sdp_abs_bits(v[e]);
-            m = bits > m ? bits : m;
+        for (uint32_t k = 0; k < Spec::runs; ++k) {
+            const uint64_t run = b + k * threads;
+            if (run < global_runs(args)) {
+                global_load_run(bucket, args, run, vector, v[k]);
+            } else {
+                v[k][0] = v[k][1] = v[k][2] = v[k][3] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (uint32_t k = 0; k < Spec::runs; ++k) {
+#pragma unroll
+            for (uint32_t e = 0; e < 4; ++e) {
+                const uint32_t bits = sdp_abs_bits(v[k][e]);
+                m = bits > m ? bits : m;
+            }
         }
     }
     m = m < GLOBAL_INF_BITS ? m : GLOBAL_INF_BITS;
@@ -61,18 +74,6 @@ __device__ __forceinline__ void global_absmax_of(const G* __restrict__ bucket, u
     if (sdp_lane() == 0 && m != 0) {
         atomicMax(abs_bits, m);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_absmax(const float* __restrict__ bucket, uint32_t* __restrict__ abs_bits, sdp_global args)
-{
-    global_absmax_of(bucket, abs_bits, args);
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_absmax_bf16(const sdp_bf16* __restrict__ bucket, uint32_t* __restrict__ abs_bits, sdp_global args)
-{
-    global_absmax_of(bucket, abs_bits, args);
 }
 
 // What a launch scales by (docs/numerics.md §7.2 steps 2 and 4): `scale`, or a / k for the
@@ -101,15 +102,17 @@ __device__ __forceinline__ GlobalScale global_scale(const sdp_global& args)
 // The code of quotient t = x / scale: clamp(R(t), -k, k) with R = floor(t + u) (stochastic, u
 // from the Philox word `word`) or round half to even; a NaN code becomes 0 (quantize_task and
 // quant::code_bits).
+template <class Spec>
 __device__ __forceinline__ int32_t global_code(const sdp_global& args, float t, uint32_t word)
 {
-    return sdp_round_clamp(args.stochastic != 0, t, word, -args.k, args.k);
+    return sdp_round_clamp(Spec::stochastic, t, word, -args.k, args.k);
 }
 
 // The Philox words of run b (zeros for round half to even).
+template <class Spec>
 __device__ __forceinline__ void global_words(const sdp_global& args, uint64_t b, uint32_t* w)
 {
-    if (args.stochastic) {
+    if (Spec::stochastic) {
         sdp_words4(args.rng, 4 * b, w);
     } else {
         w[0] = w[1] = w[2] = w[3] = 0;
@@ -137,13 +140,13 @@ __device__ __forceinline__ void global_store_run(int16_t* out, const int32_t* c)
 // Cold path: the codes of run b element by element (the run may be partial or unaligned):
 // every code 0 unless the launch scales (global_scale's outcome), else x / scale by the plain
 // division.
-template <class Code, class G>
+template <class Spec, class Code, class G>
 __device__ __forceinline__ void global_quantize_checked(const G* __restrict__ bucket, Code* __restrict__ out,
                                                         const sdp_global& args, const GlobalScale& scale,
                                                         uint64_t b)
 {
     uint32_t w[4];
-    global_words(args, b, w);
+    global_words<Spec>(args, b, w);
 #pragma unroll 1
     for (uint32_t e = 0; e < 4; ++e) {
         const uint64_t i = 4 * b + e;
@@ -151,70 +154,61 @@ __device__ __forceinline__ void global_quantize_checked(const G* __restrict__ bu
             return;
         }
         const float t = __fdiv_rn(sdp_grad_to_f32(bucket[i]), scale.s);
-        out[i] = (Code)(scale.outcome == GLOBAL_SCALED ? global_code(args, t, w[e]) : 0);
+        out[i] = (Code)(scale.outcome == GLOBAL_SCALED ? global_code<Spec>(args, t, w[e]) : 0);
     }
 }
 
 // out[i] = the code of bucket[i] for every element of the bucket, one run of 4 (one Philox
-// block: its four uniforms) per thread and step. The main loop takes the whole runs of aligned
-// buffers of a launch that scales, dividing by the scale as sdp_divide_run does (a
-// multiplication by its reciprocal and two fused multiply-adds where that is the IEEE
-// quotient, docs/numerics.md §1.4; the scale bounds no value, so both limits of |x| are
-// checked per value); a second loop the rest.
-template <class Code, class G>
-__device__ __forceinline__ void global_quantize(const G* __restrict__ bucket, Code* __restrict__ out,
-                                                const sdp_global& args)
+// block: its four uniforms) per thread and run. The main loop takes the whole runs of aligned
+// buffers of a launch that scales, Runs per thread and step with their loads and Philox words
+// ahead of the arithmetic, dividing by the scale as sdp_divide_run does (a multiplication by
+// its reciprocal and two fused multiply-adds where that is the IEEE quotient,
+// docs/numerics.md §1.4; the scale bounds no value, so both limits of |x| are checked per
+// value); a second loop the rest.
+template <class Spec, class Code, class G>
+__device__ __forceinline__ void global_quantize_of(const G* __restrict__ bucket, Code* __restrict__ out,
+                                                   const sdp_global& args)
 {
     const GlobalScale scale = global_scale(args);
     const bool vector = sdp_grad_run_aligned(bucket) && sdp_aligned(out, 4 * sizeof(Code));
     const uint64_t whole = vector && scale.outcome == GLOBAL_SCALED ? args.numel / 4 : 0;
     const sdp_divisor divisor = sdp_divisor_unbounded(scale.s);
-    uint64_t b = sdp_thread_id();
-    for (; b < whole; b += sdp_thread_count()) {
+    const uint64_t threads = sdp_thread_count();
+    for (uint64_t b = sdp_thread_id(); b < whole; b += Spec::runs * threads) {
         // A NaN's payload never reaches a code: raw bf16 conversion.
-        float x[4];
-        sdp_grad_load4_raw(bucket + 4 * b, x);
-        float t[4];
-        sdp_divide_run<4, true>(divisor, x, t);
-        uint32_t w[4];
-        global_words(args, b, w);
-        int32_t c[4];
+        float x[Spec::runs][4];
+        uint32_t w[Spec::runs][4];
 #pragma unroll
-        for (uint32_t e = 0; e < 4; ++e) {
-            c[e] = global_code(args, t[e], w[e]);
+        for (uint32_t k = 0; k < Spec::runs; ++k) {
+            if (b + k * threads < whole) {
+                sdp_grad_fetch4(bucket + 4 * (b + k * threads), x[k]);
+            }
         }
-        global_store_run(out + 4 * b, c);
+#pragma unroll
+        for (uint32_t k = 0; k < Spec::runs; ++k) {
+            global_words<Spec>(args, b + k * threads, w[k]);
+        }
+#pragma unroll
+        for (uint32_t k = 0; k < Spec::runs; ++k) {
+            const uint64_t run = b + k * threads;
+            if (run < whole) {
+                float t[4];
+                sdp_grad_widen4_raw<G>(x[k]);
+                sdp_divide_run<4, true>(divisor, x[k], t);
+                int32_t c[4];
+#pragma unroll
+                for (uint32_t e = 0; e < 4; ++e) {
+                    c[e] = global_code<Spec>(args, t[e], w[k][e]);
+                }
+                global_store_run(out + 4 * run, c);
+            }
+        }
     }
     // Cold path: the runs the main loop did not take (unaligned buffers, the last partial run,
     // a launch whose outputs are zeros or NaN).
-    for (; b < global_runs(args); b += sdp_thread_count()) {
-        global_quantize_checked(bucket, out, args, scale, b);
+    for (uint64_t b = whole + sdp_thread_id(); b < global_runs(args); b += threads) {
+        global_quantize_checked<Spec>(bucket, out, args, scale, b);
     }
-}
-
-// global_quantize_i8 / global_quantize_i16(bucket, out).
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_quantize_i8(const float* __restrict__ bucket, int8_t* __restrict__ out, sdp_global args)
-{
-    global_quantize(bucket, out, args);
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_quantize_i16(const float* __restrict__ bucket, int16_t* __restrict__ out, sdp_global args)
-{
-    global_quantize(bucket, out, args);
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_quantize_i8_bf16(const sdp_bf16* __restrict__ bucket, int8_t* __restrict__ out, sdp_global args)
-{
-    global_quantize(bucket, out, args);
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_quantize_i16_bf16(const sdp_bf16* __restrict__ bucket, int16_t* __restrict__ out, sdp_global args)
-{
-    global_quantize(bucket, out, args);
 }
 
 // The 4 integers of the whole, aligned run at `run` (one 4- or 8-byte load).
@@ -290,19 +284,19 @@ __device__ __forceinline__ void global_dequantize_checked(const Code* __restrict
     }
 }
 
-// out[i] = f32(sum[i]) * scale (NaN or 0 by global_scale's outcome), one run of 4 per thread
-// and step, where sum[i] is the sum in rank order of element i of the `blocks` consecutive
-// blocks of numel integers at `sum` (one block when `blocks` is 0 or 1), each partial sum
-// checked: an element whose sum overflows the Code is NaN and recorded in the status word.
+// out[i] = f32(sum[i]) * scale (NaN or 0 by global_scale's outcome), where sum[i] is the sum in
+// rank order of element i of the `blocks` consecutive blocks of numel integers at `sum` (one
+// block when `blocks` is 0 or 1), each partial sum checked: an element whose sum overflows the
+// Code is NaN and recorded in the status word.
 //
-// The main loop takes the whole runs of aligned buffers and checks each element's partial
-// sums once, by the largest of them offset as below (an element overflows exactly when one
-// of its partial sums lies outside the Code); a thread that meets an overflow there goes
-// over its runs again after it, element by element, to find each first overflow for the
-// status word.
-template <class Code, class G>
-__device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, G* __restrict__ out,
-                                                  const sdp_global& args)
+// The main loop takes the whole runs of aligned buffers, Runs per thread and step with the
+// first block's loads ahead of the arithmetic, and checks each element's partial sums once, by
+// the largest of them offset as below (an element overflows exactly when one of its partial
+// sums lies outside the Code); a thread that meets an overflow there goes over its runs of the
+// main loop again, element by element, to find each first overflow for the status word.
+template <class Spec, class Code, class G>
+__device__ __forceinline__ void global_dequantize_of(const Code* __restrict__ sum, G* __restrict__ out,
+                                                     const sdp_global& args)
 {
     const uint32_t blocks = args.blocks > 1 ? args.blocks : 1;
     // Every block is aligned like the first when numel is a multiple of a run.
@@ -312,84 +306,68 @@ __device__ __forceinline__ void global_dequantize(const Code* __restrict__ sum, 
     const float fill = scale.outcome == GLOBAL_NANS ? sdp_nan() : 0.0f;
     // The runs the main loop takes: every whole run when the buffers are aligned.
     const uint64_t whole = vector ? args.numel / 4 : 0;
+    const uint64_t threads = sdp_thread_count();
+    // Each element's partial sums less the Code's smallest value, as unsigned: inside the Code
+    // exactly when at most `span`, and a sum below it wraps to above 2^31 (|partial sums| <
+    // 2^31 for fewer than 65536 blocks), so the largest of them tells whether any partial sum
+    // overflowed.
+    const int32_t lowest = -global_code_max<Code>() - 1;
+    const uint32_t span = 2 * (uint32_t)global_code_max<Code>() + 1;
     bool overflowed = false;
-    uint64_t b = sdp_thread_id();
-    for (; b < whole; b += sdp_thread_count()) {
-        float x[4] = {fill, fill, fill, fill};
+    for (uint64_t b = sdp_thread_id(); b < whole; b += Spec::runs * threads) {
+        int32_t c[Spec::runs][4];
         if (scale.outcome == GLOBAL_SCALED) {
-            // Each element's partial sums less the Code's smallest value, as unsigned: inside
-            // the Code exactly when at most `span`, and a sum below it wraps to above 2^31
-            // (|partial sums| < 2^31 for fewer than 65536 blocks), so the largest of them
-            // tells whether any partial sum overflowed.
-            const int32_t lowest = -global_code_max<Code>() - 1;
-            const uint32_t span = 2 * (uint32_t)global_code_max<Code>() + 1;
-            int32_t c[4];
-            global_load_sums(sum + 4 * b, c);
-            uint32_t acc[4];
-            uint32_t reach[4];
 #pragma unroll
-            for (uint32_t e = 0; e < 4; ++e) {
-                acc[e] = (uint32_t)(c[e] - lowest);
-                reach[e] = acc[e];
-            }
-            const Code* block = sum + 4 * b;
-            // Unrolled only where `blocks` is a compile-time constant (the kernel model's
-            // wrapper); a runtime count stays a loop.
-#pragma unroll
-            for (uint32_t r = 1; r < blocks; ++r) {
-                block += args.numel;
-                global_load_sums(block, c);
-#pragma unroll
-                for (uint32_t e = 0; e < 4; ++e) {
-                    acc[e] += (uint32_t)c[e];
-                    reach[e] = acc[e] > reach[e] ? acc[e] : reach[e];
+            for (uint32_t k = 0; k < Spec::runs; ++k) {
+                if (b + k * threads < whole) {
+                    global_load_sums(sum + 4 * (b + k * threads), c[k]);
                 }
             }
-#pragma unroll
-            for (uint32_t e = 0; e < 4; ++e) {
-                const bool outside = reach[e] > span;
-                overflowed |= outside;
-                x[e] = outside ? sdp_nan() : __fmul_rn((float)((int32_t)acc[e] + lowest), scale.s);
-            }
         }
-        sdp_grad_store4(out + 4 * b, x);
+#pragma unroll
+        for (uint32_t k = 0; k < Spec::runs; ++k) {
+            const uint64_t run = b + k * threads;
+            if (run >= whole) {
+                break;
+            }
+            float x[4] = {fill, fill, fill, fill};
+            if (scale.outcome == GLOBAL_SCALED) {
+                uint32_t acc[4];
+                uint32_t reach[4];
+#pragma unroll
+                for (uint32_t e = 0; e < 4; ++e) {
+                    acc[e] = (uint32_t)(c[k][e] - lowest);
+                    reach[e] = acc[e];
+                }
+                const Code* block = sum + 4 * run;
+                for (uint32_t r = 1; r < blocks; ++r) {
+                    block += args.numel;
+                    int32_t more[4];
+                    global_load_sums(block, more);
+#pragma unroll
+                    for (uint32_t e = 0; e < 4; ++e) {
+                        acc[e] += (uint32_t)more[e];
+                        reach[e] = acc[e] > reach[e] ? acc[e] : reach[e];
+                    }
+                }
+#pragma unroll
+                for (uint32_t e = 0; e < 4; ++e) {
+                    const bool outside = reach[e] > span;
+                    overflowed |= outside;
+                    x[e] = outside ? sdp_nan() : __fmul_rn((float)((int32_t)acc[e] + lowest), scale.s);
+                }
+            }
+            sdp_grad_store4(out + 4 * run, x);
+        }
     }
     // Cold path: element by element, after an overflow there this thread's runs of the main
-    // loop again (last first), then the runs it did not take (unaligned buffers, the last
-    // partial run).
+    // loop again, then the runs it did not take (unaligned buffers, the last partial run).
     if (overflowed) {
-        for (uint64_t again = b; again >= sdp_thread_count();) {
-            again -= sdp_thread_count();
-            global_dequantize_checked(sum, out, args, blocks, scale, fill, again);
+        for (uint64_t b = sdp_thread_id(); b < whole; b += threads) {
+            global_dequantize_checked(sum, out, args, blocks, scale, fill, b);
         }
     }
-    for (; b < global_runs(args); b += sdp_thread_count()) {
+    for (uint64_t b = whole + sdp_thread_id(); b < global_runs(args); b += threads) {
         global_dequantize_checked(sum, out, args, blocks, scale, fill, b);
     }
-}
-
-// global_dequantize_i8 / global_dequantize_i16(sum, out). The int16 kernel's peer loop needs
-// 40 registers (six blocks of 256 threads per multiprocessor) to run without spilling.
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_dequantize_i8(const int8_t* __restrict__ sum, float* __restrict__ out, sdp_global args)
-{
-    global_dequantize(sum, out, args);
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 6)
-global_dequantize_i16(const int16_t* __restrict__ sum, float* __restrict__ out, sdp_global args)
-{
-    global_dequantize(sum, out, args);
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 8)
-global_dequantize_i8_bf16(const int8_t* __restrict__ sum, sdp_bf16* __restrict__ out, sdp_global args)
-{
-    global_dequantize(sum, out, args);
-}
-
-extern "C" __global__ void __launch_bounds__(SDP_BLOCK_THREADS, 6)
-global_dequantize_i16_bf16(const int16_t* __restrict__ sum, sdp_bf16* __restrict__ out, sdp_global args)
-{
-    global_dequantize(sum, out, args);
 }

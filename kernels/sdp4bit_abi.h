@@ -1,10 +1,10 @@
 // The launch ABI between the Rust CUDA backend and the kernels in this directory: the
-// parameter structs, and the kernels' prototypes, declared from the kernel table
-// (sdp4bit_kernels.h). Each kernel takes its device pointers first, then one parameter struct
-// by value. Fixed-width fields, each with a comment, and no implicit padding: build.rs
-// generates the #[repr(C)] Rust mirrors (src/backend/cuda/abi.rs) from the struct
-// definitions below, field comments as their docs, and fails the build on a struct with
-// padding.
+// parameter structs. Each kernel takes its device pointers first, then one parameter struct by
+// value (the kernel table, sdp4bit_kernels.h). Fixed-width fields, each with a comment, and no
+// implicit padding: build.rs generates the #[repr(C)] Rust mirrors (src/backend/cuda/abi.rs)
+// from the struct definitions below, field comments as their docs, and fails the build on a
+// struct with padding. A specialised kernel (spec.cuh) still receives every field; the
+// configuration it was compiled for is derived from the same struct (src/backend/cuda/spec.rs).
 //
 // Numerics: docs/numerics.md; every kernel must produce the bytes the CPU backend
 // (src/backend/cpu) produces for the same inputs.
@@ -179,9 +179,3 @@ struct sdp_global {
 #define SDP4BIT_STRUCT_WORDS(SDP_WORD) \
     SDP_WORD(sdp_global, absmax, 0)    \
     SDP_WORD(sdp_global, status, 1)
-
-// The kernels' prototypes, one per line of the kernel table.
-#define SDP_KERNEL(name, params, widest_load, widest_store, ...) \
-    extern "C" __global__ void name(__VA_ARGS__, struct params args);
-#include "sdp4bit_kernels.h"
-#undef SDP_KERNEL

@@ -6,17 +6,19 @@ or the kit runs in a subprocess of its own, under its own time limit.
     python3 scripts/gpu_kit.py run --out DIR [--kit DIR] [--deadline SECONDS] [--only a,b]
 
 `run` writes DIR/report.md (every stage PASS / FAIL / SKIP with its reason and time, the
-versions, the benchmark's and the stream check's figures) and DIR/logs.tar.gz (each stage's
-full output), and exits with 0 when every stage that ran passed, 1 when one failed, 2 on a
-host without a usable GPU (the GPU stages are skipped, saying why). Stages run in order of
-value; one that fails does not stop the next, and a stage is skipped once the deadline would
-not leave it its time.
+versions, the sweep's, the benchmark's, ncu's and the stream check's figures) and
+DIR/logs.tar.gz (each stage's full output; ncu's report too), beside bench_gpu.md, cost.md and
+sweep.json where those stages ran, and exits with 0 when every stage that ran passed, 1 when
+one failed, 2 on a host without a usable GPU (the GPU stages are skipped, saying why). Stages
+run in order of value; one that fails does not stop the next, and a stage is skipped once the
+deadline would not leave it its time.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import csv
 import ctypes
 import datetime
 import hashlib
@@ -58,6 +60,8 @@ SOURCES = (("Cargo.toml", ""), ("Cargo.lock", ""), ("build.rs", ""), ("setup.py"
 
 #: Lines of a failed stage's log the report quotes.
 TAIL_LINES = 15
+#: The GPU benchmark's kernel rows (bench/gpu.rs, `kernel_rows`).
+KERNEL_ROWS = 13
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +168,7 @@ class Context:
     nvrtc_dirs: str = ""  # SDP4BIT_NVRTC_DIRS as the package sets it
     facts: dict[str, str] = field(default_factory=dict)
     sections: dict[str, str] = field(default_factory=dict)
+    sweep: dict | None = None  # the sweep's sweep-json, once its stage has run
 
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -391,40 +396,300 @@ def stage_torch_cuda(ctx: Context, limit: float) -> str:
     return summary
 
 
+def bench_env(ctx: Context, sections: str, **extra: str) -> dict[str, str]:
+    """The GPU benchmark's environment: its sections, and cuBLAS on the loader's path (the
+    `concurrent` section loads it at run time)."""
+    paths = [*cublas_dirs(), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    return ctx.env(SDP4BIT_BENCH_SECTIONS=sections, LD_LIBRARY_PATH=os.pathsep.join(paths),
+                   **extra)
+
+
+def cublas_dirs() -> list[str]:
+    """The folders holding a cuBLAS the benchmark can load: the ones torch's wheels ship
+    (site-packages/nvidia/*/lib), then the CUDA toolkit's."""
+    roots = [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    found = [lib for root in roots for lib in sorted(root.glob("nvidia/*/lib/libcublas.so*"))]
+    for pattern in ("usr/local/cuda*/lib64/libcublas.so*",
+                    "usr/local/cuda*/targets/*/lib/libcublas.so*"):
+        found += sorted(Path("/").glob(pattern))
+    return list(dict.fromkeys(str(lib.parent) for lib in found))
+
+
+def json_line(output: str, prefix: str) -> dict | None:
+    """The JSON of the last line of `output` starting with `prefix` (`cost-json: `, ...)."""
+    line = last_line(output, "^" + re.escape(prefix))
+    return json.loads(line[len(prefix):]) if line else None
+
+
 def stage_bench(ctx: Context, limit: float) -> str:
-    status, output = ctx.run("bench", [str(ctx.kit / "bin/bench_gpu")], limit)
+    status, output = ctx.run("bench", [str(ctx.kit / "bin/bench_gpu")], limit,
+                             env=bench_env(ctx, "kernels,cost,concurrent"))
     table = output[output.find("# sdp4bit GPU benchmark"):] if "# sdp4bit" in output else ""
     if table:
         (ctx.out / "bench_gpu.md").write_text(table)
         ctx.sections["bench"] = with_model_estimates(table)
-    return checked(status, output, "the GPU benchmark", r"kernels reach")
+    summary = checked(status, output, "the GPU benchmark", r"kernels reach")
+    concurrent = json_line(output, "concurrent-json: ") or {}
+    rows = concurrent.get("rows") or []
+    if rows:
+        slowdowns = ", ".join(f"{100 * (r['gemm_beside_ms'] / r['gemm_ms'] - 1):+.1f}% "
+                              f"({r['grad']})" for r in rows)
+        summary += f" A GEMM step beside the compression kernels: {slowdowns}."
+    elif concurrent.get("skipped"):
+        summary += f" GEMM beside compression skipped: {concurrent['skipped']}."
+    return summary
 
 
-def model_estimates() -> tuple[float, dict[str, str]]:
-    """The static model's HBM bandwidth (TB/s) and its estimate (fraction of it) per kernel,
-    from bench/results/kernels.md."""
+def report_name(ctx: Context) -> str:
+    """The name this run's report is to be committed under (bench/results/gpu/), which the
+    sweep's `TABLE` lines cite: the date and the GPU."""
+    gpu = (ctx.gpu or "gpu").split(" (")[0].lower().removeprefix("nvidia ")
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu).strip("-")
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return f"bench/results/gpu/{date}-{slug}-kit.md"
+
+
+def stage_sweep(ctx: Context, limit: float) -> str:
+    """The benchmark's sweep section: its tables into the report, its sweep-json kept for the
+    ncu stage (and as sweep.json beside the report)."""
+    name = report_name(ctx)
+    status, output = ctx.run("sweep", [str(ctx.kit / "bin/bench_gpu")], limit,
+                             env=bench_env(ctx, "sweep", SDP4BIT_BENCH_REPORT=name))
+    start = output.find("## Sweep of the kernel variants")
+    if start >= 0:
+        measured = [last_line(output, r"^- device: "),
+                    last_line(output, r"^- device-to-device copy: ")]
+        body = [line for line in output[start:].strip().splitlines()[1:]
+                if not line.startswith("sweep-json: ")]
+        ctx.sections["sweep"] = "\n".join([*filter(None, measured), *body])
+        ctx.facts["variant table's report"] = f"`{name}` (commit this report there)"
+    ctx.sweep = json_line(output, "sweep-json: ")
+    if ctx.sweep:
+        (ctx.out / "sweep.json").write_text(json.dumps(ctx.sweep, indent=1) + "\n")
+        ctx.facts["copy (sweep stage)"] = (f"{ctx.sweep['copy_gbps']:.1f} GB/s on "
+                                           f"{ctx.sweep['device']}")
+    summary = checked(status, output, "the sweep", r"^sweep: ")
+    if status == 0 and not ctx.sweep:
+        raise Fail("the sweep printed no sweep-json line")
+    return summary.removeprefix("sweep: ")
+
+
+#: ncu's sections and metrics for each row: the warp states (stall reasons), the scheduler
+#: (issue active), speed of light (DRAM throughput), launch and occupancy figures, and the
+#: counts the table divides.
+NCU_SECTIONS = ("SpeedOfLight", "WarpStateStats", "SchedulerStats", "LaunchStats", "Occupancy")
+NCU_METRICS = ("smsp__inst_executed.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+               "dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum",
+               "dram__bytes_write.sum", "gpu__time_duration.sum")
+#: What ncu says where it cannot read the GPU's performance counters (no permission, a
+#: sandboxed driver such as gVisor's): the stage is skipped, naming the error.
+NCU_NO_COUNTERS = re.compile(r"ERR_NVGPUCTRPERM|LibraryNotLoaded|Failed to initialize the "
+                             r"profiler|[Pp]rofiling is not supported|not supported on this "
+                             r"(device|platform)|permission to access NVIDIA GPU Performance",
+                             re.I)
+#: Stall reasons of the warp-state section, per issued instruction.
+STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+
+
+def find_ncu() -> str | None:
+    """Nsight Compute's command line: on PATH, in the CUDA toolkit or in its own folder."""
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for pattern in ("usr/local/cuda*/bin/ncu", "opt/nvidia/nsight-compute/*/ncu"):
+        hits = sorted(Path("/").glob(pattern), reverse=True)
+        if hits:
+            return str(hits[0])
+    return None
+
+
+def ncu_targets(sweep: dict | None) -> tuple[str, str, int]:
+    """What the profile run launches and ncu matches: `SDP4BIT_BENCH_VARIANTS` (each row's
+    chosen variant from the sweep, none without one), the kernel-name regex and the launch
+    count (one launch per row)."""
+    rows = (sweep or {}).get("rows") or []
+    if not rows:
+        return "", r"regex:^\w+__\w+__u\d+t\d+m\d+$", KERNEL_ROWS
+    chosen = [r["chosen"] for r in rows]
+    variants = ",".join(f"{c['entry']}:{c['grid_blocks']}" for c in chosen)
+    names = "|".join(dict.fromkeys(re.escape(c["entry"]) for c in chosen))
+    return variants, f"regex:^({names})$", len(rows)
+
+
+def base_value(value: str, unit: str) -> float:
+    """A metric of ncu's CSV in base units (bytes, nanoseconds, counts)."""
+    number = float(value.replace(",", ""))
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    if unit.endswith("second"):
+        return number * {"n": 1, "u": 1e3, "m": 1e6, "": 1e9}[unit[:-len("second")]]
+    if unit[:1] in scale and unit[1:] in ("byte", "inst", "cycle", "warp"):
+        return number * scale[unit[0]]
+    return number
+
+
+def parse_ncu_csv(text: str) -> dict[str, dict[str, float]]:
+    """ncu's raw page as CSV (`--csv --page raw`): by kernel name, each numeric metric in base
+    units (the second row gives the units)."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    rows = list(csv.reader(lines))
+    if len(rows) < 2 or "Kernel Name" not in rows[0]:
+        return {}
+    header, units = rows[0], rows[1]
+    out: dict[str, dict[str, float]] = {}
+    for row in rows[2:]:
+        record = dict(zip(header, row))
+        name = record.get("Kernel Name", "").split("(")[0].strip()
+        metrics = {}
+        for key, value, unit in zip(header, row, units):
+            try:
+                metrics[key] = base_value(value, unit)
+            except (ValueError, KeyError):
+                continue
+        out[name] = metrics
+    return out
+
+
+def ncu_table(profile: dict, metrics: dict[str, dict[str, float]]) -> tuple[list[str], int]:
+    """The markdown rows of the ncu section, one per profiled row (`profile-json`), and how
+    many of them ncu measured."""
+    lines = ["| row | entry point | grid/SM | us (ncu) | warp inst / element | issue active % "
+             "| top stalls (cycles per issued inst) | DRAM % of peak | DRAM bytes / counted "
+             "| registers | occupancy % |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    found = 0
+    for row in profile.get("rows", []):
+        m = metrics.get(row["entry"])
+        if m is None:
+            lines.append(f"| {row['row']} | `{row['entry']}` | {row['grid_blocks']} | not "
+                         "profiled | - | - | - | - | - | - | - |")
+            continue
+        found += 1
+        stalls = sorted(((value, STALL.match(key).group(1)) for key, value in m.items()
+                         if STALL.match(key) and not key.endswith("_selected_per_issue_active"
+                                                                  ".ratio")), reverse=True)
+        dram = (m["dram__bytes_read.sum"] + m["dram__bytes_write.sum"]
+                if "dram__bytes_read.sum" in m and "dram__bytes_write.sum" in m else None)
+        inst = m.get("smsp__inst_executed.sum")
+        time_ns = m.get("gpu__time_duration.sum")
+        cells = [
+            time_ns / 1e3 if time_ns is not None else None,
+            inst / row["elements"] if inst is not None and row["elements"] else None,
+            m.get("smsp__issue_active.avg.pct_of_peak_sustained_active"),
+            None,
+            m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+            dram / row["bytes"] if dram is not None and row["bytes"] else None,
+            m.get("launch__registers_per_thread"),
+            m.get("sm__warps_active.avg.pct_of_peak_sustained_active"),
+        ]
+        formats = ["{:.1f}", "{:.3f}", "{:.1f}", "", "{:.1f}", "{:.2f}", "{:.0f}", "{:.1f}"]
+        text = ["-" if v is None else f.format(v) for v, f in zip(cells, formats)]
+        text[3] = ", ".join(f"{name} {value:.2f}" for value, name in stalls[:3]) or "-"
+        lines.append(f"| {row['row']} | `{row['entry']}` | {row['grid_blocks']} | "
+                     + " | ".join(text) + " |")
+    return lines, found
+
+
+def model_estimates() -> dict[str, tuple[float, float, float]]:
+    """The kernel model's terms per bench row, from bench/results/kernels.md ("Model terms per
+    bench row"): by the row's tag ("(1)", "(1b)", ...), its bytes read + written and its issue
+    and serial bounds in microseconds, which do not depend on the GPU's memory."""
     text = (ROOT / "bench" / "results" / "kernels.md").read_text()
-    hbm = float(re.search(r"^- HBM\w*: ([\d.]+) TB/s", text, re.M).group(1))
-    rows = re.findall(r"^\| `(\w+)` \|.*\| \*\*(\d+%)\*\* \|$", text, re.M)
-    return hbm, dict(rows)
+    rows = re.findall(r"^\| (\(\w+\)) \| `\w+` \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
+    return {tag: (float(b), float(issue), float(serial)) for tag, b, issue, serial in rows}
 
 
 def with_model_estimates(table: str) -> str:
-    """The benchmark's kernel table with, beside each row, its measured bandwidth as a fraction
-    of the HBM bandwidth the static model assumes and the model's estimate of that fraction."""
-    hbm, estimates = model_estimates()
+    """The benchmark's kernel table with, beside each row, the kernel model's prediction for
+    this run (the largest of the row's bytes over this run's copy bandwidth, its issue bound
+    and its serial bound) and the measured median over it."""
+    estimates = model_estimates()
+    copy_gbps = None
     lines = []
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| row |"):
-            line += f" of HBM ({hbm:g} TB/s) | model (kernels.md) |"
+            line += " model us (kernels.md, this copy) | measured / model |"
         elif line.startswith("|---") and len(cells) == 9:
             line += "---:|---:|"
-        elif line.startswith(("| (", "| baseline")) and len(cells) == 9:
-            measured = f"{float(cells[6]) / (hbm * 1e3):.0%}"
-            line += f" {measured} | {estimates.get(cells[1], '-')} |"
+        elif line.startswith("| baseline") and len(cells) == 9:
+            copy_gbps = float(cells[6])
+            line += " - | - |"
+        elif line.startswith("| (") and len(cells) == 9:
+            terms = estimates.get(cells[0].split()[0])
+            if terms is None or copy_gbps is None:
+                line += " - | - |"
+            else:
+                nbytes, issue_us, serial_us = terms
+                model_us = max(nbytes / (copy_gbps * 1e3), issue_us, serial_us)
+                line += f" {model_us:.1f} | {float(cells[4]) / model_us:.2f} |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def stage_ncu(ctx: Context, limit: float) -> str:
+    """`ncu --clock-control none` over the benchmark's profile section, which launches each
+    kernel row once with the variant the sweep chose (the production one without a sweep)."""
+    ncu = find_ncu()
+    if ncu is None:
+        raise Skip("ncu (Nsight Compute) is not on PATH nor under /usr/local/cuda*/bin or "
+                   "/opt/nvidia/nsight-compute")
+    variants, names, count = ncu_targets(ctx.sweep)
+    report = ctx.logs / "ncu.ncu-rep"
+    command = [ncu, "--clock-control", "none", "--kernel-name", names, "--launch-count",
+               str(count)]
+    for section in NCU_SECTIONS:
+        command += ["--section", section]
+    target = ["--export", str(report), "--force-overwrite", str(ctx.kit / "bin/bench_gpu")]
+    env = bench_env(ctx, "profile", SDP4BIT_BENCH_VARIANTS=variants)
+    started = time.monotonic()
+    status, output = ctx.run("ncu", [*command, "--metrics", ",".join(NCU_METRICS), *target],
+                             max(10.0, limit - 30), env=env)
+    errors = [line.strip() for line in output.splitlines() if line.startswith("==ERROR==")]
+    if status != 0 and any(re.search(r"metric", line, re.I) for line in errors):
+        # An ncu that does not know one of the metrics asked for by name: the sections alone
+        # (their own metrics, which every ncu knows) still give most of the table.
+        left = limit - 30 - (time.monotonic() - started)
+        status, output = ctx.run("ncu", [*command, *target], max(10.0, left), env=env)
+        errors = [line.strip() for line in output.splitlines() if line.startswith("==ERROR==")]
+    refused = next((line for line in errors if NCU_NO_COUNTERS.search(line)), None)
+    if refused:
+        raise Skip(f"ncu cannot read the GPU's performance counters here: {refused}")
+    profile = json_line(output, "profile-json: ")
+    if status != 0 or profile is None or not report.is_file():
+        why = errors[0] if errors else last_line(output, ".")
+        raise Fail(f"ncu over the benchmark's profile launches exited with {status}: {why}")
+    status, csv_text = ctx.run("ncu", [ncu, "--import", str(report), "--csv", "--page", "raw",
+                                       "--print-units", "base"], 60)
+    if status != 0:
+        status, csv_text = ctx.run("ncu", [ncu, "--import", str(report), "--csv", "--page",
+                                           "raw"], 60)
+    metrics = parse_ncu_csv(csv_text)
+    lines, found = ncu_table(profile, metrics)
+    chosen = "the sweep's chosen variants" if variants else "the production variants (no sweep)"
+    ctx.sections["ncu"] = "\n".join([
+        f"`ncu --clock-control none` (the GPU's own clocks), one launch of each kernel row with "
+        f"{chosen}, {len(profile['rows'])} rows; sections "
+        f"{', '.join(NCU_SECTIONS)}. Warp instructions per element: smsp__inst_executed.sum over "
+        "the elements the call processes; issue active: "
+        "smsp__issue_active.avg.pct_of_peak_sustained_active; stalls: "
+        "smsp__average_warps_issue_stalled_*_per_issue_active.ratio (cycles a warp waits per "
+        "issued instruction, the three largest); DRAM: "
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed, and the DRAM bytes ncu counted "
+        "over the bytes the row counts.", "", *lines])
+    if not found:
+        raise Fail(f"ncu profiled none of the {len(profile['rows'])} launches "
+                   f"({last_line(output, 'No kernels were profiled') or 'no metrics read'})")
+    issue_key = "smsp__issue_active.avg.pct_of_peak_sustained_active"
+    dram_key = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
+    issue = [m[issue_key] for m in metrics.values() if issue_key in m]
+    dram = [m[dram_key] for m in metrics.values() if dram_key in m]
+    spans = []
+    if issue:
+        spans.append(f"issue active {min(issue):.0f}-{max(issue):.0f}%")
+    if dram:
+        spans.append(f"DRAM {min(dram):.0f}-{max(dram):.0f}% of peak")
+    summary = f"{found} of {len(profile['rows'])} rows profiled with {chosen}"
+    return summary + (f": {', '.join(spans)}" if spans else "")
 
 
 def stage_cost(ctx: Context, limit: float) -> str:
@@ -492,15 +757,20 @@ STAGES = [
           "NCCL at W = 1", 120, True, stage_selftest),
     Stage("rust-kernels", "Rust suite: every kernel byte-equal to the CPU backend", 120, True,
           rust_tests("bin/cuda_gpu", "rust-kernels")),
+    Stage("sweep", "every variant of each kernel row byte-compared with the production kernel, "
+          "then timed (x copy and us); the fastest against issue 42's targets; the variant "
+          "table's lines", 300, True, stage_sweep),
+    Stage("bench", "every kernel against a device-to-device copy; per-bucket cost; a GEMM step "
+          "beside the compression kernels", 150, True, stage_bench),
+    Stage("cost", "compression kernels per bucket against a GEMM step of a GPT layer", 90, True,
+          stage_cost),
+    Stage("ncu", "ncu --clock-control none on each row's chosen variant: instructions per "
+          "element, issue active, stall reasons, DRAM throughput", 180, True, stage_ncu),
     Stage("rust-collectives", "Rust suite: GradReduceScatter / WeightAllGather on virtual "
           "ranks byte-equal to Host", 120, True,
           rust_tests("bin/cuda_gpu_collectives", "rust-collectives")),
     Stage("memcheck", "compute-sanitizer memcheck, reduced sizes", 150, True,
           sanitizer("memcheck", "bin/cuda_gpu_collectives", [])),
-    Stage("bench", "every kernel against a device-to-device copy; per-bucket cost", 150, True,
-          stage_bench),
-    Stage("cost", "compression kernels per bucket against a GEMM step of a GPT layer", 90, True,
-          stage_cost),
     Stage("torch-cuda", "torch layer on CUDA: gloo ranks on one GPU, NCCL at W = 1, stream "
           "behaviour", 150, True, stage_torch_cuda),
     Stage("megatron", "megatron-core GPTModel trained on the GPU with the sdp4bit preset", 120,
@@ -552,7 +822,8 @@ def report(ctx: Context, outcomes: list[Outcome], verdict: str, command: str) ->
     for o in outcomes:
         if o.status == "FAIL" and o.log:
             lines += ["", f"## {o.name}: the end of its log", "", "```", o.log, "```"]
-    titles = {"bench": "Kernel bandwidth", "cost": "Cost against a GEMM step",
+    titles = {"sweep": "Kernel variants (sweep)", "bench": "Kernel bandwidth",
+              "cost": "Cost against a GEMM step", "ncu": "Nsight Compute (ncu)",
               "stream": "Stream behaviour (CUDA events)", "megatron": "megatron-core on the GPU",
               "selftest": "Selftest"}
     for key, title in titles.items():

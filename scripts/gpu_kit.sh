@@ -7,7 +7,9 @@
 #                                                  (default .cache/gpu-kit) and prints its size
 #   bash scripts/gpu_kit.sh run --out DIR [--kit DIR] [--deadline SECONDS]
 #                                                  on the GPU host (python3 with torch): runs
-#                                                  every stage, writes DIR/report.md and
+#                                                  every stage (the checks, the sweep of the
+#                                                  kernel variants, the benchmark, ncu, the
+#                                                  training), writes DIR/report.md and
 #                                                  DIR/logs.tar.gz; exit 0 all passed, 1 a stage
 #                                                  failed, 2 no GPU (every GPU stage skipped)
 #

@@ -1,9 +1,10 @@
-//! Compiles every kernel source for sm_90 through the backend's own NVRTC path: no warnings,
-//! and every kernel the backend launches is an entry point of the PTX; and for sm_75 and
-//! sm_120, the oldest and newest targets of NVRTC 13.0. Then assembles the sm_90 PTX
-//! with `ptxas` for sm_90 and checks each kernel's resources: no spills or stack, registers
-//! within the bound its `__launch_bounds__` sets, and the widths of its streaming loads and
-//! stores in the SASS (`nvdisasm`).
+//! Compiles every specialisation of the cover (`sdp4bit_test_support::spec_cover`: what the
+//! presets, the ablations and the knobs produce, and every variant of a few) for sm_90 through
+//! the backend's own NVRTC path: no warnings, the entry point in the PTX with the parameters the
+//! launches pass; and a sample for sm_75 and sm_120, the oldest and newest targets of NVRTC
+//! 13.0. Then assembles the sm_90 PTX with `ptxas` for sm_90 and checks each specialisation's
+//! resources: no spills or stack, registers within the bound its `__launch_bounds__` sets, and
+//! the widths of its streaming loads and stores in the SASS (`nvdisasm`).
 //!
 //! Needs the NVRTC library and, for the resource checks, ptxas and nvdisasm (no GPU). Without
 //! them the tests print why and pass, unless `SDP4BIT_REQUIRE_NVRTC=1` or
@@ -11,14 +12,18 @@
 //! failure naming what is missing.
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
+use rayon::prelude::*;
 use sdp4bit::Error;
-use sdp4bit::backend::cuda::compile::{Arch, compile};
+use sdp4bit::backend::cuda::compile::{Arch, Compiled, Target, compile, compile_program};
 use sdp4bit::backend::cuda::probe;
-use sdp4bit::backend::cuda::source::{HEADERS, Kernel, KernelSource, SOURCES};
+use sdp4bit::backend::cuda::source::{HEADERS, Kernel, SOURCES};
+use sdp4bit::backend::cuda::spec::{Constants, KernelSpec};
 use sdp4bit_test_support::kernel_resources::{
     CudaTools, KernelResources, Usage, count_sass, parse_ptxas_report,
 };
+use sdp4bit_test_support::spec_cover;
 
 /// Whether NVRTC is usable; `false` (after printing why) when the test should skip.
 fn nvrtc_available(test: &str) -> bool {
@@ -58,45 +63,65 @@ fn every_kernel_file_is_embedded() {
     }
 }
 
-/// Every source compiles for sm_90 with an empty log, and its PTX defines every kernel the
-/// backend looks up in it.
+/// Every spec of the cover compiled for sm_90 (once per test process, in parallel).
+fn cover() -> &'static [(KernelSpec, Compiled)] {
+    static COVER: OnceLock<Vec<(KernelSpec, Compiled)>> = OnceLock::new();
+    COVER.get_or_init(|| {
+        spec_cover::specs()
+            .into_par_iter()
+            .map(|spec| {
+                let compiled =
+                    compile(&spec, Arch::SM_90).unwrap_or_else(|e| panic!("{spec}: {e}"));
+                (spec, compiled)
+            })
+            .collect()
+    })
+}
+
+/// Every spec of the cover compiles for sm_90 with an empty log, and its PTX defines the entry
+/// point the backend looks up in it.
 #[test]
-fn every_kernel_compiles_without_warnings() {
-    if !nvrtc_available("every_kernel_compiles_without_warnings") {
+fn every_specialisation_compiles_without_warnings() {
+    if !nvrtc_available("every_specialisation_compiles_without_warnings") {
         return;
     }
-    for source in &SOURCES {
-        let compiled =
-            compile(source, Arch::SM_90).unwrap_or_else(|e| panic!("kernels/{}: {e}", source.file));
+    let cover = cover();
+    println!("{} specialisations", cover.len());
+    for (spec, compiled) in cover {
         assert!(
             compiled.log.trim().is_empty(),
-            "kernels/{} compiled with warnings:\n{}",
-            source.file,
+            "{spec} compiled with warnings:\n{}",
             compiled.log
         );
         assert!(
             compiled.ptx.contains(".target sm_90"),
-            "kernels/{}: PTX not for sm_90",
-            source.file
+            "{spec}: PTX not for sm_90"
         );
-        for kernel in source.kernels {
-            let entry = format!(".entry {}(", kernel.name());
-            assert!(
-                compiled.ptx.contains(&entry),
-                "kernels/{}: no `{entry}` in the PTX",
-                source.file
-            );
-        }
+        let entry = format!(".entry {}(", spec.entry());
+        assert!(
+            compiled.ptx.contains(&entry),
+            "{spec}: no `{entry}` in the PTX"
+        );
     }
+    // The cover holds every kernel of the table and every peer batch.
+    for kernel in Kernel::ALL {
+        assert!(
+            cover.iter().any(|(s, _)| s.kernel == kernel),
+            "the cover has no specialisation of {}",
+            kernel.name()
+        );
+    }
+    assert_eq!(spec_cover::peer_batches(), vec![1, 2, 4, 8]);
 }
 
-/// Every source also compiles for the oldest and the newest architecture NVRTC 13.0 targets
+/// Specialisations also compile for the oldest and the newest architecture NVRTC 13.0 targets
 /// (sm_75 and sm_120, docs/cuda.md), which the backend compiles for on such devices: code for
-/// sm_80 and newer only (the warp reduction `redux.sync`) has its fallback. ptxas may warn
-/// there (launch bounds past sm_75's threads per multiprocessor are ignored).
+/// sm_80 and newer only (the warp reduction `redux.sync`) has its fallback. One spec per kernel
+/// of the table. ptxas may warn there (launch bounds past sm_75's threads per multiprocessor are
+/// ignored).
 #[test]
-fn every_kernel_compiles_for_the_oldest_and_newest_targets() {
-    if !nvrtc_available("every_kernel_compiles_for_the_oldest_and_newest_targets") {
+fn specialisations_compile_for_the_oldest_and_newest_targets() {
+    if !nvrtc_available("specialisations_compile_for_the_oldest_and_newest_targets") {
         return;
     }
     const OLDEST: Arch = Arch { major: 7, minor: 5 };
@@ -104,33 +129,33 @@ fn every_kernel_compiles_for_the_oldest_and_newest_targets() {
         major: 12,
         minor: 0,
     };
-    for arch in [OLDEST, NEWEST] {
-        for source in &SOURCES {
-            let compiled = compile(source, arch)
-                .unwrap_or_else(|e| panic!("kernels/{} for {arch}: {e}", source.file));
-            assert!(
-                compiled.ptx.contains(&format!(".target {arch}")),
-                "kernels/{}: PTX not for {arch}",
-                source.file
-            );
+    let mut sample: Vec<KernelSpec> = Vec::new();
+    for spec in spec_cover::specs() {
+        if !sample.iter().any(|s| s.kernel == spec.kernel) {
+            sample.push(spec);
         }
     }
+    sample.par_iter().for_each(|spec| {
+        for arch in [OLDEST, NEWEST] {
+            let compiled = compile(spec, arch).unwrap_or_else(|e| panic!("{spec} for {arch}: {e}"));
+            assert!(
+                compiled.ptx.contains(&format!(".target {arch}")),
+                "{spec}: PTX not for {arch}"
+            );
+        }
+    });
 }
 
-/// A source that does not compile is an error value carrying NVRTC's log.
+/// A program that does not compile is an error value carrying NVRTC's log.
 #[test]
 fn compile_error_is_a_value_with_the_log() {
     if !nvrtc_available("compile_error_is_a_value_with_the_log") {
         return;
     }
-    let broken = KernelSource {
-        file: "broken.cu",
-        code: "#include \"common.cuh\"\nextern \"C\" __global__ void k() { undeclared_name; }\n",
-        kernels: &[],
-    };
-    match compile(&broken, Arch::SM_90) {
+    let code = "#include \"common.cuh\"\nextern \"C\" __global__ void k() { undeclared_name; }\n";
+    match compile_program("broken", code, Target::Cubin(Arch::SM_90)) {
         Err(Error::Cuda(message)) => {
-            assert!(message.contains("broken.cu"), "{message}");
+            assert!(message.contains("broken"), "{message}");
             assert!(message.contains("undeclared_name"), "{message}");
         }
         other => panic!("expected a compile error, got {other:?}"),
@@ -144,12 +169,9 @@ fn warnings_come_back_in_the_log() {
     if !nvrtc_available("warnings_come_back_in_the_log") {
         return;
     }
-    let warning = KernelSource {
-        file: "warning.cu",
-        code: "extern \"C\" __global__ void k(int* p) { int unused_variable = 1; *p = 0; }\n",
-        kernels: &[],
-    };
-    let compiled = compile(&warning, Arch::SM_90).expect("a warning is not an error");
+    let code = "extern \"C\" __global__ void k(int* p) { int unused_variable = 1; *p = 0; }\n";
+    let compiled = compile_program("warning", code, Target::Cubin(Arch::SM_90))
+        .expect("a warning is not an error");
     assert!(compiled.log.contains("unused_variable"), "{}", compiled.log);
 }
 
@@ -162,40 +184,35 @@ fn entry_parameters_match_the_abi_mirrors() {
     if !nvrtc_available("entry_parameters_match_the_abi_mirrors") {
         return;
     }
-    for source in &SOURCES {
-        let ptx = compile(source, Arch::SM_90)
-            .unwrap_or_else(|e| panic!("kernels/{}: {e}", source.file))
-            .ptx;
-        for &kernel in source.kernels {
-            let name = kernel.name();
-            let start = ptx
-                .find(&format!(".entry {name}("))
-                .unwrap_or_else(|| panic!("no entry {name}"));
-            let list = &ptx[start..start + ptx[start..].find(')').expect("parameter list end")];
-            let params: Vec<&str> = list
-                .lines()
-                .map(str::trim)
-                .filter(|l| l.starts_with(".param"))
-                .collect();
-            let (pointers, bytes) = (kernel.pointers().len(), kernel.params_size());
-            let mut want: Vec<String> = (0..pointers)
-                .map(|i| format!(".param .u64 {name}_param_{i},"))
-                .collect();
-            want.push(format!(
-                ".param .align 8 .b8 {name}_param_{pointers}[{bytes}]"
-            ));
-            assert_eq!(params, want, "kernels/{}: {name}", source.file);
-        }
+    for (spec, compiled) in cover() {
+        let name = spec.entry();
+        let ptx = &compiled.ptx;
+        let start = ptx
+            .find(&format!(".entry {name}("))
+            .unwrap_or_else(|| panic!("no entry {name}"));
+        let list = &ptx[start..start + ptx[start..].find(')').expect("parameter list end")];
+        let params: Vec<&str> = list
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with(".param"))
+            .collect();
+        let (pointers, bytes) = (spec.kernel.pointers().len(), spec.kernel.params_size());
+        let mut want: Vec<String> = (0..pointers)
+            .map(|i| format!(".param .u64 {name}_param_{i},"))
+            .collect();
+        want.push(format!(
+            ".param .align 8 .b8 {name}_param_{pointers}[{bytes}]"
+        ));
+        assert_eq!(params, want, "{name}");
     }
 }
 
-/// The most registers per thread `kernel` may use: what its
-/// `__launch_bounds__(SDP_BLOCK_THREADS, B)` leaves (65536 registers per multiprocessor over
-/// B blocks of 256 threads, rounded down to the allocation unit of 8), so that B blocks fit a
-/// multiprocessor.
-fn register_budget(kernel: Kernel) -> u32 {
-    let per_thread = 65_536 / (256 * kernel.min_blocks_per_multiprocessor());
-    per_thread / 8 * 8
+/// The most registers per thread `spec` may use: what its `__launch_bounds__(T, B)` leaves
+/// (65536 registers per multiprocessor over B blocks of T threads, rounded down to the
+/// allocation unit of 8, at most 255), so that B blocks fit a multiprocessor.
+fn register_budget(spec: &KernelSpec) -> u32 {
+    let per_thread = 65_536 / (spec.variant.threads * spec.variant.min_blocks);
+    (per_thread / 8 * 8).min(255)
 }
 
 /// ptxas and nvdisasm, or `None` (after printing why) when the test should skip.
@@ -211,34 +228,35 @@ fn cuda_tools(test: &str) -> Option<CudaTools> {
     }
 }
 
-/// Every kernel's resources, compiled and assembled in a fresh directory.
-fn every_kernel_resources(tools: &CudaTools, test: &str) -> Vec<(Kernel, KernelResources)> {
-    let dir = std::env::temp_dir().join(format!("sdp4bit-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("work directory");
-    let mut all = Vec::new();
-    for source in &SOURCES {
-        let ptx = compile(source, Arch::SM_90)
-            .unwrap_or_else(|e| panic!("kernels/{}: {e}", source.file))
-            .ptx;
-        let resources = tools
-            .analyse(source.file, &ptx, &dir)
-            .unwrap_or_else(|e| panic!("kernels/{}: {e}", source.file));
-        for &kernel in source.kernels {
-            let found = resources
-                .iter()
-                .find(|r| r.name == kernel.name())
-                .unwrap_or_else(|| panic!("ptxas reports no {}", kernel.name()));
-            all.push((kernel, found.clone()));
-        }
-    }
-    std::fs::remove_dir_all(&dir).expect("remove the work directory");
-    all
+/// Every spec's resources, assembled in a fresh directory (once per test process).
+fn every_spec_resources(tools: &CudaTools) -> &'static [(KernelSpec, KernelResources)] {
+    static RESOURCES: OnceLock<Vec<(KernelSpec, KernelResources)>> = OnceLock::new();
+    RESOURCES.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("sdp4bit-resources-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("work directory");
+        let all = cover()
+            .par_iter()
+            .map(|(spec, compiled)| {
+                let name = spec.entry();
+                let resources = tools
+                    .analyse(&name, &compiled.ptx, &dir)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                let found = resources
+                    .iter()
+                    .find(|r| r.name == name)
+                    .unwrap_or_else(|| panic!("ptxas reports no {name}"));
+                (*spec, found.clone())
+            })
+            .collect();
+        std::fs::remove_dir_all(&dir).expect("remove the work directory");
+        all
+    })
 }
 
-/// Every kernel's resources (when NVRTC and the CUDA tools are there) against what the kernel
-/// table and its launch bounds plan: `problems` lists what is wrong with one kernel; the test
+/// Every spec's resources (when NVRTC and the CUDA tools are there) against what the kernel
+/// table and its launch bounds plan: `problems` lists what is wrong with one spec; the test
 /// fails with all of them.
-fn check_every_kernel(test: &str, problems: impl Fn(Kernel, &KernelResources) -> Vec<String>) {
+fn check_every_spec(test: &str, problems: impl Fn(&KernelSpec, &KernelResources) -> Vec<String>) {
     if !nvrtc_available(test) {
         return;
     }
@@ -246,21 +264,23 @@ fn check_every_kernel(test: &str, problems: impl Fn(Kernel, &KernelResources) ->
         return;
     };
     let mut failures = Vec::new();
-    for (kernel, resources) in every_kernel_resources(&tools, test) {
-        for problem in problems(kernel, &resources) {
-            failures.push(format!("{}: {problem}", kernel.name()));
+    for (spec, resources) in every_spec_resources(&tools) {
+        for problem in problems(spec, resources) {
+            failures.push(format!("{spec}: {problem}"));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// No kernel spills or keeps a stack frame, and each stays within its register bound, so the
-/// occupancy its launch bounds promise holds without local-memory traffic.
+/// No specialisation spills or keeps a stack frame, and each stays within its register bound,
+/// so the occupancy its launch bounds promise holds without local-memory traffic: no local
+/// loads or stores in its own code (a function it calls out of line on a cold path, such as the
+/// division's slow path, may save registers there, which costs only when that path runs).
 #[test]
-fn kernels_fit_their_register_bounds_without_spilling() {
-    check_every_kernel(
-        "kernels_fit_their_register_bounds_without_spilling",
-        |kernel, resources| {
+fn specialisations_fit_their_register_bounds_without_spilling() {
+    check_every_spec(
+        "specialisations_fit_their_register_bounds_without_spilling",
+        |spec, resources| {
             let usage = &resources.usage;
             let mut problems = Vec::new();
             if usage.uses_local_memory() || resources.sass.local > 0 {
@@ -270,7 +290,7 @@ fn kernels_fit_their_register_bounds_without_spilling() {
                     usage.stack_frame, usage.spill_stores, usage.spill_loads, resources.sass.local
                 ));
             }
-            let budget = register_budget(kernel);
+            let budget = register_budget(spec);
             if usage.registers > budget {
                 problems.push(format!(
                     "{} registers, the bound is {budget}",
@@ -282,15 +302,36 @@ fn kernels_fit_their_register_bounds_without_spilling() {
     );
 }
 
-/// Each kernel moves its streaming data in accesses of the widths its line of the kernel table
-/// plans (16-byte loads of fp32 and bf16 runs, whole-word code stores, no wider access).
+/// The widths in bits of `spec`'s widest global load and store: its kernel's line of the kernel
+/// table, but where the constants move less: a weight slab's codes are a word of eight 4-bit
+/// codes (64 bits of 8-bit ones) per lane, which is the encoding's widest store and the widest
+/// load of an application of direct weights (which reads no old params).
+fn planned_widths(spec: &KernelSpec) -> (u32, u32) {
+    let kernel = spec.kernel;
+    let table = (kernel.widest_load_bits(), kernel.widest_store_bits());
+    match spec.constants {
+        Constants::Weight { quant, difference } => {
+            let codes = quant.bits * 8;
+            match kernel {
+                Kernel::WeightEncode => (table.0, codes),
+                _ if !difference => (codes, table.1),
+                _ => table,
+            }
+        }
+        _ => table,
+    }
+}
+
+/// Each specialisation moves its streaming data in accesses of the widths its kernel's line of
+/// the kernel table plans (16-byte loads of fp32 and bf16 runs, whole-word code stores, no
+/// wider access), as its constants need them.
 #[test]
 fn streaming_accesses_have_their_planned_widths() {
-    check_every_kernel(
+    check_every_spec(
         "streaming_accesses_have_their_planned_widths",
-        |kernel, resources| {
+        |spec, resources| {
             let widths = (resources.sass.widest_load(), resources.sass.widest_store());
-            let planned = (kernel.widest_load_bits(), kernel.widest_store_bits());
+            let planned = planned_widths(spec);
             if widths == planned {
                 return Vec::new();
             }
@@ -302,15 +343,18 @@ fn streaming_accesses_have_their_planned_widths() {
     );
 }
 
-/// The ptxas report parser reads registers, stack and spills per entry point, and the
-/// occupancy follows the per-warp register allocation.
+/// The ptxas report parser reads registers, stack and spills per entry point (not those of a
+/// function it calls, listed after it), and the occupancy follows the per-warp register
+/// allocation.
 #[test]
 fn reads_a_ptxas_report() {
     let report = "ptxas info    : 0 bytes gmem\n\
         ptxas info    : Compiling entry function 'k' for 'sm_90'\n\
         ptxas info    : Function properties for k\n\
         \x20   16 bytes stack frame, 24 bytes spill stores, 40 bytes spill loads\n\
-        ptxas info    : Used 48 registers, used 0 barriers, 16 bytes cumulative stack size\n";
+        ptxas info    : Used 48 registers, used 0 barriers, 16 bytes cumulative stack size\n\
+        ptxas info    : Function properties for _Z4cold\n\
+        \x20   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n";
     let kernels = parse_ptxas_report(report).expect("a readable report");
     assert_eq!(kernels.len(), 1);
     assert_eq!(kernels[0].0, "k");
@@ -342,11 +386,15 @@ fn counts_sass_instructions() {
         /*0010*/  @!P0 SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;\n\
         /*0020*/  STG.E.U8 desc[UR4][R2.64], R5 ;\n\
         /*0030*/  STL [R1], R5 ;\n\
-        /*0040*/  NOP ;\n";
+        /*0040*/  NOP ;\n\
+        .type $k$cold,@function\n\
+        /*0050*/  STL [R1+0x4], R16 ;\n\
+        /*0060*/  LDL R16, [R1+0x4] ;\n";
     let counts = &count_sass(listing)["k"];
-    assert_eq!(counts.instructions, 4);
+    assert_eq!(counts.instructions, 6);
     assert_eq!(counts.shuffles, 1);
     assert_eq!(counts.local, 1);
+    assert_eq!(counts.local_in_calls, 2);
     assert_eq!(counts.widest_load(), 128);
     assert_eq!(counts.widest_store(), 8);
 }

@@ -86,8 +86,27 @@ pub trait Backend: Debug {
     /// Sets every element of `dst` to `value`.
     fn fill(&self, dst: Self::Dst<'_, f32>, value: f32) -> Result<()>;
 
-    /// The per-bucket tables of `layout`'s gradient passes.
+    /// The per-bucket tables of `layout`'s gradient passes. A backend that compiles its passes
+    /// (CUDA) compiles those of `layout` here, at set-up, so that no step compiles.
     fn grad_tables(&self, layout: &GradLayout) -> Result<Self::GradTables>;
+    /// Readies the passes of Global-QSGD with `bits`-bit integers and `rounding` (compiles
+    /// them, for a backend that does), at set-up.
+    fn prepare_global(&self, _bits: u8, _rounding: Rounding) -> Result<()> {
+        Ok(())
+    }
+    /// Readies the conversions of the routes that do not quantize gradients, at set-up.
+    fn prepare_conversions(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Readies the weight passes of slabs of `layout` encoded as `encoding`, at set-up.
+    fn prepare_weights(
+        &self,
+        _layout: &SlabLayout,
+        _encoding: WeightEncoding,
+        _plan: &BucketPlan,
+    ) -> Result<()> {
+        Ok(())
+    }
     /// `cpu::gradient::quantize_first`.
     fn quantize_first<G: GradElement>(
         &self,

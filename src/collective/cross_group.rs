@@ -77,6 +77,12 @@ impl<B: Backend> CrossGroupAllReduce<B> {
         })
     }
 
+    /// Readies `backend`'s passes of this all-reduce (compiles them, for a backend that does),
+    /// at set-up.
+    pub fn prepare(&self, backend: &B) -> Result<()> {
+        backend.prepare_global(self.bits, Rounding::Stochastic)
+    }
+
     /// Elements all-reduced per call.
     pub fn numel(&self) -> usize {
         self.numel

@@ -242,6 +242,7 @@ impl<B: Backend> GradReduceScatter<B> {
         let plan = BucketPlan::new(numel, w, config)?;
         let route = GradRoute::new(config, topology);
         let engine = if w == 1 {
+            backend.prepare_conversions()?;
             Engine::Copy
         } else if config.grad.codec.is_grouped() {
             let layout = GradLayout::new(config, topology, &route, plan)
@@ -251,12 +252,15 @@ impl<B: Backend> GradReduceScatter<B> {
                 layout,
             }))
         } else if config.grad.codec == GradCodec::GlobalQsgd {
-            let width = match global_bits(config, w)? {
+            let bits = global_bits(config, w)?;
+            backend.prepare_global(bits, config.grad.rounding)?;
+            let width = match bits {
                 8 => IntWidth::I8,
                 _ => IntWidth::I16,
             };
             Engine::Global(Global::new(backend, width)?)
         } else {
+            backend.prepare_conversions()?;
             Engine::Exact
         };
         Ok(Self {

@@ -104,6 +104,7 @@ impl<B: Backend> WeightAllGather<B> {
                 } else {
                     WeightEncoding::Direct
                 };
+                backend.prepare_weights(&layout, encoding, &plan)?;
                 let mut reference = backend.alloc(match encoding {
                     WeightEncoding::Difference => plan.shard_len,
                     WeightEncoding::Direct => 0,

@@ -42,11 +42,11 @@ fn plan(
                 stream_rank,
             )?),
             Some((device, stream)) => {
-                cuda(device, stream)?; // the device's kernels load
-                CrossGroupBucket::Cuda(
-                    CrossGroupAllReduce::new(config, size, rank, numel, bucket_id, stream_rank)?,
-                    device,
-                )
+                let all_reduce =
+                    CrossGroupAllReduce::new(config, size, rank, numel, bucket_id, stream_rank)?;
+                // The device's kernels of this all-reduce compile now, not at its first call.
+                all_reduce.prepare(&cuda(device, stream)?)?;
+                CrossGroupBucket::Cuda(all_reduce, device)
             }
         }))
     })

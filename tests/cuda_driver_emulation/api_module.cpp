@@ -3,8 +3,8 @@
 // target newer than the device, a PTX ISA version newer than the driver's CUDA version knows),
 // and reads each `.entry`'s parameters (sizes and alignments, hence the parameter block layout)
 // and `.maxntid`. cuModuleGetFunction binds
-// an entry to the host build of the kernel of that name and refuses an entry whose parameters
-// disagree with it. cuLaunchKernel copies the parameter values as the driver does (at the
+// an entry to the host build of the kernel of that name (built on demand by the builder the
+// tests install, kernels.cpp) and refuses an entry whose parameters disagree with it. cuLaunchKernel copies the parameter values as the driver does (at the
 // call), checks the launch shape and that every pointer argument is device memory of the
 // context's device, and enqueues the kernel, which runs on the stream's worker through the
 // warp emulator.
@@ -291,9 +291,8 @@ CUresult cuModuleGetFunction(CUfunction* function, CUmodule module, const char* 
             continue;
         }
         if (f->host == nullptr) {
-            const HostKernel* host = find_host_kernel(f->name);
+            const HostKernel* host = find_host_kernel(f->name, m->ctx->device->ordinal);
             if (host == nullptr) {
-                report_fault(m->ctx->device->ordinal, "cuModuleGetFunction: no host build of kernel " + f->name);
                 return CUDA_ERROR_NOT_FOUND;
             }
             if (const std::string err = check_signature(*f, *host); !err.empty()) {
@@ -353,8 +352,8 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
         report_fault(device, where + "bad launch shape");
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if (block_x != 256 || block_y != 1 || block_z != 1 || grid_y != 1 || grid_z != 1 || shared_bytes != 0) {
-        report_fault(device, where + "the emulation runs (grid_x, 1, 1) blocks of (256, 1, 1) threads without "
+    if (block_x % 32 != 0 || block_y != 1 || block_z != 1 || grid_y != 1 || grid_z != 1 || shared_bytes != 0) {
+        report_fault(device, where + "the emulation runs (grid_x, 1, 1) blocks of (32 k, 1, 1) threads without "
                                      "dynamic shared memory, the launch contract of kernels/common.cuh");
         return CUDA_ERROR_NOT_SUPPORTED;
     }
@@ -411,7 +410,8 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
     const uint64_t seed = d.seed ^ (0x9e3779b97f4a7c15ull * (d.completed_by_kind["kernel"] + 1));
     // An injected fault: the byte of the first written argument to flip after the kernel ran.
     uint8_t* corrupt = nullptr;
-    if (d.corrupt_kernel == f->name) {
+    // A kernel of the table names its every specialisation (KERNEL__CONSTANTS__VARIANT).
+    if (f->name == d.corrupt_kernel || f->name.rfind(d.corrupt_kernel + "__", 0) == 0) {
         for (unsigned i = 0; i < k.pointers && corrupt == nullptr; ++i) {
             if (((k.written >> i) & 1) != 0 && pointers[i] != nullptr) {
                 const uint64_t addr = reinterpret_cast<uint64_t>(pointers[i]);
@@ -423,8 +423,8 @@ CUresult cuLaunchKernel(CUfunction function, unsigned grid_x, unsigned grid_y, u
         }
     }
     const uint8_t mask = d.corrupt_mask;
-    op->run = [&k, grid_x, pointers, allocations, args, order, seed, corrupt, mask] {
-        Outcome outcome = run_kernel(k, grid_x, pointers.data(), allocations, args, order, seed);
+    op->run = [&k, grid_x, block_x, pointers, allocations, args, order, seed, corrupt, mask] {
+        Outcome outcome = run_kernel(k, grid_x, block_x, pointers.data(), allocations, args, order, seed);
         if (outcome.code == CUDA_SUCCESS && corrupt != nullptr) {
             *corrupt ^= mask;
         }

@@ -95,6 +95,21 @@ CUresult cuStreamGetPriority(CUstream stream, int* priority)
     return CUDA_SUCCESS;
 }
 
+CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status)
+{
+    std::lock_guard<std::mutex> guard(driver().mutex);
+    Context* ctx = nullptr;
+    if (const CUresult r = context_check("cuStreamIsCapturing", &ctx); r != CUDA_SUCCESS) {
+        return r;
+    }
+    const Stream* s = resolve_stream(stream, ctx);
+    if (s == nullptr || status == nullptr) {
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    *status = s->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
+
 CUresult cuStreamDestroy_v2(CUstream stream)
 {
     Driver& d = driver();

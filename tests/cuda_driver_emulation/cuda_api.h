@@ -70,6 +70,13 @@ constexpr unsigned CU_STREAM_NON_BLOCKING = 1;
 // (handle 2) is not emulated: it is refused as not a live stream.
 constexpr uintptr_t CU_STREAM_LEGACY = 1;
 
+// CUstreamCaptureStatus: whether a CUDA graph is being captured on a stream.
+typedef enum CUstreamCaptureStatus_enum {
+    CU_STREAM_CAPTURE_STATUS_NONE = 0,
+    CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
+    CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2,
+} CUstreamCaptureStatus;
+
 constexpr unsigned CU_EVENT_BLOCKING_SYNC = 1;
 constexpr unsigned CU_EVENT_DISABLE_TIMING = 2;
 
@@ -125,6 +132,7 @@ SDP4BIT_EXPORT CUresult cuStreamCreate(CUstream* stream, unsigned flags);
 SDP4BIT_EXPORT CUresult cuStreamCreateWithPriority(CUstream* stream, unsigned flags, int priority);
 SDP4BIT_EXPORT CUresult cuStreamGetPriority(CUstream stream, int* priority);
 SDP4BIT_EXPORT CUresult cuStreamDestroy_v2(CUstream stream);
+SDP4BIT_EXPORT CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status);
 SDP4BIT_EXPORT CUresult cuStreamSynchronize(CUstream stream);
 SDP4BIT_EXPORT CUresult cuStreamQuery(CUstream stream);
 SDP4BIT_EXPORT CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned flags);

@@ -79,9 +79,9 @@ SDP4BIT_EXPORT uint64_t sdp4bit_emu_completed(const char* kind)
     return it == d.completed_by_kind.end() ? 0 : it->second;
 }
 
-// From now on, every launch of the kernel named `kernel` flips the bits `mask` of byte `byte` of
-// its first written pointer argument after it ran (a launch whose allocation is shorter is left
-// alone); NULL removes the fault.
+// From now on, every launch of the kernel named `kernel` (or of one of its specialisations,
+// `kernel__...`) flips the bits `mask` of byte `byte` of its first written pointer argument after
+// it ran (a launch whose allocation is shorter is left alone); NULL removes the fault.
 SDP4BIT_EXPORT void sdp4bit_emu_corrupt_kernel_output(const char* kernel, uint64_t byte, unsigned char mask)
 {
     emu::Driver& d = emu::driver();
@@ -89,6 +89,19 @@ SDP4BIT_EXPORT void sdp4bit_emu_corrupt_kernel_output(const char* kernel, uint64
     d.corrupt_kernel = kernel != nullptr ? kernel : "";
     d.corrupt_byte = byte;
     d.corrupt_mask = mask;
+}
+
+// Makes cuStreamIsCapturing report that a CUDA graph is being captured on `stream` (or no
+// longer, `capturing` 0); 0 when done, else an error for a stream that is not live.
+SDP4BIT_EXPORT int sdp4bit_emu_set_capturing(CUstream stream, int capturing)
+{
+    emu::Driver& d = emu::driver();
+    std::lock_guard<std::mutex> guard(d.mutex);
+    if (d.live_streams.count(stream) == 0) {
+        return 1;
+    }
+    reinterpret_cast<emu::Stream*>(stream)->capturing = capturing != 0;
+    return 0;
 }
 
 }  // extern "C"

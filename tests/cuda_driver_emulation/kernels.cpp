@@ -1,24 +1,27 @@
-// The host build of the kernels, run by tests/kernel_emulator's warp scheduler: that file is
+// The host builds of the kernels, run by tests/kernel_emulator's warp scheduler: that file is
 // included here whole (its `main` renamed out of the way), so a launch of the emulated driver
 // runs exactly the fibers, warp orders, divergence checks and fault reports that the
-// per-launch emulator tests run. Built with cuda_shim.h force-included, like the emulator.
+// per-launch emulator tests run. Built with cuda_shim.h force-included, like the emulator. The
+// entry points themselves come from shared libraries built on demand: the first time a module's
+// entry point has no registered host build, the builder the tests installed
+// (sdp4bit_emu_set_host_builder; sdp4bit_test_support::host_kernels) builds the library of that
+// specialisation, which registers it when loaded here.
 #define main sdp4bit_kernel_emulator_main
 #include "../kernel_emulator/emulator.cpp"
 #undef main
 
 #include "model.h"
 
+#include <dlfcn.h>
+#include <map>
+
 namespace emu {
 namespace {
 
-std::vector<HostKernel> make_host_kernels()
-{
-    std::vector<HostKernel> kernels;
-    for (const KernelEntry& k : kKernels) {
-        kernels.push_back(HostKernel{k.name, k.params, k.pointers, k.param_bytes, k.written, &k});
-    }
-    return kernels;
-}
+// The builder of host builds, or null: (entry name, path buffer, its size) -> 0 with the
+// library's path in the buffer, or non-zero with an error there.
+using HostBuilder = int (*)(const char* entry, char* path, size_t capacity);
+std::atomic<HostBuilder> host_builder{nullptr};
 
 // The worker of the calling stream thread (created on its first launch, kept for the thread's
 // life).
@@ -53,20 +56,56 @@ void on_signal(int sig, siginfo_t* info, void* context)
 
 }  // namespace
 
-const HostKernel* find_host_kernel(const std::string& name)
+const HostKernel* find_host_kernel(const std::string& name, int device)
 {
     // Never destroyed: a stream's worker thread may still run a queued launch while the process
     // exits (a test that abandons work), after static destructors would have freed the table.
-    static const std::vector<HostKernel>& kernels = *new std::vector<HostKernel>(make_host_kernels());
-    for (const HostKernel& k : kernels) {
-        if (name == k.name) {
-            return &k;
+    static std::map<std::string, HostKernel>& known = *new std::map<std::string, HostKernel>;
+    static std::mutex mutex;
+    std::lock_guard<std::mutex> guard(mutex);
+    if (const auto it = known.find(name); it != known.end()) {
+        return &it->second;
+    }
+    const KernelEntry* k = find_kernel(name);
+    if (k == nullptr) {
+        const HostBuilder build = host_builder.load();
+        if (build == nullptr) {
+            report_fault(device, "cuModuleGetFunction: no host build of " + name + " and no builder installed");
+            return nullptr;
+        }
+        // The host builds take the warp scheduler's symbols from this library: make them
+        // global, as they are not when the process loaded it by name, RTLD_LOCAL, as cudarc
+        // does (promoting a loaded library keeps it and its state).
+        static const bool global = [] {
+            Dl_info self{};
+            return dladdr(reinterpret_cast<void*>(&emu_register_kernels), &self) != 0 &&
+                dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_GLOBAL) != nullptr;
+        }();
+        if (!global) {
+            report_fault(device, "cuModuleGetFunction: cannot make the emulation's symbols global: " +
+                                     std::string(dlerror()));
+            return nullptr;
+        }
+        char path[4096];
+        if (build(name.c_str(), path, sizeof path) != 0) {
+            report_fault(device, "cuModuleGetFunction: building the host build of " + name + " failed: " + path);
+            return nullptr;
+        }
+        if (dlopen(path, RTLD_NOW | RTLD_LOCAL) == nullptr) {
+            report_fault(device, "cuModuleGetFunction: cannot load " + std::string(path) + ": " + dlerror());
+            return nullptr;
+        }
+        k = find_kernel(name);
+        if (k == nullptr) {
+            report_fault(device, "cuModuleGetFunction: " + std::string(path) + " does not register " + name);
+            return nullptr;
         }
     }
-    return nullptr;
+    return &known.emplace(name, HostKernel{k->name, k->params, k->pointers, k->param_bytes, k->written, k})
+                .first->second;
 }
 
-Outcome run_kernel(const HostKernel& kernel, unsigned grid, void* const* pointers,
+Outcome run_kernel(const HostKernel& kernel, unsigned grid, unsigned threads, void* const* pointers,
                    const std::vector<const Allocation*>& allocations, const std::vector<uint8_t>& params,
                    unsigned order, uint64_t seed)
 {
@@ -85,6 +124,7 @@ Outcome run_kernel(const HostKernel& kernel, unsigned grid, void* const* pointer
     Launch launch;
     launch.kernel = static_cast<const KernelEntry*>(kernel.entry);
     launch.grid = grid;
+    launch.threads = threads;
     launch.order = order;
     launch.seed = seed;
     launch.params = params;
@@ -94,9 +134,10 @@ Outcome run_kernel(const HostKernel& kernel, unsigned grid, void* const* pointer
     for (unsigned i = 0; i < kernel.pointers; ++i) {
         w.pointers[i] = pointers[i];
     }
-    blockDim = {kBlockThreads, 1, 1};
+    blockDim = {threads, 1, 1};
     gridDim = {grid, 1, 1};
-    std::vector<uint32_t> warps(static_cast<size_t>(grid) * kWarpsPerBlock);
+    const unsigned warps_per_block = threads / kWarpSize;
+    std::vector<uint32_t> warps(static_cast<size_t>(grid) * warps_per_block);
     for (uint32_t i = 0; i < warps.size(); ++i) {
         warps[i] = i;
     }
@@ -110,7 +151,7 @@ Outcome run_kernel(const HostKernel& kernel, unsigned grid, void* const* pointer
     }
     Outcome outcome;
     for (uint32_t id : warps) {
-        std::string err = run_warp(w, id / kWarpsPerBlock, id % kWarpsPerBlock);
+        std::string err = run_warp(w, id / warps_per_block, id % warps_per_block);
         if (!err.empty()) {
             outcome = {CUDA_ERROR_LAUNCH_FAILED, "kernel " + std::string(kernel.name) + ": " + err};
             break;
@@ -142,3 +183,14 @@ void install_fault_handler()
 }
 
 }  // namespace emu
+
+extern "C" {
+
+// Installs the builder of host builds (sdp4bit_test_support::host_kernels): called by the tests'
+// processes once the emulated driver is loaded.
+SDP4BIT_EXPORT void sdp4bit_emu_set_host_builder(emu::HostBuilder builder)
+{
+    emu::host_builder.store(builder);
+}
+
+}  // extern "C"

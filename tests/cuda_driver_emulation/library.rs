@@ -1,7 +1,8 @@
 //! The emulated CUDA driver library: built with g++ once per test process from
-//! `tests/cuda_driver_emulation/*.cpp` and the kernels of `kernels/` (run through
-//! `tests/kernel_emulator/`'s warp scheduler), then loaded so that cudarc and the backend's
-//! probe find it as `libcuda.so`.
+//! `tests/cuda_driver_emulation/*.cpp` (with `tests/kernel_emulator/`'s warp scheduler), then
+//! loaded so that cudarc and the backend's probe find it as `libcuda.so`; it runs the host
+//! builds of the specialised kernels the backend loads, which the builder installed here makes
+//! on demand (`sdp4bit_test_support::host_kernels`).
 //!
 //! Loading: the library's soname is `libcuda.so`, the first name cudarc (and
 //! `backend::cuda::probe`) asks the dynamic loader for. Once it is loaded by path with
@@ -21,6 +22,7 @@ use std::sync::OnceLock;
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
 use sdp4bit::backend::cuda::probe;
 use sdp4bit_test_support::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
+use sdp4bit_test_support::host_kernels::install_emulation_builder;
 
 /// g++ flags of every translation unit besides [`KERNEL_HOST_FLAGS`]: position-independent,
 /// only the driver API exported.
@@ -34,9 +36,9 @@ const SANITIZE: [&str; 2] = [
     "-fno-sanitize-recover=all",
 ];
 
-/// Whether `source` runs kernel code (a kernel, or the warp scheduler around it).
+/// Whether `source` runs kernel code (the warp scheduler around the host builds).
 fn runs_kernel_code(source: &Path) -> bool {
-    source.extension().is_some_and(|e| e == "cu") || source.ends_with("kernels.cpp")
+    source.ends_with("kernels.cpp")
 }
 
 /// The variable that hands a built library to a child test process.
@@ -72,6 +74,7 @@ fn build_and_load() -> Result<Emulation, String> {
     // set up static state.
     let library = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_GLOBAL) }
         .map_err(|e| format!("load {}: {e}", path.display()))?;
+    install_emulation_builder();
     // In the parent process (a child may run without NVRTC on purpose), once the driver is
     // loaded, since the probe asks it which NVRTC to prefer.
     if built.is_none() {
@@ -135,16 +138,12 @@ fn build(dir: &Path) -> Result<PathBuf, String> {
     let kernels = root().join("kernels");
     let emulation = root().join("tests/cuda_driver_emulation");
     let shim = root().join("tests/kernel_emulator/cuda_shim.h");
-    let mut sources = Vec::new();
-    for (from, ext) in [(&kernels, "cu"), (&emulation, "cpp")] {
-        let mut found: Vec<PathBuf> = std::fs::read_dir(from)
-            .map_err(|e| format!("{}: {e}", from.display()))?
-            .map(|entry| entry.expect("directory entry").path())
-            .filter(|path| path.extension().is_some_and(|e| e == ext))
-            .collect();
-        found.sort();
-        sources.extend(found);
-    }
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(&emulation)
+        .map_err(|e| format!("{}: {e}", emulation.display()))?
+        .map(|entry| entry.expect("directory entry").path())
+        .filter(|path| path.extension().is_some_and(|e| e == "cpp"))
+        .collect();
+    sources.sort();
     let objects = compile_in_parallel(&sources, dir, |source| {
         let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
             .iter()
@@ -252,6 +251,20 @@ impl Emulation {
         );
         // SAFETY: `kernel` is NULL or a NUL-terminated string that outlives the call.
         unsafe { corrupt(kernel.map_or(std::ptr::null(), CStr::as_ptr), byte, mask) }
+    }
+
+    /// Makes `cuStreamIsCapturing` report a CUDA graph being captured on `stream` (or no
+    /// longer); panics for a stream that is not live.
+    pub fn set_capturing(&self, stream: *mut c_void, capturing: bool) {
+        let set = self.symbol::<unsafe extern "C" fn(*mut c_void, c_int) -> c_int>(
+            b"sdp4bit_emu_set_capturing\0",
+        );
+        // SAFETY: the emulation checks that `stream` is live before touching it.
+        let status = unsafe { set(stream, c_int::from(capturing)) };
+        assert_eq!(
+            status, 0,
+            "sdp4bit_emu_set_capturing: {stream:?} is not a live stream"
+        );
     }
 
     /// A new communicator of `size` ranks (see collectives.cpp).

@@ -14,6 +14,8 @@
 //!   (`sdp4bit_test_support::cuda_end_to_end` over [`comm::EmulatedCluster`]);
 //!   `end_to_end_capped_grids`: buckets larger than a capped grid covers;
 //! - `fault_*`: injected faults are caught ([`faults`]);
+//! - the autotune of an architecture the variant table lacks, its record and its switch
+//!   ([`autotune`]);
 //! - the hot path without the host ([`hot_path`]): host synchronisations are counted (and
 //!   the `end_to_end_*` sweeps find none inside either collective), Global-QSGD's special
 //!   buckets and an overflow of its integer sum on the device;
@@ -28,6 +30,7 @@
 //! Needs g++ and NVRTC (`.cache/`, see `scripts/env.sh`); `SDP4BIT_CUDA_EMULATION_SEED`
 //! repeats a run's delays and warp orders, `SDP4BIT_TEST_SEED` its data.
 
+mod autotune;
 mod child;
 mod comm;
 mod device_memory;

@@ -157,6 +157,8 @@ struct Stream {
     bool destroyed = false;
     // The worker's random delays (splitmix64 state).
     uint64_t rng = 0;
+    // A CUDA graph is being captured on it (set by a test: sdp4bit_emu_set_capturing).
+    bool capturing = false;
 };
 
 struct Event {
@@ -329,7 +331,8 @@ CUresult context_check(const char* call, Context** ctx);
 // ---------------------------------------------------------------------------------------------
 // Kernels (kernels.cpp).
 
-// The host build of one kernel of kernels/ (run through tests/kernel_emulator's warp scheduler).
+// The host build of one entry point of a specialised kernel (run through
+// tests/kernel_emulator's warp scheduler).
 struct HostKernel {
     const char* name;
     // The C name of its parameter struct.
@@ -344,16 +347,18 @@ struct HostKernel {
     const void* entry;
 };
 
-// The host build of the kernel named `name`, or null.
-const HostKernel* find_host_kernel(const std::string& name);
+// The host build of the entry point named `name`, or null: a registered one, else one the
+// builder the tests installed (sdp4bit_emu_set_host_builder) builds now; a failed build is
+// reported as a fault.
+const HostKernel* find_host_kernel(const std::string& name, int device);
 
-// Runs `grid` blocks of 256 threads of `kernel` on the calling thread with the given pointer
-// arguments (inside `allocations`, whose canaries are checked afterwards) and parameter
-// struct bytes, the warps in the order `order` (0 forward, 1 reverse, 2 shuffled with
-// `seed`). A divergent warp or a changed canary ends it with CUDA_ERROR_LAUNCH_FAILED; a memory
-// fault inside the kernel (a guard page) stops the process with a message naming the kernel,
-// block and thread, as tests/kernel_emulator does.
-Outcome run_kernel(const HostKernel& kernel, unsigned grid, void* const* pointers,
+// Runs `grid` blocks of `threads` threads (a multiple of 32) of `kernel` on the calling thread
+// with the given pointer arguments (inside `allocations`, whose canaries are checked
+// afterwards) and parameter struct bytes, the warps in the order `order` (0 forward, 1
+// reverse, 2 shuffled with `seed`). A divergent warp or a changed canary ends it with
+// CUDA_ERROR_LAUNCH_FAILED; a memory fault inside the kernel (a guard page) stops the process
+// with a message naming the kernel, block and thread, as tests/kernel_emulator does.
+Outcome run_kernel(const HostKernel& kernel, unsigned grid, unsigned threads, void* const* pointers,
                    const std::vector<const Allocation*>& allocations, const std::vector<uint8_t>& params,
                    unsigned order, uint64_t seed);
 

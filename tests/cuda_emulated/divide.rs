@@ -1,5 +1,5 @@
 //! The kernels' division helpers against Rust, on the host: g++ builds
-//! `tests/kernel_emulator/divide.cpp` (which calls `kernels/common.cuh`'s `sdp_divisor_of` and
+//! `tests/kernel_emulator/divide.cpp` (which calls `kernels/divide.cuh`'s `sdp_divisor_of` and
 //! `sdp_divide_run`, with the emulator's `cuda_shim.h`) into a shared library, and every
 //! quotient must equal Rust's `/` bit for bit (NaN as NaN-ness: its payload is the hardware's).
 //!
@@ -18,17 +18,15 @@
 //! Global-QSGD's own quotients (x in [-absmax, absmax], s = absmax / K for K = 127 and 32767):
 //! 135 million quotients.
 //!
-//! Three more exact replacements are checked here exhaustively: the packed rounding of two
-//! fp32 to bf16 (`sdp_f32x2_to_bf16x2`) against the CPU reference's rounding (`half`) for
-//! every fp32 bit pattern, `sdp_power_of_two_inverse` against
-//! Rust's `1.0 / p` for every power of two below 2^32, and the decoding of a nibble in place
-//! (`sdp_nibble_as_float`) against the nibble shifted down and converted, for every position,
-//! bias and half-word.
+//! Two more exact replacements are checked here exhaustively: the packed rounding of two fp32
+//! to bf16 (`sdp_f32x2_to_bf16x2`) against the CPU reference's rounding (`half`) for every fp32
+//! bit pattern, and the decoding of a nibble in place (`sdp_nibble_as_float`) against the nibble
+//! shifted down and converted, for every position, bias and half-word.
 //!
 //! The quantizer's metadata (`sdp_meta_of`) takes an inline fast path for symmetric groups of 4-
 //! or 8-bit codes whose absmax lies in [2^-24, 2^40): the scale as Markstein's quotient by the
-//! largest code L (its reciprocal a constant, `sdp_max_code_inverse`, which is 0 for any other
-//! L) and the divisor without its range checks. It must give what the general path
+//! largest code L (its reciprocal a constant, `sdp_max_code_inverse`) and the divisor without
+//! its range checks. It must give what the general path
 //! (`sdp_meta_general`) gives for every absmax bit pattern of that range and its surroundings
 //! (all 1.1 billion of them for 4- and 8-bit codes), and its scale must be the CPU quantizer's.
 
@@ -42,11 +40,10 @@ type DivideFn = unsafe extern "C" fn(*const f32, *const f32, *const f32, *mut f3
 type DivideRunsFn = unsafe extern "C" fn(*const f32, f32, f32, *mut f32, usize);
 type DivideUnboundedFn = unsafe extern "C" fn(*const f32, *const f32, *mut f32, usize);
 type Bf16x2Fn = unsafe extern "C" fn(u32, *mut u32, usize);
-type PowerOfTwoInverseFn = unsafe extern "C" fn(*const u32, *mut f32, usize);
 type NibbleMismatchesFn = unsafe extern "C" fn() -> u64;
 type MetaMismatchesFn = unsafe extern "C" fn(u32, u32, u64, u32) -> u64;
 type MetaScalesFn = unsafe extern "C" fn(u32, *const u32, *mut f32, usize);
-type MaxCodeInverseFn = unsafe extern "C" fn(*const i32, *mut f32, usize);
+type MaxCodeInverseFn = unsafe extern "C" fn(*mut f32);
 
 /// The helpers, loaded from the library g++ built (kept alive with it).
 struct Helpers {
@@ -55,7 +52,6 @@ struct Helpers {
     divide_runs: DivideRunsFn,
     divide_unbounded: DivideUnboundedFn,
     bf16x2: Bf16x2Fn,
-    power_of_two_inverse: PowerOfTwoInverseFn,
     nibble_mismatches: NibbleMismatchesFn,
     meta_mismatches: MetaMismatchesFn,
     meta_scales: MetaScalesFn,
@@ -106,8 +102,6 @@ fn helpers() -> Helpers {
         let divide_runs: DivideRunsFn = symbol(&lib, "sdp_test_divide_runs");
         let divide_unbounded: DivideUnboundedFn = symbol(&lib, "sdp_test_divide_unbounded");
         let bf16x2: Bf16x2Fn = symbol(&lib, "sdp_test_bf16x2");
-        let power_of_two_inverse: PowerOfTwoInverseFn =
-            symbol(&lib, "sdp_test_power_of_two_inverse");
         let nibble_mismatches: NibbleMismatchesFn = symbol(&lib, "sdp_test_nibble_mismatches");
         let meta_mismatches: MetaMismatchesFn = symbol(&lib, "sdp_test_meta_mismatches");
         let meta_scales: MetaScalesFn = symbol(&lib, "sdp_test_meta_scales");
@@ -118,7 +112,6 @@ fn helpers() -> Helpers {
             divide_runs,
             divide_unbounded,
             bf16x2,
-            power_of_two_inverse,
             nibble_mismatches,
             meta_mismatches,
             meta_scales,
@@ -503,20 +496,14 @@ fn metadata_scale_is_the_cpu_quantizers() {
 }
 
 #[test]
-fn max_code_inverse_is_the_correctly_rounded_reciprocal_or_zero() {
+fn max_code_inverse_is_the_correctly_rounded_reciprocal() {
     let h = helpers();
-    let top: Vec<i32> = (1..=1024).chain([32767, 65535]).collect();
-    let mut inverse = vec![0.0f32; top.len()];
-    // SAFETY: top and inverse hold top.len() elements.
-    unsafe { (h.max_code_inverse)(top.as_ptr(), inverse.as_mut_ptr(), top.len()) };
-    for (&l, &got) in top.iter().zip(&inverse) {
-        // The largest codes of 4- and 8-bit quantizers, symmetric or not; 0 (the general
-        // metadata) for any other.
-        let want = if [7, 15, 127, 255].contains(&l) {
-            1.0 / l as f32
-        } else {
-            0.0
-        };
+    let mut inverse = [0.0f32; 2];
+    // SAFETY: inverse holds the two values written.
+    unsafe { (h.max_code_inverse)(inverse.as_mut_ptr()) };
+    // The largest codes of symmetric 4- and 8-bit quantizers.
+    for (l, got) in [7, 127].into_iter().zip(inverse) {
+        let want = 1.0 / l as f32;
         assert!(same(got, want), "L = {l}: {got:e}, want {want:e}");
     }
 }
@@ -542,19 +529,6 @@ fn packed_bf16_rounding_is_the_cpu_rounding_for_every_pattern() {
                 );
             }
         }
-    }
-}
-
-#[test]
-fn power_of_two_inverse_is_the_ieee_quotient() {
-    let h = helpers();
-    let p: Vec<u32> = (0..32).map(|n| 1u32 << n).collect();
-    let mut inverse = vec![0.0f32; p.len()];
-    // SAFETY: p and inverse hold p.len() elements.
-    unsafe { (h.power_of_two_inverse)(p.as_ptr(), inverse.as_mut_ptr(), p.len()) };
-    for (&block, &got) in p.iter().zip(&inverse) {
-        let want = 1.0 / block as f32;
-        assert_eq!(got.to_bits(), want.to_bits(), "1 / {block}");
     }
 }
 

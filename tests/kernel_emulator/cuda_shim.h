@@ -4,8 +4,9 @@
 // and of emulator.cpp.
 //
 // Emulation model (the scheduler is in emulator.cpp):
-// - A launch is gridDim.x blocks of blockDim = (256, 1, 1) threads, the launch contract of
-//   kernels/common.cuh. Each warp runs as 32 cooperative fibers (ucontext) on one OS thread;
+// - A launch is gridDim.x blocks of blockDim = (T, 1, 1) threads, T a multiple of 32 (the
+//   launch contract of kernels/common.cuh). Each warp runs as 32 cooperative fibers (ucontext)
+//   on one OS thread;
 //   the warps of a launch run one after another, each to completion, in an order chosen per
 //   launch (forward, reverse or shuffled).
 // - __shfl_sync, __shfl_xor_sync, __any_sync and __reduce_max_sync are the only points where
@@ -59,11 +60,16 @@ static_assert(FLT_EVAL_METHOD == 0, "the emulation needs binary32 float arithmet
 #define SDP_NOINLINE __attribute__((noinline)) inline
 #define __launch_bounds__(...)
 
+// What the host builds of the kernels (shared libraries the emulators load,
+// tests/kernel_emulator/host_kernels.h) take from the emulator that loads them: exported from
+// it whatever its own symbol visibility.
+#define EMU_EXPORT __attribute__((visibility("default")))
+
 // threadIdx, blockIdx, blockDim, gridDim: set by the emulator for the lane that runs.
 struct emu_uint3 {
     unsigned x, y, z;
 };
-extern thread_local emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
+extern thread_local EMU_EXPORT emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
 
 // ---------------------------------------------------------------------------------------------
 // Warp-wide operations.
@@ -73,7 +79,7 @@ enum class emu_warp_op : uint32_t { shfl_idx, shfl_bfly, vote_any, reduce_max };
 // Deposits this lane's `value`, waits until all 32 lanes of the warp have deposited theirs
 // (with the same `op` and `mask`) and returns the 32 values, indexed by lane; they stay valid
 // until this lane's next call.
-const uint32_t* emu_warp_exchange(emu_warp_op op, unsigned mask, uint32_t value);
+EMU_EXPORT const uint32_t* emu_warp_exchange(emu_warp_op op, unsigned mask, uint32_t value);
 
 template <class T>
 concept emu_word = sizeof(T) == 4 && std::is_trivially_copyable_v<T>;
@@ -169,7 +175,7 @@ concept emu_access = std::is_same_v<T, unsigned> || std::is_same_v<T, float> || 
     std::is_same_v<T, uint4> || std::is_same_v<T, float4>;
 
 // Reports a misaligned access of `bytes` bytes at `address` and stops the process.
-[[noreturn]] void emu_misaligned(const void* address, size_t bytes);
+[[noreturn]] EMU_EXPORT void emu_misaligned(const void* address, size_t bytes);
 
 template <emu_access T>
 inline T emu_load(const T* p)
@@ -243,9 +249,6 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernels' prototypes (sdp4bit_abi.h declares them from the kernel table,
-// sdp4bit_kernels.h), ahead of every kernel translation unit, so that a definition in
-// kernels/*.cu that differs from them ("conflicting declaration of C function") fails the
-// build instead of being called with the wrong arguments by emulator.cpp.
+// The launch ABI's parameter structs, ahead of every kernel translation unit.
 
 #include "sdp4bit_abi.h"

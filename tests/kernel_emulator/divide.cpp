@@ -1,8 +1,10 @@
-// The kernels' division helpers and their other exact arithmetic (kernels/common.cuh: the
-// packed bf16 rounding, the inverse of a power of two) as plain C functions over arrays, built
+// The kernels' division helpers and their other exact arithmetic (kernels/divide.cuh,
+// quantize.cuh, decode.cuh, common.cuh: the metadata of a group, the decoding of a nibble in
+// place, the packed bf16 rounding) as plain C functions over arrays, built
 // by tests/cuda_emulated/divide.rs into a shared library (with cuda_shim.h force-included, as
 // the emulator builds the kernels) and compared there with Rust's `/`.
-#include "common.cuh"
+#include "decode.cuh"
+#include "quantize.cuh"
 
 #include <cstddef>
 #include <cstdint>
@@ -78,14 +80,6 @@ uint64_t sdp_test_nibble_mismatches()
     return mismatches;
 }
 
-// inverse[i] = sdp_power_of_two_inverse(p[i]).
-void sdp_test_power_of_two_inverse(const uint32_t* p, float* inverse, size_t n)
-{
-    for (size_t i = 0; i < n; ++i) {
-        inverse[i] = sdp_power_of_two_inverse(p[i]);
-    }
-}
-
 // Whether two metadata are the same bit for bit (scale, offset, coded and the divisor).
 static bool same_meta(const sdp_group_meta& a, const sdp_group_meta& b)
 {
@@ -94,40 +88,54 @@ static bool same_meta(const sdp_group_meta& a, const sdp_group_meta& b)
     return std::memcmp(fa, fb, sizeof fa) == 0 && a.coded == b.coded && a.divisor.fast == b.divisor.fast;
 }
 
-// How many of the absmax bit patterns first, first + stride, ... (below first + count) give a
-// symmetric group of `bits`-bit codes other metadata through sdp_meta_of (its inline fast path
-// where it applies) than through sdp_meta_general.
-uint64_t sdp_test_meta_mismatches(uint32_t bits, uint32_t first, uint64_t count, uint32_t stride)
+}  // extern "C"
+
+// The symmetric quantizer of groups of 128 `bits`-bit codes (4 or 8) with stochastic rounding,
+// as a spec.
+template <uint32_t Bits>
+using symmetric = sdp_quant_spec<Bits, 128, true, true>;
+
+// How many of the absmax bit patterns first, first + stride, ... (below first + count) give Q
+// other metadata through sdp_meta_of (its inline fast path where it applies) than through
+// sdp_meta_general.
+template <class Q>
+static uint64_t meta_mismatches(uint32_t first, uint64_t count, uint32_t stride)
 {
-    const sdp_quant q = {bits, 128, 1, 1};
     uint64_t mismatches = 0;
     for (uint64_t i = 0; i < count; i += stride) {
         sdp_group_stats s = sdp_stats_empty();
         s.abs_bits = (uint32_t)(first + i);
-        if (!same_meta(sdp_meta_of(q, sdp_max_code_inverse(sdp_max_code(q)), s), sdp_meta_general(q, s))) {
+        if (!same_meta(sdp_meta_of<Q>(s), sdp_meta_general<Q>(s))) {
             ++mismatches;
         }
     }
     return mismatches;
 }
 
-// scale[i]: the scale sdp_meta_of gives a symmetric group of `bits`-bit codes with absmax bits
-// abs_bits[i].
+extern "C" {
+
+// meta_mismatches of the symmetric quantizer of `bits`-bit codes (4 or 8).
+uint64_t sdp_test_meta_mismatches(uint32_t bits, uint32_t first, uint64_t count, uint32_t stride)
+{
+    return bits == 4 ? meta_mismatches<symmetric<4>>(first, count, stride)
+                     : meta_mismatches<symmetric<8>>(first, count, stride);
+}
+
+// scale[i]: the scale sdp_meta_of gives a symmetric group of `bits`-bit codes (4 or 8) with
+// absmax bits abs_bits[i].
 void sdp_test_meta_scales(uint32_t bits, const uint32_t* abs_bits, float* scale, size_t n)
 {
-    const sdp_quant q = {bits, 128, 1, 1};
     for (size_t i = 0; i < n; ++i) {
         sdp_group_stats s = sdp_stats_empty();
         s.abs_bits = abs_bits[i];
-        scale[i] = sdp_meta_of(q, sdp_max_code_inverse(sdp_max_code(q)), s).scale;
+        scale[i] = bits == 4 ? sdp_meta_of<symmetric<4>>(s).scale : sdp_meta_of<symmetric<8>>(s).scale;
     }
 }
 
-// sdp_max_code_inverse(top) for each top.
-void sdp_test_max_code_inverse(const int32_t* top, float* inverse, size_t n)
+// sdp_max_code_inverse of the symmetric quantizers of 4- and 8-bit codes, in that order.
+void sdp_test_max_code_inverse(float* inverse)
 {
-    for (size_t i = 0; i < n; ++i) {
-        inverse[i] = sdp_max_code_inverse(top[i]);
-    }
+    inverse[0] = sdp_max_code_inverse<symmetric<4>>();
+    inverse[1] = sdp_max_code_inverse<symmetric<8>>();
 }
 }

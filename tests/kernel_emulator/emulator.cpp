@@ -2,18 +2,20 @@
 // tests/cuda_emulated/ writes (the emulation model and its limits: cuda_shim.h).
 //
 // Usage: emulator DIR JOBS
-//   Runs every DIR/*.case with JOBS worker threads and writes DIR/<name>.out for each case
-//   that ran without an emulation error. Exit status 0 when every case ran, 1 otherwise
+//   Loads every DIR/*.so (host builds of the specialised kernels the cases launch, made by
+//   sdp4bit_test_support::host_kernels, which register themselves: host_kernels.h), runs every
+//   DIR/*.case with JOBS worker threads and writes DIR/<name>.out for each case that ran without
+//   an emulation error. Exit status 0 when every case ran, 1 otherwise
 //   (the errors are on stderr), 2 on bad usage; a memory fault prints where it happened and
 //   exits with status 3. Built with UBSan, which reports undefined behaviour and exits with
 //   status 1 (after the emulator prints where it happened).
 //
 // Case file (all integers little-endian):
-//   "SDPEMU02"
+//   "SDPEMU03"
 //   u32 buffer count, then per buffer: u8 is_output, u64 length, the initial bytes
 //   u32 launch count, then per launch:
-//     u32 name length, the kernel's name
-//     u32 grid (gridDim.x; blockDim is always 256)
+//     u32 name length, the entry point's name
+//     u32 grid (gridDim.x), u32 threads per block (blockDim.x, a multiple of 32 up to 1024)
 //     u32 warp order (0 forward, 1 reverse, 2 shuffled), u64 shuffle seed
 //     u32 pointer count, then per pointer: u32 buffer index, or 0xffffffff for null
 //     u32 parameter bytes, then the parameter struct as the Rust side's #[repr(C)] mirror
@@ -23,6 +25,7 @@
 //       holds, such as Global-QSGD's status word)
 // Output file: the final bytes of every output buffer, in buffer order.
 #include "cuda_shim.h"
+#include "host_kernels.h"
 
 #include <algorithm>
 #include <atomic>
@@ -43,14 +46,14 @@
 #include <utility>
 #include <vector>
 #include <dirent.h>
+#include <dlfcn.h>
 
 thread_local emu_uint3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace {
 
 constexpr unsigned kWarpSize = 32;
-constexpr unsigned kBlockThreads = 256;
-constexpr unsigned kWarpsPerBlock = kBlockThreads / kWarpSize;
+constexpr unsigned kMaxBlockThreads = 1024;
 constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr uint32_t kNullPointer = 0xffffffffu;
 // Device allocations are 256-byte aligned; every buffer starts on such a boundary.
@@ -70,84 +73,27 @@ size_t round_up(size_t n, size_t unit)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernels, by name.
+// The kernels, by name: the entry points the loaded host builds registered.
 
-template <class P>
-P params_of(const void* bytes)
-{
-    P params;
-    std::memcpy(&params, bytes, sizeof params);
-    return params;
-}
-
-struct KernelEntry {
-    const char* name;
-    // The C name of its parameter struct.
-    const char* params;
-    unsigned pointers;
-    size_t param_bytes;
-    // Bit i: pointer parameter i is written (its pointee is not const).
-    unsigned written;
-    void (*call)(void* const* p, const void* params);
+struct Registry {
+    std::mutex mutex;
+    std::vector<const KernelEntry*> entries;
 };
 
-// What the emulator needs of a kernel, read from its prototype (declared by sdp4bit_abi.h from
-// the kernel table): its leading pointer parameters and its parameter struct.
-template <class Function>
-struct Signature;
-
-template <class... Args>
-struct Signature<void (*)(Args...)> {
-    static constexpr unsigned pointers = sizeof...(Args) - 1;
-    template <size_t i>
-    using Arg = std::tuple_element_t<i, std::tuple<Args...>>;
-    using Params = Arg<pointers>;
-};
-
-// Calls `kernel` with the pointers `p` and the parameter struct whose bytes are at `params`.
-template <auto kernel, size_t... i>
-void call_kernel(void* const* p, const void* params, std::index_sequence<i...>)
+// Never destroyed: a library may register while static destructors run elsewhere.
+Registry& registry()
 {
-    using S = Signature<decltype(kernel)>;
-    kernel(static_cast<typename S::template Arg<i>>(p[i])..., params_of<typename S::Params>(params));
+    static Registry& r = *new Registry;
+    return r;
 }
-
-// The pointer parameters of `kernel` whose pointee is not const, as bits.
-template <auto kernel, size_t... i>
-constexpr unsigned written_pointers(std::index_sequence<i...>)
-{
-    using S = Signature<decltype(kernel)>;
-    static_assert((std::is_pointer_v<typename S::template Arg<i>> && ...), "pointers first, then one struct");
-    return (0u | ... | ((std::is_const_v<std::remove_pointer_t<typename S::template Arg<i>>> ? 0u : 1u) << i));
-}
-
-template <auto kernel>
-constexpr KernelEntry kernel_entry(const char* name, const char* params)
-{
-    using S = Signature<decltype(kernel)>;
-    return {name, params, S::pointers, sizeof(typename S::Params),
-            written_pointers<kernel>(std::make_index_sequence<S::pointers>()),
-            [](void* const* p, const void* a) { call_kernel<kernel>(p, a, std::make_index_sequence<S::pointers>()); }};
-}
-
-// One entry per line of the kernel table.
-#define SDP_KERNEL(name, params, widest_load, widest_store, ...) kernel_entry<&name>(#name, #params),
-constexpr KernelEntry kKernels[] = {
-#include "sdp4bit_kernels.h"
-};
-#undef SDP_KERNEL
-
-// The most pointer arguments a kernel takes.
-constexpr unsigned kMaxPointers = std::max_element(std::begin(kKernels), std::end(kKernels),
-                                                   [](const KernelEntry& a, const KernelEntry& b) {
-                                                       return a.pointers < b.pointers;
-                                                   })->pointers;
 
 const KernelEntry* find_kernel(const std::string& name)
 {
-    for (const KernelEntry& k : kKernels) {
-        if (name == k.name) {
-            return &k;
+    Registry& r = registry();
+    std::lock_guard<std::mutex> guard(r.mutex);
+    for (const KernelEntry* k : r.entries) {
+        if (name == k->name) {
+            return k;
         }
     }
     return nullptr;
@@ -214,6 +160,7 @@ bool canary_changed(const Buffer& b, long* offset)
 struct Launch {
     const KernelEntry* kernel = nullptr;
     uint32_t grid = 0;
+    uint32_t threads = 0;
     uint32_t order = 0;
     uint64_t seed = 0;
     std::vector<uint32_t> pointers;
@@ -272,7 +219,7 @@ void parse_case(const std::vector<uint8_t>& bytes, Case& c)
     Reader r(bytes);
     char magic[8];
     r.take(magic, 8);
-    if (std::memcmp(magic, "SDPEMU02", 8) != 0) {
+    if (std::memcmp(magic, "SDPEMU03", 8) != 0) {
         throw std::string("not a case file (bad magic)");
     }
     const uint32_t buffers = r.get<uint32_t>();
@@ -290,9 +237,10 @@ void parse_case(const std::vector<uint8_t>& bytes, Case& c)
         r.take(name.data(), name.size());
         l.kernel = find_kernel(name);
         if (l.kernel == nullptr) {
-            throw "launch " + std::to_string(i) + ": the emulator does not know kernel '" + name + "'";
+            throw "launch " + std::to_string(i) + ": no loaded host build has the entry point '" + name + "'";
         }
         l.grid = r.get<uint32_t>();
+        l.threads = r.get<uint32_t>();
         l.order = r.get<uint32_t>();
         l.seed = r.get<uint64_t>();
         l.pointers.resize(r.get<uint32_t>());
@@ -314,8 +262,9 @@ void parse_case(const std::vector<uint8_t>& bytes, Case& c)
             const uint64_t address = (uint64_t)(uintptr_t)c.buffers[buffer].data;
             std::memcpy(l.params.data() + offset, &address, sizeof address);
         }
-        if (l.grid == 0 || l.order > 2) {
-            throw "launch " + std::to_string(i) + ": bad grid or warp order";
+        if (l.grid == 0 || l.order > 2 || l.threads == 0 || l.threads % kWarpSize != 0 ||
+            l.threads > kMaxBlockThreads) {
+            throw "launch " + std::to_string(i) + ": bad grid, block size or warp order";
         }
         if (l.pointers.size() != l.kernel->pointers) {
             throw "launch " + std::to_string(i) + " (" + name + "): " + std::to_string(l.pointers.size()) +
@@ -507,9 +456,10 @@ std::string run_launch(Worker& w, Case& c, const Launch& l)
     for (size_t i = 0; i < l.pointers.size(); ++i) {
         w.pointers[i] = l.pointers[i] == kNullPointer ? nullptr : c.buffers[l.pointers[i]].data;
     }
-    blockDim = {kBlockThreads, 1, 1};
+    blockDim = {l.threads, 1, 1};
     gridDim = {l.grid, 1, 1};
-    std::vector<uint32_t> warps(l.grid * kWarpsPerBlock);
+    const unsigned warps_per_block = l.threads / kWarpSize;
+    std::vector<uint32_t> warps(l.grid * warps_per_block);
     for (uint32_t i = 0; i < warps.size(); ++i) {
         warps[i] = i;
     }
@@ -522,7 +472,7 @@ std::string run_launch(Worker& w, Case& c, const Launch& l)
         }
     }
     for (uint32_t id : warps) {
-        std::string err = run_warp(w, id / kWarpsPerBlock, id % kWarpsPerBlock);
+        std::string err = run_warp(w, id / warps_per_block, id % warps_per_block);
         if (!err.empty()) {
             return err;
         }
@@ -655,6 +605,16 @@ void emu_misaligned(const void* address, size_t bytes)
     _exit(3);
 }
 
+bool emu_register_kernels(const KernelEntry* entries, size_t count)
+{
+    Registry& r = registry();
+    std::lock_guard<std::mutex> guard(r.mutex);
+    for (size_t i = 0; i < count; ++i) {
+        r.entries.push_back(entries + i);
+    }
+    return true;
+}
+
 const uint32_t* emu_warp_exchange(emu_warp_op op, unsigned mask, uint32_t value)
 {
     Worker& w = *tl_worker;
@@ -686,19 +646,32 @@ int main(int argc, char** argv)
     const unsigned jobs = (unsigned)std::atoi(argv[2]);
 
     std::vector<std::string> names;
+    std::vector<std::string> libraries;
     DIR* d = opendir(dir.c_str());
     if (d == nullptr) {
         std::perror(("emulator: " + dir).c_str());
         return 2;
     }
+    auto ends_with = [](const std::string& n, const char* suffix) {
+        const size_t len = std::strlen(suffix);
+        return n.size() > len && n.compare(n.size() - len, len, suffix) == 0;
+    };
     while (dirent* e = readdir(d)) {
         const std::string n = e->d_name;
-        if (n.size() > 5 && n.compare(n.size() - 5, 5, ".case") == 0) {
+        if (ends_with(n, ".case")) {
             names.push_back(n.substr(0, n.size() - 5));
+        } else if (ends_with(n, ".so")) {
+            libraries.push_back(dir + "/" + n);
         }
     }
     closedir(d);
     std::sort(names.begin(), names.end());
+    for (const std::string& library : libraries) {
+        if (dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL) == nullptr) {
+            std::fprintf(stderr, "emulator: cannot load %s: %s\n", library.c_str(), dlerror());
+            return 2;
+        }
+    }
 
     struct sigaction sa{};
     sa.sa_sigaction = on_fault;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdp4bit import plan
+from sdp4bit import kernel_times, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,6 +125,87 @@ def test_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--paper", "--link-fraction",
                           "0"], cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode != 0 and "link_fraction must be positive" in bad.stderr
+
+
+def test_the_step_is_communication_alone_without_codec_and_compute():
+    """The control: with neither codec time nor compute, every preset's predicted step speedup
+    is its communication speedup, and its communication that of the communication-only rows."""
+    _, cluster, _, _ = plan.PAPER[1]
+    alone = plan.predict(6.7e9, cluster, transport=plan.PAPER_TRANSPORT)
+    zero = plan.predict(6.7e9, cluster, compute_ms=0.0, transport=plan.PAPER_TRANSPORT,
+                        codec_ms={r["preset"]: 0.0 for r in alone})
+    for a, z in zip(alone, zero):
+        assert z["step_speedup"] == pytest.approx(z["comm_speedup"])
+        assert z["comm_ms"] == a["comm_ms"] and z["step_ms"] == a["comm_ms"]
+
+
+def test_end_to_end_adds_the_kernels_and_the_compute():
+    times = kernel_times.load("h100-2026-11-27")
+    for _, cluster, _, gpu in plan.PAPER:
+        alone = {r["preset"]: r for r in plan.predict(18e9, cluster,
+                                                      transport=plan.PAPER_TRANSPORT)}
+        today, target = ({r["preset"]: r for r in plan.end_to_end(
+            18e9, cluster, gpu, times, ("sdp4bit", "zeropp", "baseline"), 40e6, 2048, t)}
+            for t in (False, True))
+        compute = kernel_times.compute_ms(18e9, 2048, times, gpu)
+        for preset, row in today.items():
+            # The codec overlaps the link as the model says; nothing overlaps compute.
+            comm = alone[preset]["comm_ms"]
+            assert row["compute_ms"] == compute
+            assert compute + comm <= row["step_ms"] <= compute + comm + row["codec_ms"]
+        assert today["baseline"]["codec_ms"] == 0 and today["sdp4bit"]["codec_missing"] == ()
+        assert today["zeropp"]["codec_missing"]
+        assert target["sdp4bit"]["codec_ms"] < today["sdp4bit"]["codec_ms"]
+        assert target["sdp4bit"]["step_speedup"] > today["sdp4bit"]["step_speedup"] > 1
+        assert today["sdp4bit"]["step_speedup"] < alone["sdp4bit"]["comm_speedup"]
+
+
+def test_paper_options(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "sdp4bit.plan", *args], cwd=tmp_path,
+                              capture_output=True, text=True)
+
+    out = run("--paper", "--kernels", "h100-2026-11-27", "--tokens-per-gpu", "8192")
+    assert out.returncode == 0 and "6 x params x 8192 tokens per GPU" in out.stdout
+    assert out.stdout.count("today (h100-2026-11-27)") == 4
+    assert out.stdout.count("   prediction, ") == 4 and "a PREDICTION" in out.stdout
+    bad = run("--paper", "--kernels", "nope")
+    assert bad.returncode != 0 and "no kernel times called 'nope'" in bad.stderr
+    bad = run("--params", "1e9", "--nodes", "2", "--gpus-per-node", "8", "--tokens-per-gpu", "1")
+    assert bad.returncode != 0 and "apply to --paper" in bad.stderr
+
+
+def test_the_committed_paper_prediction_is_what_the_command_prints(tmp_path):
+    """bench/results/plan_paper.txt is `python -m sdp4bit.plan --paper`'s output under a
+    header naming the command."""
+    committed = (ROOT / "bench/results/plan_paper.txt").read_text().splitlines()
+    assert committed[0].startswith("# python -m sdp4bit.plan --paper   (")
+    out = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--paper"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == committed[1:]
+
+
+def test_the_docs_end_to_end_figures_are_the_commands():
+    """docs/performance.md's end-to-end figures are what `--paper` prints: the committed
+    output, and the same at 8192 tokens per GPU."""
+    doc = " ".join((ROOT / "docs/performance.md").read_text().split())
+    summary = re.compile(r"sdp4bit: ([\d.]+)x today, ([\d.]+)x at the targets \(([\d.]+)x "
+                         r"without codec time\).*?communication (\d+) ms, compute (\d+) ms, "
+                         r"codec (\d+) ms\) and at the targets \(codec (\d+) ms\)")
+    paper = summary.findall((ROOT / "bench/results/plan_paper.txt").read_text())
+    # Per cluster the 6.7B and 18B lines, whose speedups the docs say are the same.
+    (a100, a100_18b), (h800, h800_18b) = paper[:2], paper[2:]
+    assert a100[:3] == a100_18b[:3] and h800[:3] == h800_18b[:3]
+    assert (f"predicted {a100[0]}x faster than the baseline's on the A100 cluster ({a100[1]}x "
+            f"at the targets, {a100[2]}x with no codec time)") in doc
+    assert f"and {h800[0]}x on the H800 cluster ({h800[1]}x, {h800[2]}x)" in doc
+    assert (f"{h800[3]} ms of communication, {h800[4]} ms of compute, {h800[5]} ms of codec "
+            f"today and {h800[6]} ms at the targets") in doc
+    out = subprocess.run([sys.executable, "-m", "sdp4bit.plan", "--paper", "--tokens-per-gpu",
+                          "8192"], cwd="/tmp", capture_output=True, text=True, check=True).stdout
+    wide = re.findall(r"sdp4bit: ([\d.]+)x today.*?(\w+) dominates", out)
+    assert {dominant for _, dominant in wide} == {"compute"}
+    assert f"step is predicted {wide[0][0]}x and {wide[2][0]}x faster" in doc
 
 
 def _calibrate_plan():

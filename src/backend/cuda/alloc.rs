@@ -6,13 +6,13 @@
 //! allocator (`src/ffi`), so the collectives' buffers come from torch's pool and count in
 //! `torch.cuda.memory_allocated`.
 //!
-//! A buffer is either kept (a bucket's qWD reference, its tables: [`DeviceBuffer::new`]) or
-//! taken for one call of a collective ([`DeviceBuffer::take`]) and given back when dropped,
+//! A buffer is either kept (a bucket's qWD reference, its tables: `DeviceBuffer::new`) or
+//! taken for one call of a collective (`DeviceBuffer::take`) and given back when dropped,
 //! once the work using it is enqueued. Given back, its memory goes only to work enqueued later
 //! on the stream it was taken for, or ordered after that stream's work (stream-ordered reuse):
 //! a given allocator does that itself (torch's caching allocator hands a freed block only to
 //! later allocations on the same stream), and memory of the driver goes to a per-device pool
-//! of driver blocks ([`DriverPool`]) rather than to `cuMemFree`, which would free memory a
+//! of driver blocks (`DriverPool`) rather than to `cuMemFree`, which would free memory a
 //! stream still uses.
 
 use std::fmt::Debug;

@@ -15,6 +15,7 @@ use half::bf16;
 use super::alloc::{Allocator, DeviceBuffer};
 use super::launch::{DeviceSpan, Stream, dest_table};
 use super::module::{Kernels, driver_error};
+use super::spec;
 use crate::backend::{Backend, Element, GradElement};
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::SlabLayout;
@@ -53,6 +54,31 @@ impl Cuda {
     /// The kernels (and device) the passes run with.
     pub fn kernels(&self) -> &'static Kernels {
         self.kernels
+    }
+
+    /// The stream the passes are enqueued on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// The destination table of `layout` in device memory, uploaded on the backend's stream,
+    /// like every pass: memory an allocator tied to that stream (torch's) hands out may still be
+    /// used by work enqueued there before, which a synchronous copy (ordered on the legacy
+    /// default stream only) could overtake.
+    fn upload_dest_table(&self, layout: &GradLayout) -> Result<DeviceBuffer<u32>> {
+        let table = dest_table(layout)?;
+        let buffer = DeviceBuffer::<u32>::new(self.kernels, self.allocator, table.len())?;
+        if !table.is_empty() {
+            let stream = self.stream.raw();
+            self.kernels.with_context(|| {
+                // SAFETY: the buffer holds `table.len()` u32s in this context and `stream`
+                // belongs to it; a copy from pageable host memory reads `table` before it
+                // returns, so dropping `table` afterwards is sound.
+                unsafe { driver::memcpy_htod_async(buffer.addr(), &table, stream) }
+                    .map_err(driver_error("cuMemcpyHtoDAsync"))
+            })?;
+        }
+        Ok(buffer)
     }
 
     /// Copies `src` into the device memory `dst` (of `src.len()` elements), synchronously:
@@ -124,7 +150,7 @@ impl Backend for Cuda {
         DeviceBuffer::new(self.kernels, self.allocator, len)
     }
 
-    /// [`DeviceBuffer::take`] for this backend's stream.
+    /// `DeviceBuffer::take` for this backend's stream.
     fn call_buffer<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         DeviceBuffer::take(self.kernels, self.allocator, self.stream, len)
     }
@@ -228,23 +254,33 @@ impl Backend for Cuda {
         })
     }
 
-    /// Uploads the table on the backend's stream, like every pass: memory an allocator tied
-    /// to that stream (torch's) hands out may still be used by work enqueued there before,
-    /// which a synchronous copy (ordered on the legacy default stream only) could overtake.
+    /// The destination table (uploaded on the backend's stream), after the layout's kernels are
+    /// compiled (and tuned, on a device the variant table lacks).
     fn grad_tables(&self, layout: &GradLayout) -> Result<DeviceBuffer<u32>> {
-        let table = dest_table(layout)?;
-        let buffer = DeviceBuffer::<u32>::new(self.kernels, self.allocator, table.len())?;
-        if !table.is_empty() {
-            let stream = self.stream.raw();
-            self.kernels.with_context(|| {
-                // SAFETY: the buffer holds `table.len()` u32s in this context and `stream`
-                // belongs to it; a copy from pageable host memory reads `table` before it
-                // returns, so dropping `table` afterwards is sound.
-                unsafe { driver::memcpy_htod_async(buffer.addr(), &table, stream) }
-                    .map_err(driver_error("cuMemcpyHtoDAsync"))
-            })?;
-        }
-        Ok(buffer)
+        self.kernels.prepare_uses(&spec::grad_uses(layout)?)?;
+        let tables = self.upload_dest_table(layout)?;
+        self.tune_grad(layout, &tables)?;
+        Ok(tables)
+    }
+
+    fn prepare_global(&self, bits: u8, rounding: Rounding) -> Result<()> {
+        self.kernels
+            .prepare_uses(&spec::global_uses(bits, rounding)?)
+    }
+
+    fn prepare_conversions(&self) -> Result<()> {
+        self.kernels.prepare_uses(&spec::conversion_uses())
+    }
+
+    fn prepare_weights(
+        &self,
+        layout: &SlabLayout,
+        encoding: WeightEncoding,
+        plan: &BucketPlan,
+    ) -> Result<()> {
+        self.kernels
+            .prepare_uses(&spec::weight_uses(layout, encoding, plan)?)?;
+        self.tune_weights(layout, encoding, plan)
     }
 
     fn quantize_first<G: GradElement>(

@@ -1,10 +1,11 @@
-//! NVRTC compilation of one kernel source to a CUBIN for one architecture (with its PTX), or
-//! to PTX only for a virtual architecture (see [`super::target`] for which is used when).
+//! NVRTC compilation of one specialised kernel ([`KernelSpec`]) to a CUBIN for one
+//! architecture (with its PTX), or to PTX only for a virtual architecture (see
+//! [`super::target`] for which is used when).
 //!
-//! The sources include the headers of `kernels/` (`common.cuh`, `sdp4bit_abi.h` and the kernel
-//! table it includes), which are handed to NVRTC in memory (cudarc's `create_program` passes no
-//! headers, so the program is created here through `nvrtcCreateProgram` itself). Options pin
-//! the arithmetic docs/numerics.md §1.4 needs for bit-identity with the CPU backend: no FMA
+//! A spec's program includes its kernel's `.cu` file, which includes the headers of `kernels/`;
+//! all of them are handed to NVRTC in memory (cudarc's `create_program` passes no headers, so
+//! the program is created here through `nvrtcCreateProgram` itself). Options pin the
+//! arithmetic docs/numerics.md §1.4 needs for bit-identity with the CPU backend: no FMA
 //! contraction, IEEE division, no flush-to-zero.
 
 use std::ffi::{CString, c_char, c_int};
@@ -13,7 +14,8 @@ use std::fmt;
 use cudarc::nvrtc::{result, sys};
 
 use super::probe;
-use super::source::{HEADERS, KernelSource};
+use super::source::{HEADERS, SOURCES};
+use super::spec::KernelSpec;
 use crate::error::{Error, Result};
 
 /// A GPU architecture `sm_<major><minor>` (the device's compute capability).
@@ -95,28 +97,37 @@ impl Compiled {
     }
 }
 
-/// Compiles `source` to a CUBIN (and its PTX) for the real architecture `arch`; see
+/// Compiles `spec` to a CUBIN (and its PTX) for the real architecture `arch`; see
 /// [`compile_for`].
-pub fn compile(source: &KernelSource, arch: Arch) -> Result<Compiled> {
-    compile_for(source, Target::Cubin(arch))
+pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<Compiled> {
+    compile_for(spec, Target::Cubin(arch))
 }
 
-/// Compiles `source` for `target` with the two shared headers in memory.
+/// The NVRTC options every compilation passes besides the target.
+pub const OPTIONS: [&str; 5] = [
+    "--fmad=false",
+    "--prec-div=true",
+    "--ftz=false",
+    "--std=c++17",
+    "-default-device",
+];
+
+/// Compiles `spec`'s source ([`KernelSpec::source`]) for `target` with the kernel sources and
+/// headers of `kernels/` in memory.
 ///
-/// Options: `--gpu-architecture=sm_XY` (or `compute_XY`) `--fmad=false --prec-div=true
-/// --ftz=false --std=c++17 -default-device`. A compile error is an [`Error::Cuda`] carrying
-/// NVRTC's log; so is a missing NVRTC library (probed before cudarc is called).
-pub fn compile_for(source: &KernelSource, target: Target) -> Result<Compiled> {
+/// Options: `--gpu-architecture=sm_XY` (or `compute_XY`) and [`OPTIONS`]. A compile error is an
+/// [`Error::Cuda`] carrying NVRTC's log; so is a missing NVRTC library (probed before cudarc is
+/// called).
+pub fn compile_for(spec: &KernelSpec, target: Target) -> Result<Compiled> {
+    compile_program(&spec.entry(), &spec.source(), target)
+}
+
+/// Compiles the program `code` (named `name` in NVRTC's messages) for `target`.
+pub fn compile_program(name: &str, code: &str, target: Target) -> Result<Compiled> {
     probe::nvrtc()?;
-    let program = Program::new(source)?;
-    let options = [
-        target.option(),
-        "--fmad=false".into(),
-        "--prec-div=true".into(),
-        "--ftz=false".into(),
-        "--std=c++17".into(),
-        "-default-device".into(),
-    ];
+    let program = Program::new(name, code)?;
+    let mut options = vec![target.option()];
+    options.extend(OPTIONS.iter().map(|o| o.to_string()));
     // SAFETY: `program.handle` was created by `nvrtcCreateProgram` and is destroyed only when
     // `program` drops, after this call.
     let compiled = unsafe { result::compile_program(program.handle, &options) };
@@ -132,8 +143,7 @@ pub fn compile_for(source: &KernelSource, target: Target) -> Result<Compiled> {
             log,
         }),
         Err(e) => Err(Error::Cuda(format!(
-            "NVRTC could not compile kernels/{} to {target} ({e}):\n{log}",
-            source.file
+            "NVRTC could not compile {name} to {target} ({e}):\n{log}"
         ))),
     }
 }
@@ -146,47 +156,46 @@ struct Program {
 }
 
 impl Program {
-    /// Creates the program of `source` with [`HEADERS`] as its in-memory include files.
-    fn new(source: &KernelSource) -> Result<Self> {
+    /// Creates the program `code` named `name` with [`HEADERS`] and [`SOURCES`] as its
+    /// in-memory include files.
+    fn new(name: &str, code: &str) -> Result<Self> {
         let c = |what: &str, text: &str| {
-            CString::new(text).map_err(|_| {
-                Error::Cuda(format!(
-                    "{what} of kernels/{} holds a NUL byte",
-                    source.file
-                ))
-            })
+            CString::new(text)
+                .map_err(|_| Error::Cuda(format!("{what} of {name} holds a NUL byte")))
         };
-        let code = c("the source", source.code)?;
-        let name = c("the name", source.file)?;
-        let mut contents = Vec::with_capacity(HEADERS.len());
-        let mut names = Vec::with_capacity(HEADERS.len());
-        for (include, text) in HEADERS {
+        let includes: Vec<(&str, &str)> = HEADERS
+            .iter()
+            .copied()
+            .chain(SOURCES.iter().map(|s| (s.file, s.code)))
+            .collect();
+        let code = c("the source", code)?;
+        let program_name = c("the name", name)?;
+        let mut contents = Vec::with_capacity(includes.len());
+        let mut names = Vec::with_capacity(includes.len());
+        for (include, text) in &includes {
             contents.push(c(include, text)?);
             names.push(c(include, include)?);
         }
         let content_ptrs: Vec<*const c_char> = contents.iter().map(|s| s.as_ptr()).collect();
         let name_ptrs: Vec<*const c_char> = names.iter().map(|s| s.as_ptr()).collect();
         let mut handle: sys::nvrtcProgram = std::ptr::null_mut();
-        // SAFETY: every pointer is a NUL-terminated string owned by `code`, `name`,
+        // SAFETY: every pointer is a NUL-terminated string owned by `code`, `program_name`,
         // `contents` or `names`, which the returned `Program` keeps alive until it destroys
-        // the handle; the two arrays hold `HEADERS.len()` pointers each, as passed.
+        // the handle; the two arrays hold `includes.len()` pointers each, as passed.
         let status = unsafe {
             sys::nvrtcCreateProgram(
                 &mut handle,
                 code.as_ptr(),
-                name.as_ptr(),
-                HEADERS.len() as c_int,
+                program_name.as_ptr(),
+                includes.len() as c_int,
                 content_ptrs.as_ptr(),
                 name_ptrs.as_ptr(),
             )
         };
         status.result().map_err(|e| {
-            Error::Cuda(format!(
-                "NVRTC could not create the program of kernels/{}: {e}",
-                source.file
-            ))
+            Error::Cuda(format!("NVRTC could not create the program of {name}: {e}"))
         })?;
-        let mut strings = vec![code, name];
+        let mut strings = vec![code, program_name];
         strings.extend(contents);
         strings.extend(names);
         Ok(Self {

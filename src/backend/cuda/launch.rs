@@ -2,9 +2,11 @@
 //! passes of `backend::cpu` argument for argument.
 //!
 //! A launch checks the buffer sizes against the plan, builds the kernel's parameter struct
-//! (`abi`), checks its arguments against the kernel's line of the kernel table (pointer count,
-//! element sizes, struct), and enqueues the kernel on the caller's stream with
-//! `cuLaunchKernel`: no allocation, no host synchronisation, no wait for the result. Buffers
+//! (`abi`), derives from it the specialisation to launch ([`KernelSpec`]: the struct's
+//! configuration as constants, and the device's variant for them), checks its arguments against
+//! the kernel's line of the kernel table (pointer count, element sizes, struct), and enqueues the
+//! kernel on the caller's stream with `cuLaunchKernel`: no allocation, no host synchronisation,
+//! no wait for the result (a specialisation not prepared at set-up is compiled first). Buffers
 //! are raw device pointers ([`DeviceSpan`]) so the torch extension can pass
 //! `tensor.data_ptr()` and its current stream ([`Stream`]). Errors are values; the kernels
 //! themselves cannot report errors, so corrupt received slabs decode to NaN where the CPU
@@ -21,6 +23,7 @@ use super::abi::{
 };
 use super::module::{Kernels, driver_error};
 use super::source::Kernel;
+use super::spec::{Constants, KernelSpec};
 use crate::backend::GradElement;
 use crate::codec::int_code::IntCode;
 use crate::codec::slab::{SLAB_ALIGN, SlabLayout};
@@ -31,21 +34,6 @@ use crate::layout::{BucketPlan, GradLayout};
 use crate::rng::UniformStream;
 use cudarc::driver::result as driver;
 use cudarc::driver::sys;
-
-/// Threads per block of every kernel (the launch contract of `kernels/common.cuh`).
-const BLOCK_THREADS: u32 = 256;
-/// Groups one block handles at a time: one warp per group.
-const GROUPS_PER_BLOCK: u64 = (BLOCK_THREADS / 32) as u64;
-/// Elements one block handles at a time in the element-wise Global-QSGD kernels: a run of 4
-/// consecutive elements per thread (`kernels/global_qsgd.cu`).
-const ELEMENTS_PER_BLOCK: u64 = BLOCK_THREADS as u64 * 4;
-/// Groups of one work unit of `grad_quantize_first` (`GROUPS_PER_UNIT` of
-/// `kernels/grad_quantize_first.cu`): one warp quantizes that many consecutive groups of one
-/// chunk and destination.
-const GRAD_FIRST_GROUPS_PER_UNIT: u64 = 3;
-/// Resident blocks per multiprocessor times waves: grids are capped at this many blocks per
-/// multiprocessor (the kernels loop grid-stride over the rest).
-const BLOCKS_PER_MULTIPROCESSOR: u64 = 32;
 
 /// A CUDA stream of the device's primary context, given as its raw handle (`CUstream`,
 /// `cudaStream_t`: the two are the same object), such as torch's current stream.
@@ -212,32 +200,44 @@ pub fn absmax_from_bits(bits: u32) -> f32 {
 }
 
 impl Kernels {
-    /// Enqueues `kernel` over `units` work units (`per_block` per block at a time) with the
-    /// pointer arguments `pointers` and the parameter struct `params`, after checking them
-    /// against the kernel's line of the kernel table: as many pointers, each to elements of the
-    /// declared size, and the declared struct.
+    /// The specialisation of `kernel` for `constants` with this device's variant for them.
+    pub fn spec(&self, kernel: Kernel, constants: Constants) -> Result<KernelSpec> {
+        KernelSpec::new(kernel, constants, self.variant(kernel, constants))
+    }
+
+    /// Enqueues `spec` with work for `workers` warps (a grouped kernel: its units of groups) or
+    /// threads (an element-wise kernel: its steps of runs), the pointer arguments `pointers` and
+    /// the parameter struct `params`, after checking them against the kernel's line of the kernel
+    /// table: as many pointers, each to elements of the declared size, and the declared struct.
+    /// The grid covers the workers, at most the variant's blocks per multiprocessor.
     fn launch<P: AbiParams>(
         &self,
-        kernel: Kernel,
+        spec: KernelSpec,
         stream: Stream,
-        units: u64,
-        per_block: u64,
+        workers: u64,
         pointers: &[Arg],
         params: &P,
     ) -> Result<()> {
+        let kernel = spec.kernel;
         check_args::<P>(kernel, pointers)?;
-        if units == 0 {
+        if workers == 0 {
             return Ok(());
         }
-        if units > u64::from(u32::MAX) {
+        if workers > u64::from(u32::MAX) {
             return Err(Error::Buffer(format!(
-                "{} over {units} work units: the kernels index at most 2^32 - 1 (split the bucket)",
+                "{} over {workers} work units: the kernels index at most 2^32 - 1 (split the bucket)",
                 kernel.name()
             )));
         }
-        let cap = u64::from(self.multiprocessors()) * BLOCKS_PER_MULTIPROCESSOR;
-        // At most `cap` (a u32 times 32), so the conversion cannot fail.
-        let grid = u32::try_from(units.div_ceil(per_block).min(cap)).unwrap_or(u32::MAX);
+        let variant = spec.variant;
+        let per_block = match spec.constants {
+            Constants::Elementwise { .. } => u64::from(variant.threads),
+            _ => u64::from(variant.threads / 32),
+        };
+        let cap = u64::from(self.multiprocessors()) * u64::from(variant.grid_blocks);
+        // At most `cap` (a u32 times 64), so the conversion cannot fail.
+        let grid = u32::try_from(workers.div_ceil(per_block).min(cap)).unwrap_or(u32::MAX);
+        let function = self.function(&spec)?;
         // The driver reads each argument's value through a pointer to it.
         let mut addrs = [0u64; Kernel::MAX_POINTERS];
         let mut params = *params;
@@ -251,16 +251,16 @@ impl Kernels {
         self.with_context(|| {
             // SAFETY: the function handle comes from a module loaded in this device's primary
             // context, which is current; `args` points to one value per kernel parameter (the
-            // count checked above against the kernel table, whose prototypes the kernels'
-            // definitions match), of the parameter's size (device pointers as u64, the
+            // count checked above against the kernel table, from whose line the entry point's
+            // parameters are written), of the parameter's size (device pointers as u64, the
             // #[repr(C)] mirror of the parameter struct), alive for the call (the driver copies
             // them); the device buffers are valid per the `DeviceSpan::from_raw` and
             // `Stream::from_raw` contracts and sized by the checks of the caller.
             unsafe {
                 driver::launch_kernel(
-                    self.function(kernel),
+                    function,
                     (grid, 1, 1),
-                    (BLOCK_THREADS, 1, 1),
+                    (variant.threads, 1, 1),
                     0,
                     stream.raw(),
                     args,
@@ -268,8 +268,7 @@ impl Kernels {
             }
             .map_err(|e| {
                 Error::Cuda(format!(
-                    "launch of {} on device {} failed: {e}",
-                    kernel.name(),
+                    "launch of {spec} on device {} failed: {e}",
                     self.ordinal()
                 ))
             })
@@ -304,17 +303,18 @@ impl Kernels {
             &[bucket.range(), dests.range()],
         )?;
         let params = SdpGradFirst::new(layout, rng)?;
+        let kernel = grad_variant::<G>(Kernel::GradQuantizeFirst, Kernel::GradQuantizeFirstBf16);
+        let spec = self.spec(kernel, Constants::first(&params)?)?;
         // The kernel's work units: per chunk, first-level peer and second-level peer, the
-        // chunk's Gc groups for that destination in units of GRAD_FIRST_GROUPS_PER_UNIT.
+        // chunk's Gc groups for that destination in units of the variant's groups.
         let units = u64::from(params.shards.chunks)
             * u64::from(params.peers1)
             * u64::from(params.peers2)
-            * u64::from(params.groups_per_chunk).div_ceil(GRAD_FIRST_GROUPS_PER_UNIT);
+            * u64::from(params.groups_per_chunk).div_ceil(u64::from(spec.variant.units));
         self.launch(
-            grad_variant::<G>(Kernel::GradQuantizeFirst, Kernel::GradQuantizeFirstBf16),
+            spec,
             stream,
             units,
-            GROUPS_PER_BLOCK,
             &[bucket.arg(), dests.arg(), out.arg()],
             &params,
         )
@@ -356,12 +356,13 @@ impl Kernels {
             out.range(),
             &[recv.range(), dests.range()],
         )?;
-        let units = (second.peers * second.slab.groups) as u64;
+        let spec = self.spec(Kernel::GradRequantizeSecond, Constants::second(&params)?)?;
+        let units = second.peers as u64
+            * u64::from(params.groups_per_chunk).div_ceil(u64::from(spec.variant.units));
         self.launch(
-            Kernel::GradRequantizeSecond,
+            spec,
             stream,
             units,
-            GROUPS_PER_BLOCK,
             &[recv.arg(), dests.arg(), out.arg()],
             &params,
         )
@@ -390,14 +391,10 @@ impl Kernels {
         shard.check("gradient shard", layout.bucket.shard_len, 1)?;
         check_disjoint("gradient shard", shard.range(), &[recv.range()])?;
         let params = SdpGradFinal::new(layout, chunk)?;
-        self.launch(
-            grad_variant::<G>(Kernel::GradReduceFinal, Kernel::GradReduceFinalBf16),
-            stream,
-            last.slab.groups as u64,
-            GROUPS_PER_BLOCK,
-            &[recv.arg(), shard.arg()],
-            &params,
-        )
+        let kernel = grad_variant::<G>(Kernel::GradReduceFinal, Kernel::GradReduceFinalBf16);
+        let spec = self.spec(kernel, Constants::last(&params)?)?;
+        let units = (last.slab.groups as u64).div_ceil(u64::from(spec.variant.units));
+        self.launch(spec, stream, units, &[recv.arg(), shard.arg()], &params)
     }
 
     /// `weight_encode` (= `cpu::weight::encode_shard`): quantizes `new - reference`
@@ -441,11 +438,12 @@ impl Kernels {
         out.check("weight send buffer", layout.byte_len(), SLAB_ALIGN)?;
         check_disjoint("weight send buffer", out.range(), &inputs)?;
         let params = SdpWeightEncode::new(layout, encoding, shard_len, first_index, rng)?;
+        let spec = self.spec(Kernel::WeightEncode, Constants::encode(&params)?)?;
+        let units = (layout.groups as u64).div_ceil(u64::from(spec.variant.units));
         self.launch(
-            Kernel::WeightEncode,
+            spec,
             stream,
-            layout.groups as u64,
-            GROUPS_PER_BLOCK,
+            units,
             &[new.arg(), reference_arg, out.arg()],
             &params,
         )
@@ -497,13 +495,13 @@ impl Kernels {
         };
         check_disjoint("param bucket", params.range(), &inputs)?;
         let args = SdpWeightApply::new(layout, encoding, plan, me)?;
+        let spec = self.spec(Kernel::WeightApply, Constants::apply(&args)?)?;
         let g = layout.spec.group_size;
-        let units = (plan.world * plan.shard_len.div_ceil(g)) as u64;
+        let per_shard = (plan.shard_len.div_ceil(g) as u64).div_ceil(u64::from(spec.variant.units));
         self.launch(
-            Kernel::WeightApply,
+            spec,
             stream,
-            units,
-            GROUPS_PER_BLOCK,
+            plan.world as u64 * per_shard,
             &[recv.arg(), reference_arg, params.arg()],
             &args,
         )
@@ -529,13 +527,15 @@ impl Kernels {
             unsafe { driver::memset_d8_async(abs_bits.addr, 0, 4, stream.raw()) }
                 .map_err(driver_error("cuMemsetD8Async"))
         })?;
+        let params = SdpGlobal::absmax(bucket.len());
+        let kernel = grad_variant::<G>(Kernel::GlobalAbsmax, Kernel::GlobalAbsmaxBf16);
+        let spec = self.spec(kernel, Constants::global(&params)?)?;
         self.launch(
-            grad_variant::<G>(Kernel::GlobalAbsmax, Kernel::GlobalAbsmaxBf16),
+            spec,
             stream,
-            bucket.len() as u64,
-            ELEMENTS_PER_BLOCK,
+            elementwise_threads(bucket.len(), spec),
             &[bucket.arg(), abs_bits.arg()],
-            &SdpGlobal::absmax(bucket.len()),
+            &params,
         )
     }
 
@@ -597,11 +597,11 @@ impl Kernels {
         let mut inputs = vec![bucket.range()];
         inputs.extend_from_slice(read);
         check_disjoint("integer send buffer", out.range(), &inputs)?;
+        let spec = self.spec(kernel, Constants::global(&params)?)?;
         self.launch(
-            kernel,
+            spec,
             stream,
-            bucket.len() as u64,
-            ELEMENTS_PER_BLOCK,
+            elementwise_threads(bucket.len(), spec),
             &[bucket.arg(), out.arg()],
             &params,
         )
@@ -702,14 +702,27 @@ impl Kernels {
         let mut inputs = vec![sum.range()];
         inputs.extend_from_slice(read);
         check_disjoint("gradient shard", out.range(), &inputs)?;
+        let spec = self.spec(kernel, Constants::global(&params)?)?;
         self.launch(
-            kernel,
+            spec,
             stream,
-            sum.len() as u64,
-            ELEMENTS_PER_BLOCK,
+            elementwise_threads(sum.len(), spec),
             &[sum.arg(), out.arg()],
             &params,
         )
+    }
+}
+
+impl Kernels {
+    /// Compiles (or reads from the cache) and loads the specialisations of `uses` (kernels and
+    /// their constants, [`spec::grad_uses`](super::spec::grad_uses) and the like) with this
+    /// device's variants: what a bucket's set-up calls, so that no step compiles.
+    pub fn prepare_uses(&self, uses: &[(Kernel, Constants)]) -> Result<()> {
+        let specs = uses
+            .iter()
+            .map(|&(kernel, constants)| self.spec(kernel, constants))
+            .collect::<Result<Vec<_>>>()?;
+        self.prepare(&specs)
     }
 }
 
@@ -736,11 +749,11 @@ impl Kernels {
         src.check("conversion source", src.len(), 1)?;
         dst.check("conversion destination", src.len(), 1)?;
         check_disjoint("conversion destination", dst.range(), &[src.range()])?;
+        let spec = self.spec(kernel, Constants::convert())?;
         self.launch(
-            kernel,
+            spec,
             stream,
-            src.len() as u64,
-            ELEMENTS_PER_BLOCK,
+            elementwise_threads(src.len(), spec),
             &[src.arg(), dst.arg()],
             &SdpConvert {
                 numel: src.len() as u64,
@@ -767,6 +780,14 @@ fn check_args<P: AbiParams>(kernel: Kernel, pointers: &[Arg]) -> Result<()> {
         P::C_NAME,
         kernel.params()
     )))
+}
+
+/// The threads an element-wise kernel over `numel` elements has work for: its runs of 4, the
+/// variant's runs per thread each.
+fn elementwise_threads(numel: usize, spec: KernelSpec) -> u64 {
+    (numel as u64)
+        .div_ceil(4)
+        .div_ceil(u64::from(spec.variant.units))
 }
 
 /// `fp32` for an fp32 gradient element, `bf16` for a bf16 one: the kernel variant of `G`.
@@ -814,9 +835,9 @@ fn int_width_error(bits: u8) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{Arg, GRAD_FIRST_GROUPS_PER_UNIT, check_args};
+    use super::{Arg, check_args};
     use crate::backend::cuda::abi::{SdpConvert, SdpGlobal};
-    use crate::backend::cuda::source::{Kernel, SOURCES};
+    use crate::backend::cuda::source::Kernel;
 
     /// A launch's arguments are checked against the kernel table: the pointers' count and
     /// element sizes, and the parameter struct.
@@ -833,19 +854,5 @@ mod tests {
         assert!(check_args::<SdpConvert>(widen, &[arg(2)]).is_err());
         assert!(check_args::<SdpConvert>(widen, &[arg(2), arg(4), arg(1)]).is_err());
         assert!(check_args::<SdpGlobal>(widen, &[arg(2), arg(4)]).is_err());
-    }
-
-    #[test]
-    fn grad_first_units_are_the_kernels() {
-        let code = SOURCES
-            .iter()
-            .find(|s| s.file == "grad_quantize_first.cu")
-            .expect("grad_quantize_first.cu is embedded")
-            .code;
-        let defined = code
-            .lines()
-            .find_map(|l| l.strip_prefix("#define GROUPS_PER_UNIT "))
-            .expect("grad_quantize_first.cu defines GROUPS_PER_UNIT");
-        assert_eq!(defined.trim(), format!("{GRAD_FIRST_GROUPS_PER_UNIT}u"));
     }
 }

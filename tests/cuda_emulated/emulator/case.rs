@@ -1,19 +1,13 @@
 //! One emulator case: its buffers, its kernel launches and the outputs expected of them, and
 //! the case file the emulator reads (format: `tests/kernel_emulator/emulator.cpp`).
 
-use sdp4bit::backend::cuda::abi::AbiParams;
 use sdp4bit::backend::cuda::source::Kernel;
+use sdp4bit::backend::cuda::spec::{Constants, KernelSpec, Specialised};
+use sdp4bit::backend::cuda::variants::{candidates, default_variant};
 use sdp4bit::codec::slab::SlabLayout;
 
 use super::compare::first_difference;
 use sdp4bit_test_support::random::SplitMix64;
-
-/// Groups one block handles at a time (8 warps, one group each): the launch shape of
-/// `backend::cuda::launch` for the grouped kernels.
-pub(crate) const GROUPS_PER_BLOCK: u64 = 8;
-/// Elements one block handles in the element-wise (Global-QSGD) kernels: a run of 4 per
-/// thread.
-pub(crate) const ELEMENTS_PER_BLOCK: u64 = 1024;
 
 /// A buffer of a case (its index).
 #[derive(Debug, Clone, Copy)]
@@ -46,11 +40,15 @@ struct Check {
     want: Vec<u8>,
 }
 
-/// One kernel launch of a case.
+/// One kernel launch of a case; its variant is the case's choice ([`Case::with_variant`]).
 #[derive(Debug)]
 struct Launch {
     kernel: Kernel,
-    grid: u32,
+    constants: Constants,
+    /// Groups of a grouped kernel, elements of an element-wise one.
+    work: u64,
+    /// 0, 1, 2: a grid of that many blocks plus one; 3: as many blocks as the work needs.
+    grid: u64,
     /// 0 forward, 1 reverse, 2 shuffled with `order_seed`.
     order: u32,
     order_seed: u64,
@@ -65,6 +63,9 @@ struct Launch {
 #[derive(Debug)]
 pub struct Case {
     name: String,
+    /// Which of its variants each launch takes: `None` the default, `Some(i)` the i-th of every
+    /// variant the kernels compile for its constants (cycling).
+    variant: Option<usize>,
     /// (is an output, initial bytes).
     buffers: Vec<(bool, Vec<u8>)>,
     launches: Vec<Launch>,
@@ -79,9 +80,30 @@ impl Case {
         &self.name
     }
 
-    /// The kernels the case launches, in launch order.
-    pub fn kernels(&self) -> impl Iterator<Item = Kernel> + '_ {
-        self.launches.iter().map(|l| l.kernel)
+    /// The specialisations the case launches, in launch order.
+    pub fn specs(&self) -> impl Iterator<Item = KernelSpec> + '_ {
+        self.launches.iter().map(|l| self.spec(l))
+    }
+
+    /// The specialisation `launch` runs as: its kernel and constants with the case's variant.
+    fn spec(&self, launch: &Launch) -> KernelSpec {
+        let variant = match self.variant {
+            None => default_variant(launch.kernel, launch.constants),
+            Some(i) => {
+                let all = candidates(launch.kernel, launch.constants);
+                all[i % all.len()]
+            }
+        };
+        KernelSpec::new(launch.kernel, launch.constants, variant).expect("a specialisation")
+    }
+
+    /// The case with every launch taking the `index`-th of its variants (cycling).
+    pub(crate) fn with_variant(self, index: usize) -> Self {
+        Self {
+            variant: Some(index),
+            name: format!("{} variant {index}", self.name),
+            ..self
+        }
     }
 
     /// Outputs compared with the CPU's.
@@ -93,6 +115,7 @@ impl Case {
     pub(crate) fn new(name: String, rand: &mut SplitMix64) -> Self {
         Self {
             name,
+            variant: None,
             buffers: Vec::new(),
             launches: Vec::new(),
             checks: Vec::new(),
@@ -126,28 +149,24 @@ impl Case {
         Buf(buffer as u32)
     }
 
-    /// Launches `kernel` over `units` work units (`per_block` per block), as
-    /// `backend::cuda::launch` does, but with a grid of 1, 2 or 3 blocks (grid-stride loops) or
-    /// `units / per_block` blocks (rounded up), and one of three warp orders. `params` must be
-    /// the struct the kernel table declares for `kernel`.
-    pub(crate) fn launch<T: AbiParams>(
+    /// Launches `kernel` specialised for `params` (with the case's variant, [`Case::with_variant`])
+    /// over `work` (groups of a grouped kernel, elements of an element-wise one), as
+    /// `backend::cuda::launch` does but with a grid of 1, 2 or 3 blocks (grid-stride loops) or
+    /// as many as the work needs, and one of three warp orders. `params` must be the struct the
+    /// kernel table declares for `kernel`.
+    pub(crate) fn launch<T: Specialised>(
         &mut self,
         kernel: Kernel,
-        units: u64,
-        per_block: u64,
+        work: u64,
         pointers: &[Option<Buf>],
         params: &T,
     ) {
         assert_eq!(T::C_NAME, kernel.params(), "{}'s parameters", kernel.name());
-        let grid = match self.shapes.below(4) {
-            0 => 1,
-            1 => 2,
-            2 => 3,
-            _ => units.div_ceil(per_block).max(1),
-        };
         self.launches.push(Launch {
             kernel,
-            grid: u32::try_from(grid).expect("grid fits u32"),
+            constants: params.constants().expect("constants of the launch"),
+            work,
+            grid: self.shapes.below(4) as u64,
             order: self.shapes.below(3) as u32,
             order_seed: self.shapes.next_u64(),
             pointers: pointers.to_vec(),
@@ -169,7 +188,7 @@ impl Case {
 
     /// The case file (format: `tests/kernel_emulator/emulator.cpp`).
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = b"SDPEMU02".to_vec();
+        let mut out = b"SDPEMU03".to_vec();
         let u32_le = |out: &mut Vec<u8>, v: usize| {
             out.extend(u32::try_from(v).expect("fits u32").to_le_bytes())
         };
@@ -181,9 +200,23 @@ impl Case {
         }
         u32_le(&mut out, self.launches.len());
         for l in &self.launches {
-            u32_le(&mut out, l.kernel.name().len());
-            out.extend(l.kernel.name().as_bytes());
-            out.extend(l.grid.to_le_bytes());
+            let spec = self.spec(l);
+            let entry = spec.entry();
+            let variant = spec.variant;
+            let per_block = match l.constants {
+                Constants::Elementwise { .. } => {
+                    u64::from(variant.threads) * 4 * u64::from(variant.units)
+                }
+                _ => u64::from(variant.threads / 32) * u64::from(variant.units),
+            };
+            let grid = match l.grid {
+                3 => l.work.div_ceil(per_block).max(1),
+                small => small + 1,
+            };
+            u32_le(&mut out, entry.len());
+            out.extend(entry.as_bytes());
+            out.extend(u32::try_from(grid).expect("grid fits u32").to_le_bytes());
+            out.extend(variant.threads.to_le_bytes());
             out.extend(l.order.to_le_bytes());
             out.extend(l.order_seed.to_le_bytes());
             u32_le(&mut out, l.pointers.len());

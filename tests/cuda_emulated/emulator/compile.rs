@@ -1,6 +1,7 @@
-//! The g++ build of the emulator: every `.cu` of the kernel directory and
-//! `tests/kernel_emulator/emulator.cpp`, compiled in parallel and linked once per test process
-//! (every test that emulates kernels shares it).
+//! The g++ build of the emulator, `tests/kernel_emulator/emulator.cpp`, once per test process
+//! (every test that emulates kernels shares it); the kernels it runs come as host builds of their
+//! specialisations that it loads (`sdp4bit_test_support::host_kernels`), so it exports what they
+//! take from it (`-rdynamic`).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -69,23 +70,12 @@ fn build_once(kernels: &Path) -> Result<Vec<u8>, String> {
     }
 }
 
-/// Compiles every `.cu` of `kernels` and the emulator with g++ (in parallel) and links them
-/// into `dir/emulator`; an error holds the compiler's output on any error or warning.
+/// Compiles the emulator with g++ against the kernel headers of `kernels` and links it into
+/// `dir/emulator`; an error holds the compiler's output on any error or warning.
 fn build(kernels: &Path, dir: &Path) -> Result<PathBuf, String> {
     let harness = harness_dir();
-    let mut sources: Vec<PathBuf> = std::fs::read_dir(kernels)
-        .map_err(|e| format!("{}: {e}", kernels.display()))?
-        .map(|entry| entry.expect("directory entry").path())
-        .filter(|path| path.extension().is_some_and(|ext| ext == "cu"))
-        .collect();
-    sources.sort();
-    if sources.is_empty() {
-        return Err(format!("no .cu file in {}", kernels.display()));
-    }
-    sources.push(harness.join("emulator.cpp"));
-
     let shim = harness.join("cuda_shim.h");
-    let objects = compile_in_parallel(&sources, dir, |_| {
+    let objects = compile_in_parallel(&[harness.join("emulator.cpp")], dir, |_| {
         let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
             .iter()
             .chain(&CXX_FLAGS)
@@ -102,9 +92,9 @@ fn build(kernels: &Path, dir: &Path) -> Result<PathBuf, String> {
     .map_err(|e| format!("building the kernel emulator failed (warnings are errors):\n{e}"))?;
     let exe = dir.join("emulator");
     let out = Command::new("g++")
-        .args(["-pthread", "-fsanitize=undefined"])
+        .args(["-pthread", "-fsanitize=undefined", "-rdynamic"])
         .args(&objects)
-        .arg("-o")
+        .args(["-ldl", "-o"])
         .arg(&exe)
         .output()
         .expect("run g++ to link");

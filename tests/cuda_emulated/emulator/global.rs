@@ -12,14 +12,14 @@ use sdp4bit::codec::sum::SumElement;
 use sdp4bit::collective::{global_k, sum_in_rank_order};
 use sdp4bit::rng::Stage;
 
-use super::case::{Buf, Case, ELEMENTS_PER_BLOCK, Expect};
+use super::case::{Buf, Case, Expect};
 use super::data::{bf16_bytes, f32_bytes, garbage, stream, values};
 use super::sweep::{Coverage, emulate_family};
 use sdp4bit_test_support::random::SplitMix64;
 
 /// The data of one Global-QSGD case.
 #[derive(Debug, Clone, Copy)]
-enum GlobalData {
+pub(super) enum GlobalData {
     /// Finite values, including denormals, zeros and values near `f32::MAX`.
     Plain,
     /// With NaN and Inf (the absmax flags them; the rounding still runs at some scale).
@@ -71,7 +71,7 @@ impl WireInt for i16 {
 /// Global-QSGD over one bucket: the absmax, then for int8 and int16 at two world sizes the
 /// rounding (stochastic and nearest) at the scale the collective would use, and the
 /// dequantization of random sums.
-fn global_case(rand: &mut SplitMix64, numel: usize, data: GlobalData) -> Case {
+pub(super) fn global_case(rand: &mut SplitMix64, numel: usize, data: GlobalData) -> Case {
     let mut case = Case::new(format!("global-qsgd n={numel} {data:?}"), rand);
     let mut bucket = values(rand, numel, 64);
     match data {
@@ -93,7 +93,6 @@ fn global_case(rand: &mut SplitMix64, numel: usize, data: GlobalData) -> Case {
     case.launch(
         Kernel::GlobalAbsmax,
         numel as u64,
-        ELEMENTS_PER_BLOCK,
         &[Some(input), Some(bits)],
         &SdpGlobal::absmax(numel),
     );
@@ -115,7 +114,6 @@ fn global_case(rand: &mut SplitMix64, numel: usize, data: GlobalData) -> Case {
     case.launch(
         Kernel::GlobalAbsmaxBf16,
         numel as u64,
-        ELEMENTS_PER_BLOCK,
         &[Some(input), Some(bits)],
         &SdpGlobal::absmax(numel),
     );
@@ -177,7 +175,6 @@ fn global_codes<T: WireInt, G: GradElement>(
         case.launch(
             quantize,
             numel as u64,
-            ELEMENTS_PER_BLOCK,
             &[Some(input), Some(out)],
             &SdpGlobal::quantize(numel, scale, k, rounding, &rng),
         );
@@ -196,7 +193,6 @@ fn global_codes<T: WireInt, G: GradElement>(
     case.launch(
         dequantize,
         numel as u64,
-        ELEMENTS_PER_BLOCK,
         &[Some(sums), Some(out)],
         &SdpGlobal::dequantize(numel, scale),
     );
@@ -300,7 +296,6 @@ fn global_sums<T: WireInt, G: GradElement>(
     case.launch(
         dequantize,
         numel as u64,
-        ELEMENTS_PER_BLOCK,
         &[Some(sums), Some(out)],
         &SdpGlobal {
             scale,
@@ -311,7 +306,7 @@ fn global_sums<T: WireInt, G: GradElement>(
 }
 
 /// The parameter struct of Global-QSGD's kernels.
-const GLOBAL: &[&str] = &["sdp_global"];
+pub(super) const GLOBAL: &[&str] = &["sdp_global"];
 
 /// Global-QSGD over buckets of eight sizes ([`Coverage::Full`]) or four, with plain data and
 /// with NaN / Inf, and one all-zero bucket.

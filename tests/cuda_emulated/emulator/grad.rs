@@ -14,7 +14,7 @@ use sdp4bit::layout::{BucketPlan, GradLayout, GradRoute, Topology, peer_index};
 use sdp4bit::rng::Stage;
 use sdp4bit::{Config, GradCodec};
 
-use super::case::{Case, ELEMENTS_PER_BLOCK, Expect, GROUPS_PER_BLOCK};
+use super::case::{Case, Expect};
 use super::data::{bf16_bytes, bf16s, damage, f32_bytes, garbage, plain, stream, values};
 use super::preset_config;
 use super::sweep::{Coverage, emulate_family};
@@ -23,7 +23,7 @@ use sdp4bit_test_support::random::SplitMix64;
 /// One rank's view of the grouped gradient reduce-scatter: its first pass over the whole
 /// bucket, then per chunk the requantization (two-level routes) and the final reduction of
 /// what its peers send it, each also with damaged received slabs.
-fn grad_case(
+pub(super) fn grad_case(
     name: String,
     rand: &mut SplitMix64,
     config: &Config,
@@ -61,7 +61,6 @@ fn grad_case(
     case.launch(
         Kernel::GradQuantizeFirst,
         (plan.chunks * first.peers * first.slab.groups) as u64,
-        GROUPS_PER_BLOCK,
         &[Some(input), Some(dests), Some(out)],
         &SdpGradFirst::new(&layout, &rng).expect("params"),
     );
@@ -80,7 +79,6 @@ fn grad_case(
     case.launch(
         Kernel::GradQuantizeFirstBf16,
         (plan.chunks * first.peers * first.slab.groups) as u64,
-        GROUPS_PER_BLOCK,
         &[Some(input16), Some(dests), Some(out16)],
         &SdpGradFirst::new(&layout, &rng).expect("params"),
     );
@@ -138,7 +136,6 @@ fn grad_case(
                     case.launch(
                         Kernel::GradRequantizeSecond,
                         (second.peers * second.slab.groups) as u64,
-                        GROUPS_PER_BLOCK,
                         &[Some(input), Some(dests), Some(out)],
                         &params,
                     );
@@ -171,7 +168,6 @@ fn grad_case(
             case.launch(
                 Kernel::GradReduceFinal,
                 last.slab.groups as u64,
-                GROUPS_PER_BLOCK,
                 &[Some(input), Some(out)],
                 &SdpGradFinal::new(&layout, p).expect("params"),
             );
@@ -198,7 +194,6 @@ fn grad_case(
             case.launch(
                 Kernel::GradReduceFinalBf16,
                 last.slab.groups as u64,
-                GROUPS_PER_BLOCK,
                 &[Some(input), Some(out)],
                 &SdpGradFinal::new(&layout, p).expect("params"),
             );
@@ -253,23 +248,17 @@ fn convert_case(rand: &mut SplitMix64, numel: usize) -> Case {
             expect,
             want,
         );
-        case.launch(
-            kernel,
-            numel as u64,
-            ELEMENTS_PER_BLOCK,
-            &[Some(input), Some(out)],
-            &params,
-        );
+        case.launch(kernel, numel as u64, &[Some(input), Some(out)], &params);
     }
     case
 }
 
 /// The parameter structs of the grouped gradient reduce-scatter with two levels: its family is
 /// every kernel taking one of them (by the kernel table), fp32 and bf16 variants alike.
-const TWO_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_second", "sdp_grad_final"];
+pub(super) const TWO_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_second", "sdp_grad_final"];
 
 /// Those of a one-level gradient reduce-scatter (QSDP always runs one level).
-const ONE_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_final"];
+pub(super) const ONE_LEVEL_GRAD: &[&str] = &["sdp_grad_first", "sdp_grad_final"];
 
 /// Those of the conversions of bf16 gradients (the uncompressed routes of a bf16 bucket).
 const CONVERT: &[&str] = &["sdp_convert"];

@@ -8,12 +8,15 @@
 //! - `grad`, `weight`, `global`: each kernel family's cases, built from the CPU backend (the
 //!   launch parameters from the CUDA backend's own `abi` constructors, so the `#[repr(C)]`
 //!   mirrors are checked against the C structs too), the parameter structs whose kernels the
-//!   family launches, and its tests (one per codec);
+//!   family launches, and its tests (one per codec); each launch is the specialisation of its
+//!   parameters with the default variant, compiled for the host from the entry point the
+//!   backend writes (`sdp4bit_test_support::host_kernels`);
 //! - `data`: the random inputs (special values, damaged slabs);
 //! - [`Case`]: buffers, launches and the expected outputs; the case file;
 //! - `compare`: the first difference between an emulated output and the CPU's;
 //! - `compile`: the g++ build, once per test process;
-//! - `sweep`: runs one family's cases and reports the differences.
+//! - `sweep`: runs one family's cases and reports the differences;
+//! - `variants`: cases of the presets' configurations with every variant of each launch.
 //!
 //! Outputs are compared as `tests/cuda_gpu.rs` does on a GPU: codes and padding byte for byte,
 //! scales, offsets, fp32 and bf16 values bit for bit with NaN compared as NaN-ness. The
@@ -28,6 +31,7 @@ mod data;
 mod global;
 mod grad;
 mod sweep;
+mod variants;
 mod weight;
 
 use sdp4bit::{Config, Preset};

@@ -12,6 +12,7 @@ use sdp4bit::backend::cuda::source::Kernel;
 
 use super::case::Case;
 use super::compile::{emulator_executable, require_gxx};
+use sdp4bit_test_support::host_kernels;
 use sdp4bit_test_support::random::SplitMix64;
 
 /// The data seed unless `SDP4BIT_TEST_SEED` is set.
@@ -82,7 +83,7 @@ pub fn emulate_family(
     let executable = executable.unwrap_or_else(|e| panic!("{family}: {e}"));
     let launched: BTreeSet<&str> = cases
         .iter()
-        .flat_map(|c| c.kernels().map(Kernel::name))
+        .flat_map(|c| c.specs().map(|s| s.kernel.name()))
         .collect();
     let kernels = Kernel::ALL
         .into_iter()
@@ -97,6 +98,10 @@ pub fn emulate_family(
     let work = WorkDir::create(family);
     let emulator = work.path().join("emulator");
     write_executable(&emulator, executable);
+    // The host builds of every specialisation the cases launch, which the emulator loads.
+    let specs: Vec<_> = cases.iter().flat_map(Case::specs).collect();
+    host_kernels::build(&specs, &kernel_dir, work.path(), "kernels")
+        .unwrap_or_else(|e| panic!("{family}: {e}"));
     for (i, case) in cases.iter().enumerate() {
         std::fs::write(work.path().join(format!("{i:04}.case")), case.encode())
             .expect("write a case file");
@@ -133,12 +138,14 @@ pub fn emulate_family(
             "{missing} cases have no output (see the emulator's errors)"
         ));
     }
-    let launches: usize = cases.iter().map(|c| c.kernels().count()).sum();
+    let launches: usize = cases.iter().map(|c| c.specs().count()).sum();
+    let distinct: BTreeSet<String> = specs.iter().map(|s| s.entry()).collect();
     println!(
-        "{family}: {} cases ({coverage:?}), {launches} launches, {checks} outputs compared, \
-         seed {seed:#x}, {jobs} emulator threads; g++ build and case generation {:.1} s, \
-         emulation {:.1} s",
+        "{family}: {} cases ({coverage:?}), {launches} launches of {} specialisations, \
+         {checks} outputs compared, seed {seed:#x}, {jobs} emulator threads; g++ builds and \
+         case generation {:.1} s, emulation {:.1} s",
         cases.len(),
+        distinct.len(),
         built.as_secs_f64(),
         (emulated - built).as_secs_f64()
     );

@@ -11,7 +11,7 @@ use sdp4bit::layout::BucketPlan;
 use sdp4bit::rng::Stage;
 use sdp4bit::{Config, WeightCodec};
 
-use super::case::{Case, Expect, GROUPS_PER_BLOCK};
+use super::case::{Case, Expect};
 use super::data::{bf16_bytes, bf16s, damage, garbage, stream, updated};
 use super::preset_config;
 use super::sweep::{Coverage, emulate_family};
@@ -20,7 +20,7 @@ use sdp4bit_test_support::random::SplitMix64;
 /// The weight all-gather's two passes: this rank encodes its shard (at its padded bucket index,
 /// or with `high_index` at one whose Philox blocks cross 2^32), then applies every rank's slab,
 /// also with damaged slabs.
-fn weight_case(
+pub(super) fn weight_case(
     name: String,
     rand: &mut SplitMix64,
     config: &Config,
@@ -74,7 +74,6 @@ fn weight_case(
     case.launch(
         Kernel::WeightEncode,
         layout.groups as u64,
-        GROUPS_PER_BLOCK,
         &[Some(new), reference, Some(out)],
         &SdpWeightEncode::new(&layout, encoding, shard_len, first_index, &rng).expect("params"),
     );
@@ -118,7 +117,6 @@ fn weight_case(
         case.launch(
             Kernel::WeightApply,
             (w * shard_len.div_ceil(g)) as u64,
-            GROUPS_PER_BLOCK,
             &[Some(input), own, Some(out)],
             &SdpWeightApply::new(&layout, encoding, &plan, me).expect("params"),
         );
@@ -128,7 +126,7 @@ fn weight_case(
 
 /// The parameter structs of the quantized weight all-gather: its families launch every kernel
 /// taking one of them.
-const WEIGHT: &[&str] = &["sdp_weight_encode", "sdp_weight_apply"];
+pub(super) const WEIGHT: &[&str] = &["sdp_weight_encode", "sdp_weight_apply"];
 
 /// Weight codec variants: (name, knobs over the sdp4bit preset). Each family takes the
 /// variants of its codec; a variant's index in this table picks its sizes and pipeline chunks.

@@ -16,13 +16,19 @@ use sdp4bit::collective::{Comm, CommGroups};
 use sdp4bit::layout::{Level, Topology};
 use sdp4bit::{Error, Result};
 
+use crate::host_kernels::install_emulation_builder;
+
 /// The kernels of device 0, or `None` after printing `skipped: <reason>` when there is no CUDA
-/// driver, no device or no NVRTC (a failure instead when `SDP4BIT_REQUIRE_GPU=1`).
+/// driver, no device or no NVRTC (a failure instead when `SDP4BIT_REQUIRE_GPU=1`). Where the
+/// driver is the emulated one, it gets its builder of host kernels first.
 pub fn gpu_kernels() -> Option<&'static Kernels> {
     let reason = match device_count().and_then(|n| probe::nvrtc().map(|()| n)) {
         Err(e) => e.to_string(),
         Ok(0) => "the CUDA driver sees no device".into(),
-        Ok(_) => return Some(Kernels::get(0).expect("kernels compile and load on device 0")),
+        Ok(_) => {
+            install_emulation_builder();
+            return Some(Kernels::get(0).expect("the device is probed on device 0"));
+        }
     };
     let required = std::env::var("SDP4BIT_REQUIRE_GPU").is_ok_and(|v| v == "1");
     assert!(!required, "SDP4BIT_REQUIRE_GPU=1 but {reason}");
@@ -71,7 +77,8 @@ pub fn run_ranks<C, R: Send>(
         // SAFETY: no CudaSlice is used here; the collectives order their own buffers.
         unsafe { context.disable_event_tracking() };
         let stream = context.new_stream().expect("a stream");
-        let kernels = Kernels::get(ordinal).expect("the kernels load");
+        install_emulation_builder();
+        let kernels = Kernels::get(ordinal).expect("the device is probed");
         // SAFETY: a live stream of the device's primary context, alive while `stream` is.
         let backend = Cuda::new(kernels, unsafe {
             Stream::from_raw(stream.cu_stream() as usize)

@@ -82,6 +82,18 @@ impl CudaTools {
             .collect()
     }
 
+    /// `ptxas -v` of `ptx` (the PTX of kernels/`file`) for sm_90 in `dir`: its report and the
+    /// SASS listing (`nvdisasm -c`).
+    pub fn report_and_listing(
+        &self,
+        file: &str,
+        ptx: &str,
+        dir: &Path,
+    ) -> Result<(String, String), String> {
+        let (report, cubin) = self.assemble(file, ptx, dir)?;
+        Ok((report, self.disassemble_cubin(&cubin)?))
+    }
+
     /// The SASS listing (`nvdisasm -c`) of `ptx` assembled for sm_90 in `dir`.
     pub fn disassemble(&self, file: &str, ptx: &str, dir: &Path) -> Result<String, String> {
         let (_, cubin) = self.assemble(file, ptx, dir)?;
@@ -187,6 +199,9 @@ pub fn parse_ptxas_report(report: &str) -> Result<Vec<(String, Usage)>, String> 
         let end = line.find(what)?;
         line[..end].split_whitespace().last()?.parse().ok()
     };
+    // Whether the next stack line is the entry point's own (ptxas lists the functions it calls
+    // out of line after it, each with its own).
+    let mut own = false;
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or_default().to_owned();
@@ -196,7 +211,11 @@ pub fn parse_ptxas_report(report: &str) -> Result<Vec<(String, Usage)>, String> 
         let Some((name, usage)) = kernels.last_mut() else {
             continue;
         };
-        if line.contains("bytes stack frame") {
+        if let Some(function) = line.split("Function properties for ").nth(1) {
+            own = function.trim() == name.as_str();
+            continue;
+        }
+        if line.contains("bytes stack frame") && own {
             usage.stack_frame = number_before(line, "bytes stack frame")
                 .ok_or_else(|| format!("{name}: unreadable line `{line}`"))?;
             usage.spill_stores = number_before(line, "bytes spill stores")
@@ -228,8 +247,11 @@ pub struct SassCounts {
     pub loads: BTreeMap<u32, u32>,
     /// Global stores by access width in bits.
     pub stores: BTreeMap<u32, u32>,
-    /// Local-memory loads and stores (`LDL`, `STL`).
+    /// Local-memory loads and stores (`LDL`, `STL`) of the entry point's own code.
     pub local: u32,
+    /// Those of the functions it calls out of line (the register saves of a cold path's call,
+    /// which run only when it is taken).
+    pub local_in_calls: u32,
 }
 
 impl SassCounts {
@@ -263,16 +285,24 @@ fn access_width(opcode: &str) -> u32 {
 pub fn count_sass(listing: &str) -> BTreeMap<String, SassCounts> {
     let mut functions: BTreeMap<String, SassCounts> = BTreeMap::new();
     let mut current: Option<String> = None;
+    // Whether the instructions are those of a function the entry point calls (listed after its
+    // own code in its section, each from a `.type NAME,@function` line).
+    let mut called = false;
     for line in listing.lines() {
         let trimmed = line.trim();
         if let Some(section) = trimmed.strip_prefix(".text.") {
             if let Some(name) = section.strip_suffix(':') {
                 current = Some(name.to_owned());
+                called = false;
                 functions.entry(name.to_owned()).or_default();
             }
             continue;
         }
         let Some(name) = &current else { continue };
+        if trimmed.starts_with(".type") && trimmed.ends_with("@function") {
+            called = true;
+            continue;
+        }
         // `/*0040*/  @!P0 LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;`
         let Some(rest) = trimmed.strip_prefix("/*") else {
             continue;
@@ -296,6 +326,7 @@ pub fn count_sass(listing: &str) -> BTreeMap<String, SassCounts> {
             "VOTE" | "VOTEU" => counts.votes += 1,
             "LDG" => *counts.loads.entry(access_width(opcode)).or_default() += 1,
             "STG" => *counts.stores.entry(access_width(opcode)).or_default() += 1,
+            "LDL" | "STL" if called => counts.local_in_calls += 1,
             "LDL" | "STL" => counts.local += 1,
             _ => {}
         }

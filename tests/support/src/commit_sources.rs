@@ -1,0 +1,53 @@
+//! The files of an older commit, taken from git (`git archive`) into a cache directory: the
+//! kernel model counts the kernels that ran on a GPU, which later commits change.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The files under `paths` of `commit` of the repository `repository`, extracted into a
+/// directory of `cache` (made once, complete or not at all); its path.
+pub fn commit_sources(
+    repository: &Path,
+    commit: &str,
+    paths: &[&str],
+    cache: &Path,
+) -> Result<PathBuf, String> {
+    let dir = cache.join(format!("sources-{commit}"));
+    if paths.iter().all(|p| dir.join(p).exists()) {
+        return Ok(dir);
+    }
+    let staging = cache.join(format!("sources-{commit}-staging-{}", std::process::id()));
+    std::fs::create_dir_all(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
+    let archive = Command::new("git")
+        .arg("-C")
+        .arg(repository)
+        .args(["archive", "--format=tar", commit])
+        .args(paths)
+        .output()
+        .map_err(|e| format!("start git: {e}"))?;
+    if !archive.status.success() {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(format!(
+            "git archive {commit} failed (a shallow clone lacks older commits):\n{}",
+            String::from_utf8_lossy(&archive.stderr)
+        ));
+    }
+    let tar = staging.join("sources.tar");
+    std::fs::write(&tar, &archive.stdout).map_err(|e| format!("{}: {e}", tar.display()))?;
+    let untar = Command::new("tar")
+        .arg("-xf")
+        .arg(&tar)
+        .arg("-C")
+        .arg(&staging)
+        .status()
+        .map_err(|e| format!("start tar: {e}"))?;
+    let _ = std::fs::remove_file(&tar);
+    if !untar.success() {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(format!("tar could not extract the sources of {commit}"));
+    }
+    if std::fs::rename(&staging, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    Ok(dir)
+}
