@@ -4,11 +4,15 @@
 
 Before the script runs, Megatron-LM's ``parse_args`` is wrapped so that its parser also gets
 the sdp4bit flags (:mod:`megatron_patch.arguments`, composed with the script's own
-``extra_args_provider``) and, once the flags are parsed, sdp4bit is enabled for the
-distributed optimizer (before any model is built), numbering its random streams by
-``args.iteration`` so that a resumed run continues where it stopped. Scripts that build their
-own parser can instead call :func:`megatron_patch.arguments.add_arguments` and
-:func:`megatron_patch.megatron_core.enable` themselves (the one-import usage in the README).
+``extra_args_provider``) and, once the flags are parsed, they are checked (contradictions,
+Megatron-LM flags sdp4bit cannot run with, the node size: the job stops there, on every rank,
+before any process group exists) and sdp4bit is enabled for the distributed optimizer (before
+any model is built), numbering its random streams by ``args.iteration`` so that a resumed run
+continues where it stopped. Its start-up line shows once per job: on rank 0 (the launcher's
+``RANK``, as the process group does not exist yet), and not again when the script parses the
+same flags a second time. Scripts that build their own parser can instead call
+:func:`megatron_patch.arguments.add_arguments` and :func:`megatron_patch.megatron_core.enable`
+themselves (the one-import usage in the README).
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ import sys
 from sdp4bit._launch import run_script
 
 from . import megatron_core
-from .arguments import add_arguments, config_from_args
+from .arguments import add_arguments, config_from_args, ranks_per_node
+
+# The config and options the wrapped parse_args last enabled sdp4bit with (Megatron-LM may
+# parse its arguments more than once per job), or None.
+_enabled_with = None
 
 
 def _compose(extra_args_provider):
@@ -34,15 +42,21 @@ def _compose(extra_args_provider):
 def _wrap(parse_args):
     @functools.wraps(parse_args)
     def parse_args_with_sdp4bit(extra_args_provider=None, *args, **kwargs):
+        global _enabled_with
         parsed = parse_args(_compose(extra_args_provider), *args, **kwargs)
-        config = config_from_args(parsed)
-        if config is not None:
-            megatron_core.enable(config, local_world_size=parsed.sdp4bit_ranks_per_node,
-                                 iteration=_megatron_iteration,
-                                 telemetry_interval=parsed.sdp4bit_telemetry_interval,
-                                 tensorboard_writer=_megatron_tensorboard_writer,
-                                 wandb_writer=_megatron_wandb_writer,
-                                 replica_check_interval=parsed.sdp4bit_replica_check_interval)
+        config = config_from_args(parsed)  # raises for what the arguments already refuse
+        if config is None:
+            return parsed
+        options = dict(local_world_size=ranks_per_node(parsed),
+                       telemetry_interval=parsed.sdp4bit_telemetry_interval,
+                       replica_check_interval=parsed.sdp4bit_replica_check_interval)
+        enabled_with = (config.spec(), sorted(options.items()))
+        if megatron_core.is_enabled() and _enabled_with == enabled_with:
+            return parsed
+        megatron_core.enable(config, iteration=_megatron_iteration,
+                             tensorboard_writer=_megatron_tensorboard_writer,
+                             wandb_writer=_megatron_wandb_writer, **options)
+        _enabled_with = enabled_with
         return parsed
 
     parse_args_with_sdp4bit.sdp4bit_original = parse_args

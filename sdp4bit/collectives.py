@@ -41,18 +41,19 @@ class Handle:
     For a CUDA bucket the collective is already enqueued (its errors were raised by
     ``start``): :meth:`wait` makes the current stream wait for it and returns at once, as
     ``torch.distributed``'s async work does; :meth:`is_completed` asks whether the device has
-    finished it."""
+    finished it. Its errors name `collective` (what it is: kind, bucket and step)."""
 
-    def __init__(self, work, on_device: bool) -> None:
+    def __init__(self, work, on_device: bool, collective: str) -> None:
         self._work = work  # None once wait() has completed a CPU collective
         self._error: Exception | None = None  # what that wait() raised, raised again by later ones
         self._on_device = on_device
+        self.collective = collective
 
     def wait(self) -> None:
         """Completes the collective: for a CPU bucket blocks until it has run, for a CUDA
         bucket orders the current stream after it."""
         if self._on_device:
-            with translated_errors():
+            with translated_errors(self.collective):
                 self._work.wait()
             return
         self._wait_for_host()
@@ -70,7 +71,7 @@ class Handle:
                 raise self._error
             return
         try:
-            with counted_wait(), translated_errors():
+            with counted_wait(), translated_errors(self.collective):
                 try:
                     if not self._work.is_completed():
                         completion = select.poll()
@@ -276,11 +277,12 @@ class GradReduceScatter:
                 self._sums.see(self._native.take_integer_sum_status())
                 if agreed is not None:
                     raise Sdp4bitError(self._native.integer_sum_error(*agreed))
-        with translated_errors():
+        collective = f"gradient reduce-scatter of bucket {self.bucket_id} at step {step}"
+        with translated_errors(collective):
             work = self._native.start(bucket, shard, step, self._side_stream)
         if self._sums is not None:
             self._sums.issue()
-        return Handle(work, self.device.type == "cuda")
+        return Handle(work, self.device.type == "cuda", collective)
 
     def quantizes_at(self, step: int) -> bool:
         """Whether step `step` sends quantized gradients (false for the uncompressed codec
@@ -332,9 +334,11 @@ class WeightAllGather:
         """Starts all-gathering `params` for optimizer step `step`."""
         _refuse_graph_capture(self.device, "WeightAllGather.start")
         _check_tensor("param bucket", params, torch.bfloat16, self.numel, self.device)
-        with translated_errors():
-            work = self._native.start(params, _check_step(step), self._side_stream)
-        return Handle(work, self.device.type == "cuda")
+        step = _check_step(step)
+        collective = f"parameter all-gather of bucket {self.bucket_id} at step {step}"
+        with translated_errors(collective):
+            work = self._native.start(params, step, self._side_stream)
+        return Handle(work, self.device.type == "cuda", collective)
 
     def wire_bytes(self) -> WireBytes:
         """Bytes this rank sends per call."""
@@ -381,9 +385,10 @@ class CrossGroupAllReduce:
                             f"torch.bfloat16 tensor, got {getattr(data, 'dtype', type(data))}")
         _check_tensor("cross-group buffer", data, data.dtype, self.numel, self.device)
         step = _check_step(step)
-        with translated_errors():
+        collective = f"all-reduce across groups of bucket {self.bucket_id} at step {step}"
+        with translated_errors(collective):
             work = self._native.start(data, step, self._side_stream)
-        return Handle(work, self.device.type == "cuda")
+        return Handle(work, self.device.type == "cuda", collective)
 
     def wire_bytes(self) -> int:
         """Bytes this rank sends per call."""

@@ -14,8 +14,11 @@ class Sdp4bitError(RuntimeError):
 
 
 @contextlib.contextmanager
-def translated_errors() -> Iterator[None]:
-    """Re-raises the extension's RuntimeErrors as :class:`Sdp4bitError` (other errors pass)."""
+def translated_errors(collective: str | None = None) -> Iterator[None]:
+    """Re-raises the extension's RuntimeErrors as :class:`Sdp4bitError` (other errors pass),
+    naming `collective` (e.g. "gradient reduce-scatter of bucket 3 at step 7") after the
+    extension's message where given, so that a rank whose peer died or stalled says which of
+    sdp4bit's collectives it was in."""
     try:
         yield
     except Sdp4bitError:
@@ -27,4 +30,6 @@ def translated_errors() -> Iterator[None]:
             raise
         # torch appends a C++ backtrace on some builds; the first line is the message.
         text = message[at + len(_PREFIX):].split("\nException raised from")[0].strip()
+        if collective is not None:
+            text = f"{text} (in sdp4bit's {collective})"
         raise Sdp4bitError(text) from None

@@ -68,6 +68,64 @@ def _close_open_groups() -> None:
         time.sleep(0.001)
 
 
+#: Where launchers say how many ranks share a node, in the order they are read: torchrun and
+#: torch.distributed.run (``LOCAL_WORLD_SIZE``), DeepSpeed's and Open MPI's launchers
+#: (``LOCAL_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``), and SLURM's ``srun`` (tasks per node).
+NODE_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                       "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def node_size(given: int | None, setting: str) -> int:
+    """Ranks per node: `given` if set, else the first launcher variable of
+    :data:`NODE_SIZE_VARIABLES` that is set. SLURM's ``SLURM_TASKS_PER_NODE`` is taken only
+    when every node runs the same count (``4`` or ``4(x8)``). `setting` names the integration's
+    flag or config key (``--sdp4bit-ranks-per-node``, ``"sdp4bit": {"ranks_per_node": N}``),
+    which the error advises when neither says."""
+    if given is not None:
+        if int(given) <= 0:
+            raise ValueError(f"sdp4bit: {setting} must be a positive rank count, got {given}")
+        return int(given)
+    for name in NODE_SIZE_VARIABLES:
+        value = os.environ.get(name)
+        if not value:
+            continue
+        count = value.split("(x", 1)[0] if name == "SLURM_TASKS_PER_NODE" else value
+        if count.isdigit() and int(count) > 0 and "," not in value:
+            return int(count)
+        raise ValueError(
+            f"sdp4bit: {name}={value!r} does not give one positive number of ranks per node; "
+            f"set {setting}")
+    raise ValueError(
+        f"sdp4bit: the number of ranks per node is unknown: no launcher variable of "
+        f"{', '.join(NODE_SIZE_VARIABLES)} is set; set {setting}")
+
+
+def is_first_rank() -> bool:
+    """Whether this process is the job's rank 0: from torch.distributed once it is
+    initialized, before that from the launcher's ``RANK`` (or SLURM's ``SLURM_PROCID``;
+    a process started by no launcher is rank 0). Start-up lines print on it alone."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        value = os.environ.get(name)
+        if value is not None:
+            return value.strip() == "0"
+    return True
+
+
+def timeout_of(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout `group`'s collectives run under (what ``init_process_group`` or
+    ``new_group`` gave it), or None where this torch does not say (torch's default then
+    applies). sdp4bit's own groups take it, so that a dead peer fails them as soon as it
+    fails the framework's collectives, not after torch's default of 10 or 30 minutes."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
 def node_labels_from_local_world_size(global_ranks: list[int], local_world_size: int) -> list[int]:
     """Node of each rank when nodes hold `local_world_size` consecutive global ranks."""
     if local_world_size <= 0:
@@ -123,22 +181,17 @@ class ProcessGroups:
         """Builds the groups of `dp_group` (default: the whole job).
 
         Nodes come from `node_labels` (one per DP rank) if given, else from
-        `local_world_size` (default: the ``LOCAL_WORLD_SIZE`` variable torchrun sets), a
-        rank's node being ``global_rank // local_world_size``. `timeout` bounds every
-        collective of these groups (default: torch's).
+        `local_world_size` (default: the launcher's, :func:`node_size`), a rank's node being
+        ``global_rank // local_world_size``. `timeout` bounds every collective of these groups
+        (default: `dp_group`'s own, :func:`timeout_of`).
         """
         if not dist.is_initialized():
             raise RuntimeError("sdp4bit: torch.distributed is not initialized")
         global_ranks = dist.get_process_group_ranks(dp_group or dist.group.WORLD)
+        if timeout is None:
+            timeout = timeout_of(dp_group or dist.group.WORLD)
         if node_labels is None:
-            if local_world_size is None:
-                env = os.environ.get("LOCAL_WORLD_SIZE")
-                if env is None:
-                    raise ValueError(
-                        "sdp4bit: pass local_world_size or node_labels, or launch with torchrun "
-                        "(which sets LOCAL_WORLD_SIZE)"
-                    )
-                local_world_size = int(env)
+            local_world_size = node_size(local_world_size, "local_world_size or node_labels")
             node_labels = node_labels_from_local_world_size(global_ranks, local_world_size)
         node_labels = [int(label) for label in node_labels]
         if len(node_labels) != len(global_ranks):

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from .collectives import GradReduceScatter
+from .config import Config
 from .errors import Sdp4bitError
+from .telemetry import announce
 
 logger = logging.getLogger("sdp4bit")
 
@@ -116,9 +118,27 @@ def log_route_notice(where: str, reduce_scatters: Iterable[GradReduceScatter]) -
 def refuse_exact_embeddings(config, framework: str) -> None:
     """Raises :class:`Sdp4bitError` when `config` asks for ``exact_params`` that only the
     megatron-core integration implements (``norms-biases-embeddings``): `framework` (named in
-    the message) compresses every parameter. Its other values hold there as they are: it has
-    no tensor-parallel copies (it refuses tensor parallelism), so none are replicated."""
+    the message) compresses every parameter. Its other values hold there as they are (FSDP2
+    keeps the elements of tensor-parallel copies exact under ``replicated``; DeepSpeed refuses
+    tensor parallelism, so none are replicated)."""
     if config.resolved.exact_params == "norms-biases-embeddings":
         raise Sdp4bitError(f"exact_params=norms-biases-embeddings is implemented for "
                            f"megatron-core (megatron_patch) only; {framework} compresses every "
                            "parameter (exact_params=replicated or none)")
+
+
+def freed_weights_config(preset: str, overrides: dict, framework: str) -> Config:
+    """`preset` and `overrides` (knobs, as :meth:`Config.from_knobs` takes them) as an
+    integration that frees gathered weights after use (`framework`: ZeRO stage 3, FSDP2) runs
+    them, by one rule (docs/configuration.md): a preset whose weight codec is qWD, which needs
+    every rank to keep the previous weights, runs with QSDP's direct weights (qsdp) instead and
+    keeps its gradient codec, and rank 0 logs one line saying so; a weight codec named in
+    `overrides` is kept as named (qwd is then refused by the integration). Validated."""
+    config = Config.from_knobs(preset, overrides)
+    if "weight_codec" not in overrides and config.resolved.keeps_reference:
+        config = config.replace(weight_codec="qsdp")
+        announce(f"sdp4bit: the {preset} preset's qWD weights need every rank to keep the "
+                 f"previous weights, which {framework} frees after each gather: its weights "
+                 "run with qsdp (8-bit) instead; set weight_codec (qsdp, qw, zeropp or none) to "
+                 "choose")
+    return config.validate()

@@ -43,15 +43,16 @@ def checksums_across(tensors: list[torch.Tensor], group) -> torch.Tensor:
     return torch.stack(every).cpu()
 
 
-def check_replicas_identical(buffers: list[torch.Tensor], group) -> None:
+def check_replicas_identical(buffers: list[torch.Tensor], group,
+                             when: str = "when sdp4bit sets up") -> None:
     """Raises :class:`Sdp4bitError` on every rank of `group` unless all of them hold the same
     `buffers` (contiguous bf16 or other 16-bit tensors), compared by
-    :func:`checksums_across`."""
+    :func:`checksums_across`; `when` says at which point, for the error."""
     every = checksums_across(buffers, group)
     differing = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
     if differing:
         raise Sdp4bitError(
-            f"DP ranks {differing} hold different parameters than DP rank 0 when sdp4bit sets "
-            "up; the weight codecs need identical replicas (broadcast the parameters, or use "
-            "the same initialization seed on every DP rank)"
+            f"DP ranks {differing} hold different parameters than DP rank 0 {when}; the "
+            "weight codecs need identical replicas (broadcast the parameters, or use the same "
+            "initialization seed on every DP rank, or load the same weights on every DP rank)"
         )

@@ -10,18 +10,20 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from .groups import is_first_rank
 
 logger = logging.getLogger("sdp4bit")
 
 
 def announce(message: str) -> None:
-    """Shows `message` from rank 0 (a start-up line, a telemetry report) as the frameworks show
-    theirs: an INFO record of the ``sdp4bit`` logger where logging is set up to show it, else
-    printed (as Megatron's ``print_rank_0``), since Python drops INFO records nobody configured
+    """Shows `message` (a start-up line, a telemetry report) from the job's rank 0 alone
+    (:func:`~sdp4bit.groups.is_first_rank`, from the launcher before torch.distributed is
+    initialized) as the frameworks show theirs: an INFO record of the ``sdp4bit`` logger where
+    logging is set up to show it, else printed (as Megatron's ``print_rank_0``), since Python drops INFO records nobody configured
     a handler for. A level set on the ``sdp4bit`` logger itself is obeyed (``WARNING``
     silences these lines)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not is_first_rank():
         return
     if logger.level != logging.NOTSET or (logger.hasHandlers()
                                           and logger.isEnabledFor(logging.INFO)):

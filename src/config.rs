@@ -152,6 +152,12 @@ pub const AUTO: &str = "auto";
 /// The value of `cross_group_bits` that keeps the all-reduce across groups exact.
 pub const EXACT: &str = "exact";
 
+/// `cross_group_bits` as the gradient codec sets it: 8-bit Global-QSGD integers across the
+/// groups when the reduce-scatter compresses, exact (fp32) when it does not.
+pub fn cross_group_default(codec: GradCodec) -> Option<u8> {
+    codec.compresses().then_some(8)
+}
+
 impl WeightCodec {
     /// Whether the all-gather is compressed (every codec but `none`).
     pub fn compresses(self) -> bool {
@@ -258,7 +264,7 @@ impl Config {
             grad_quant_start_step: 0,
             seed: DEFAULT_SEED,
             exact_params: ExactParams::Replicated,
-            cross_group_bits: (preset != Preset::Baseline).then_some(8),
+            cross_group_bits: cross_group_default(g),
         }
     }
 
@@ -513,10 +519,12 @@ pub const KNOBS: &[Knob] = &[
     Knob {
         name: "grad_codec",
         values: KnobValues::Names(&["none", "tlq-hs", "tlq", "qsdp", "global-qsgd", "zeropp"]),
-        doc: "codec of the gradient reduce-scatter; resets the other gradient knobs to its defaults",
+        doc: "codec of the gradient reduce-scatter; resets the other gradient knobs and \
+              cross_group_bits to its defaults",
         applies: Applies::Always,
         set: |c, v| {
             c.grad = GradConfig::defaults(parse(v)?);
+            c.cross_group_bits = cross_group_default(c.grad.codec);
             Ok(())
         },
         get: |c| c.grad.codec.to_string(),
@@ -678,8 +686,8 @@ pub const KNOBS: &[Knob] = &[
         values: KnobValues::Names(&[EXACT, "8", "16"]),
         doc: "the gradient all-reduce across the groups of hybrid sharding (Megatron's \
               distributed-optimizer instances, FSDP2's replicate dimension): Global-QSGD \
-              integers of 8 or 16 bits summed by the all-reduce, or exact (fp32); default 8, \
-              exact for the baseline preset",
+              integers of 8 or 16 bits summed by the all-reduce, or exact (fp32); default 8 when \
+              grad_codec compresses, exact when it is none",
         applies: Applies::Always,
         set: |c, v| {
             c.cross_group_bits = match v {

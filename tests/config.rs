@@ -350,6 +350,21 @@ fn every_knob_can_be_set() {
     assert_eq!(c.cross_group_bits, None);
     let c = set(Preset::Baseline, &[("cross_group_bits", "16")]);
     assert_eq!(c.cross_group_bits, Some(16));
+    // The gradient codec sets the default across the groups: exact without compression, 8
+    // bits with it; an explicit value after the codec stands.
+    assert_eq!(
+        set(Preset::Sdp4bit, &[("grad_codec", "none")]).cross_group_bits,
+        None
+    );
+    assert_eq!(
+        set(Preset::Baseline, &[("grad_codec", "tlq-hs")]).cross_group_bits,
+        Some(8)
+    );
+    let c = set(
+        Preset::Sdp4bit,
+        &[("grad_codec", "none"), ("cross_group_bits", "16")],
+    );
+    assert_eq!(c.cross_group_bits, Some(16));
     assert_eq!(KNOBS.len(), 16);
 }
 

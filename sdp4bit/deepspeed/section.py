@@ -1,15 +1,14 @@
-"""The ``"sdp4bit"`` section of a DeepSpeed config: parsed, validated by the core, and checked
-against the ZeRO stage before DeepSpeed builds anything."""
+"""The ``"sdp4bit"`` section of a DeepSpeed config: read by DeepSpeed's own config loader,
+validated by the core, and checked against the ZeRO stage before DeepSpeed builds anything."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 from ..config import Config, knobs, presets
 from ..errors import Sdp4bitError
-from ..integration import refuse_exact_embeddings
+from ..groups import node_size
+from ..integration import freed_weights_config, refuse_exact_embeddings
 
 #: The section's name (top level: DeepSpeed rejects unknown keys in zero_optimization).
 SECTION = "sdp4bit"
@@ -17,22 +16,27 @@ SECTION = "sdp4bit"
 #: Keys of the section besides the core's knobs.
 SETTINGS = ("enabled", "preset", "ranks_per_node", "telemetry_interval")
 
+#: The setting that gives the node size, named by the error when no launcher says it.
+RANKS_PER_NODE = f'"{SECTION}": {{"ranks_per_node": N}}'
+
 
 @dataclass(frozen=True)
 class Settings:
-    """The parsed section: the codec config, the node size (None: ``LOCAL_WORLD_SIZE``) and
-    how often the bytes are reported to DeepSpeed's monitor (optimizer steps; 0: never)."""
+    """The parsed section: the codec config, the node size (the section's ``ranks_per_node``,
+    else the launcher's: :func:`sdp4bit.groups.node_size`) and how often the bytes are
+    reported to DeepSpeed's monitor (optimizer steps; 0: never)."""
 
     config: Config
-    ranks_per_node: int | None = None
+    ranks_per_node: int
     telemetry_interval: int = 0
 
 
 def settings_from_config(ds_config: dict) -> Settings | None:
     """The ``"sdp4bit"`` section of a DeepSpeed config dict, validated, or None when the
     section is absent or ``"enabled": false``. Its keys are ``preset``, ``ranks_per_node``,
-    ``telemetry_interval``, ``enabled`` and the core's knobs (:func:`sdp4bit.knobs`). Raises :class:`Sdp4bitError`
-    naming the problem."""
+    ``telemetry_interval``, ``enabled`` and the core's knobs (:func:`sdp4bit.knobs`); the node
+    size is resolved here, so a launcher that does not say it fails now, naming
+    ``ranks_per_node``. Raises :class:`Sdp4bitError` naming the problem."""
     section = ds_config.get(SECTION)
     if section is None:
         return None
@@ -60,9 +64,20 @@ def settings_from_config(ds_config: dict) -> Settings | None:
         raise Sdp4bitError(f'"{SECTION}.telemetry_interval" must be a non-negative integer, got '
                            f"{telemetry_interval!r}")
     overrides = {name: section[name] for name in knob_names if name in section}
-    config = Config.from_knobs(preset, overrides).validate()
+    if _stage(ds_config) == 3:
+        config = freed_weights_config(preset, overrides, "ZeRO stage 3")
+    else:
+        config = Config.from_knobs(preset, overrides).validate()
     refuse_exact_embeddings(config, "the DeepSpeed integration")
+    try:
+        ranks_per_node = node_size(ranks_per_node, RANKS_PER_NODE)
+    except ValueError as error:
+        raise Sdp4bitError(str(error)) from None
     return Settings(config, ranks_per_node, telemetry_interval)
+
+
+def _stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
 def _is_int_at_least(value, least: int) -> bool:
@@ -70,25 +85,37 @@ def _is_int_at_least(value, least: int) -> bool:
 
 
 def load_config(config) -> dict:
-    """A DeepSpeed config given as a dict or a JSON file path, as a dict."""
-    if isinstance(config, dict):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
-    raise Sdp4bitError(f"a DeepSpeed config must be a dict or a JSON file path, got "
-                       f"{type(config).__name__}")
+    """A DeepSpeed config as ``deepspeed.initialize`` takes it (a dict, the path of a JSON or
+    hjson file, comments allowed, or a base64-encoded string), read by DeepSpeed's own loader,
+    so that what DeepSpeed accepts is read the same way and what it refuses raises its error."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return load_ds_config(config)
+
+
+def config_argument(arguments: dict):
+    """The config a ``deepspeed.initialize`` call passes (`arguments`: its bound arguments),
+    found as DeepSpeed finds it: ``config``, else ``config_params``, else the ``args``
+    namespace's ``deepspeed_config`` (or the older ``deepscale_config``); None when none."""
+    config = arguments.get("config")
+    if config is None:
+        config = arguments.get("config_params")
+    args = arguments.get("args")
+    for name in ("deepspeed_config", "deepscale_config"):
+        if config is None and getattr(args, name, None) is not None:
+            config = getattr(args, name)
+    return config
 
 
 def check_stage(settings: Settings, ds_config: dict) -> None:
     """Refuses what the configured ZeRO stage cannot do, before DeepSpeed builds anything."""
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    stage = _stage(ds_config)
     config = settings.config
     if stage == 3 and config.resolved.keeps_reference:
         raise Sdp4bitError(
-            "qWD (the weight codec of the sdp4bit preset) needs every replica to keep the "
-            "previous weights, but ZeRO stage 3 frees gathered parameters; use a direct weight "
-            'codec ("weight_codec": "qw", "qsdp" or "zeropp") or ZeRO stage 1/2')
+            f'"{SECTION}.weight_codec": "qwd" needs every replica to keep the previous weights, '
+            'but ZeRO stage 3 frees gathered parameters; set "weight_codec" to "qsdp", "qw", '
+            '"zeropp" or "none", or use ZeRO stage 1/2')
     if stage not in (1, 2, 3) and (config.compresses_weights or config.compresses_grads):
         raise Sdp4bitError(f"sdp4bit compresses ZeRO's collectives; this config has ZeRO stage "
                            f"{stage} (use stage 1 or 2)")

@@ -18,11 +18,23 @@ boundary), up to three bucket buffers, and at the boundary the received pieces (
 After the step the flat parameter buffer is all-gathered with the weight codec (qWD included:
 every replica keeps the previous weights in that buffer). All-gathers outside the step
 (checkpoint loading) stay exact and restart the weight codec from the gathered values.
+
+qWD's references (each rank's own shard as every replica held it after the last all-gather)
+must equal what the other replicas hold. Weights written outside the step break that: a
+checkpoint load re-establishes them from the loaded weights (:func:`restore`); any other write
+PyTorch counts (``load_state_dict``, in-place ops on the parameters or the flat buffer) is
+seen before the next compressed all-gather, which then runs exact, on every rank, and sets the
+references up again from its result.
+
+With reentrant activation checkpointing DeepSpeed may run the backward epilogue once per
+phase of one backward pass; each phase's reduction adds into the partitions the earlier phases
+of that pass handed over (:func:`_hand_over`).
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,6 +52,7 @@ from ..replicas import check_replicas_identical
 from .bucket_layout import BucketSpan, Run, plan_buckets, runs_between
 from .section import Settings
 
+logger = logging.getLogger("sdp4bit")
 _PATCHES = Patches()
 # The ZeRO optimizer whose step() is running (its all-gather of updated weights is compressed).
 _STEPPING: contextvars.ContextVar = contextvars.ContextVar("sdp4bit_stepping", default=None)
@@ -88,10 +101,12 @@ class State:
     dtype: torch.dtype  # the accumulation dtype
     overlap: bool  # DeepSpeed's overlap_comm
     reductions: int = 0  # backward passes whose gradients were reduced (the codec's step)
-    weight_step: int = 0  # compressed all-gathers since the weight codec set up
+    weight_step: int = 0  # compressed all-gathers of the run (the weight codec's step)
     in_flight: deque = field(default_factory=deque)  # (bucket, handle), oldest first
     weight_gathers: list[WeightAllGather] = field(default_factory=list)  # one per group
     wire: WireCounter = field(default_factory=WireCounter)
+    weight_versions: tuple = ()  # the weights' version counters when the references were set
+    resyncs: int = 0  # all-gathers run exact because weights were written outside the step
 
 
 def attach(optimizer, settings: Settings) -> None:
@@ -99,6 +114,10 @@ def attach(optimizer, settings: Settings) -> None:
     sdp4bit. Collective: every DP rank calls it."""
     problems = [name for name, present in (
         ("CPU offload", optimizer.cpu_offload),
+        ("zero_optimization.parameter_alignment (it pads parameters inside the flat buffer, so "
+         "DeepSpeed's gradient partitions are no longer the buffer's contiguous ranges that "
+         "sdp4bit hands over)",
+         any(any(padding) for padding in getattr(optimizer, "round_robin_bit16_padding", []))),
         ("MoE layers", optimizer.has_moe_layers),
         ("ZenFlow", getattr(optimizer, "zenflow", False)),
         ("hierarchical partitioning (a DP group per parameter group differing from the DP "
@@ -125,7 +144,7 @@ def attach(optimizer, settings: Settings) -> None:
                      [b.reduce_scatter for g in per_group for b in g.buckets])
     optimizer._sdp4bit = State(settings, groups, per_group, dtype, bool(optimizer.overlap_comm))
     if config.compresses_weights:
-        _set_up_weights(optimizer)
+        set_up_weights(optimizer)
     _ATTACHED.add(optimizer)
 
 
@@ -179,14 +198,54 @@ def detach(optimizer) -> None:
     _ATTACHED.discard(optimizer)
 
 
-def _set_up_weights(optimizer) -> None:
-    """(Re)builds the weight all-gathers from the flat buffers as every replica holds them."""
+def set_up_weights(optimizer) -> None:
+    """(Re)builds the weight all-gathers from the flat buffers as every replica holds them
+    (raises :class:`Sdp4bitError` on every rank if the replicas differ). The weight step goes
+    on: each all-gather of the run draws its own rounding. Collective."""
     state = optimizer._sdp4bit
     check_replicas_identical(list(optimizer.bit16_groups_flat), optimizer.dp_process_group)
     state.weight_gathers = [WeightAllGather(state.groups, state.settings.config, flat,
                                             bucket_id=i)
                             for i, flat in enumerate(optimizer.bit16_groups_flat)]
-    state.weight_step = 0
+    state.weight_versions = _weight_versions(optimizer)
+
+
+def _weight_versions(optimizer) -> tuple:
+    """The version counters of every parameter and flat buffer of `optimizer`: PyTorch bumps
+    them on every in-place write through them (``load_state_dict``, ``copy_``, ``mul_`` under
+    ``no_grad``), not on writes through ``.data`` (DeepSpeed's step, sdp4bit's all-gather)."""
+    return (tuple(flat._version for flat in optimizer.bit16_groups_flat)
+            + tuple(p._version for group in optimizer.bit16_groups for p in group))
+
+
+def _written_outside_step(optimizer, state: State) -> bool:
+    """Whether any DP rank's weights were written since the references were set, agreed by
+    all ranks (so that all take the same path) in host memory over the groups' gloo group, with
+    no wait for the device. Only qWD keeps references."""
+    if not state.settings.config.resolved.keeps_reference:
+        return False
+    written = torch.tensor([int(_weight_versions(optimizer) != state.weight_versions)])
+    dist.all_reduce(written, op=dist.ReduceOp.MAX, group=state.groups.host_group())
+    return bool(written.item())
+
+
+def checkpoint_state(state: State) -> dict:
+    """What a checkpoint keeps: the codecs' steps (their rounding streams and
+    ``grad_quant_start_step`` follow them). The references are not saved: they are each
+    rank's shard of the weights the checkpoint holds, re-established at load."""
+    return {"stage": "1/2", "reductions": state.reductions, "weight_step": state.weight_step}
+
+
+def restore(optimizer, state: State, saved: dict | None) -> None:
+    """After DeepSpeed loaded a checkpoint (weights first): the saved steps, and the
+    references set up again from the loaded weights. Collective."""
+    if saved is not None:
+        if saved.get("stage") != "1/2":
+            raise Sdp4bitError(f"this checkpoint holds sdp4bit's ZeRO stage {saved.get('stage')} "
+                               "state; the engine loading it runs ZeRO stage 1/2")
+        state.reductions, state.weight_step = saved["reductions"], saved["weight_step"]
+    if state.settings.config.compresses_weights:
+        set_up_weights(optimizer)
 
 
 def _install() -> None:
@@ -289,6 +348,9 @@ def _epilogue(self):
     state = _grads_state(self)
     if state is None:
         return _PATCHES.original("independent_gradient_partition_epilogue")(self)
+    # DeepSpeed's flag, set at the end of an epilogue and cleared by the next forward: set
+    # here, an earlier phase of this backward pass (reentrant checkpointing) already ran one.
+    later_phase = bool(self._epilogue_ran_this_backward)
     buckets = [b for g in state.per_group for b in g.buckets]
     if any(b.started or b.arrived for b in buckets):
         for group in state.per_group:
@@ -307,9 +369,11 @@ def _epilogue(self):
 
         for i, group_state in enumerate(state.per_group):
             partition = _to_partition(self, state, group_state)
-            self.averaged_gradients[i] = GradPartitionBufferGroup(
-                _partition_views(partition, self.params_in_partition[i], self.first_offset[i]),
-                partition)
+            earlier = _hand_over(self, i, partition, later_phase)
+            if earlier is None:
+                self.averaged_gradients[i] = GradPartitionBufferGroup(
+                    _partition_views(partition, self.params_in_partition[i],
+                                     self.first_offset[i]), partition)
     for i in range(len(self.params_already_reduced)):
         self.params_already_reduced[i] = False
     self._release_ipg_buffers()  # as DeepSpeed's epilogue: the next backward sets up again
@@ -339,6 +403,17 @@ def _to_partition(optimizer, state: State, group: _GroupState) -> torch.Tensor:
                 received[at:at + run.length])
             at += run.length
     return partition
+
+
+def _hand_over(optimizer, i: int, partition: torch.Tensor, later_phase: bool):
+    """In a later phase of a backward pass, adds `partition` (this phase's sums) into the
+    partition of group `i` an earlier phase handed over, and returns that one; else None (the
+    caller hands `partition` over)."""
+    earlier = optimizer.averaged_gradients.get(i) if later_phase else None
+    if earlier is None:
+        return None
+    earlier.flat_partition.add_(partition)
+    return earlier
 
 
 def _partition_views(partition: torch.Tensor, params, first_offset: int) -> list[torch.Tensor]:
@@ -371,13 +446,21 @@ def _step(self, closure=None):
 
 def _all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_group,
                           start_alignment_factor, allgather_bucket_size):
-    """The all-gather of updated weights: compressed inside an attached optimizer's step;
-    elsewhere (checkpoint loading) DeepSpeed's exact one, after which the weight codec sets up
-    again from the gathered values (collective, like the all-gather itself)."""
+    """The all-gather of updated weights: compressed inside an attached optimizer's step,
+    unless the weights were written outside the step; elsewhere (checkpoint loading) and then
+    DeepSpeed's exact one, after which the weight codec sets up again from the gathered
+    values (collective, like the all-gather itself)."""
     stepping = _STEPPING.get()
     state = getattr(stepping, "_sdp4bit", None)
-    if (isinstance(state, State) and state.settings.config.compresses_weights
-            and groups_flat is stepping.bit16_groups_flat):
+    compressed = (isinstance(state, State) and state.settings.config.compresses_weights
+                  and groups_flat is stepping.bit16_groups_flat)
+    if compressed and _written_outside_step(stepping, state):
+        compressed = False
+        state.resyncs += 1
+        logger.warning("sdp4bit: the weights were written outside the optimizer step (e.g. "
+                       "load_state_dict); this all-gather runs exact on every rank and qWD "
+                       "restarts from its result")
+    if compressed:
         handles = [ag.start(flat, state.weight_step)
                    for ag, flat in zip(state.weight_gathers, groups_flat)]
         for ag, handle in zip(state.weight_gathers, handles):
@@ -391,5 +474,5 @@ def _all_gather_dp_groups(groups_flat, partitioned_param_groups, dp_process_grou
     for optimizer in list(_ATTACHED):
         if (optimizer.bit16_groups_flat is groups_flat
                 and optimizer._sdp4bit.settings.config.compresses_weights):
-            _set_up_weights(optimizer)  # qWD restarts from these exact values
+            set_up_weights(optimizer)  # qWD restarts from these exact values
     return result

@@ -7,6 +7,11 @@ through it, and every gradient bucket's reduce-scatter through the gradient code
 DeepSpeed's equal-split flat buffers, so each distinct bucket shape gets its own compressed
 collective, set up (collectively) the first time it is seen; every rank sees the buckets in the
 same order. Other gathers (``GatheredParameters``, checkpoints) stay exact.
+
+A checkpoint keeps, per bucket shape, its bucket id and how often it ran (the codecs' steps,
+which their rounding streams follow): after a load, each shape sets up with its saved id and
+goes on from its saved count when it is first seen again. The direct weight codecs keep no
+references, so nothing is derived from the loaded weights.
 """
 
 from __future__ import annotations
@@ -52,6 +57,59 @@ class State:
     grad_buckets: dict[tuple, _Collectives] = field(default_factory=dict)  # by tensor numels
     weight_buckets: dict[int, _Collectives] = field(default_factory=dict)  # by bucket numel
     wire: WireCounter = field(default_factory=WireCounter)
+    # From a loaded checkpoint, by shape: (bucket id, calls) of shapes not set up again yet.
+    saved_grad: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    saved_weight: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def checkpoint_state(state: State) -> dict:
+    """What a checkpoint keeps: every bucket shape's id and calls (also those loaded and not
+    seen again yet)."""
+    def entries(live: dict, saved: dict) -> list:
+        kept = {**saved, **{key: (entry.collective.bucket_id, entry.calls)
+                            for key, entry in live.items()}}
+        return [[key, bucket_id, calls] for key, (bucket_id, calls) in kept.items()]
+
+    return {"stage": "3", "grad": entries(state.grad_buckets, state.saved_grad),
+            "weight": entries(state.weight_buckets, state.saved_weight)}
+
+
+def restore(optimizer, state: State, saved: dict | None) -> None:
+    """After DeepSpeed loaded a checkpoint: the saved shapes' ids and calls, taken up when each
+    shape is first seen (a shape already set up in this process goes on from the saved
+    count)."""
+    if saved is None:
+        return
+    if saved.get("stage") != "3":
+        raise Sdp4bitError(f"this checkpoint holds sdp4bit's ZeRO stage {saved.get('stage')} "
+                           "state; the engine loading it runs ZeRO stage 3")
+    for live, pending, entries, as_key in (
+            (state.grad_buckets, state.saved_grad, saved["grad"], tuple),
+            (state.weight_buckets, state.saved_weight, saved["weight"], int)):
+        for key, bucket_id, calls in entries:
+            key = as_key(key)
+            if key in live:
+                if live[key].collective.bucket_id != bucket_id:
+                    raise Sdp4bitError(
+                        f"ZeRO stage 3 bucket shape {key} has bucket id "
+                        f"{live[key].collective.bucket_id} here and {bucket_id} in the "
+                        "checkpoint; load the checkpoint before the first step")
+                live[key].calls = calls
+            else:
+                pending[key] = (bucket_id, calls)
+
+
+def _new_entry(live: dict, pending: dict, key, ids: range, what: str) -> tuple[int, int]:
+    """The bucket id and first call of a shape seen for the first time: the checkpoint's, else
+    the lowest id of `ids` no other shape has (live or saved)."""
+    if key in pending:
+        return pending.pop(key)
+    used = {entry.collective.bucket_id for entry in live.values()}
+    used |= {bucket_id for bucket_id, _ in pending.values()}
+    for bucket_id in ids:
+        if bucket_id not in used:
+            return bucket_id, 0
+    raise Sdp4bitError(f"more than {len(ids)} distinct ZeRO stage 3 {what}")
 
 
 def _bucket_id_ranges() -> tuple[range, range]:
@@ -139,14 +197,13 @@ def _reduce_scatter_coalesced(tensors, group=None):
     key = tuple(t.numel() for t in tensors)
     entry = state.grad_buckets.get(key)
     if entry is None:
-        ids = _bucket_id_ranges()[0]
-        if len(state.grad_buckets) >= len(ids):
-            raise Sdp4bitError(f"more than {len(ids)} distinct ZeRO stage 3 gradient bucket "
-                               "shapes; raise reduce_bucket_size")
-        rs = GradReduceScatter(state.groups, state.settings.config, flat.numel(),
-                               ids[len(state.grad_buckets)], device=flat.device)
+        bucket_id, calls = _new_entry(state.grad_buckets, state.saved_grad, key,
+                                      _bucket_id_ranges()[0],
+                                      "gradient bucket shapes; raise reduce_bucket_size")
+        rs = GradReduceScatter(state.groups, state.settings.config, flat.numel(), bucket_id,
+                               device=flat.device)
         log_route_notice("ZeRO stage 3 gradient bucket", [rs])
-        entry = state.grad_buckets[key] = _Collectives(rs)
+        entry = state.grad_buckets[key] = _Collectives(rs, calls)
     shard = local_shard(flat, rank, size)
     entry.collective.start(flat, shard, entry.calls).wait()
     state.wire.add_grad(entry.collective, entry.calls)
@@ -181,13 +238,12 @@ def _dist_allgather_fn(input_tensor, output_tensor, group=None):
         mine.copy_(input_tensor)
     entry = state.weight_buckets.get(output_tensor.numel())
     if entry is None:
-        ids = _bucket_id_ranges()[1]
-        if len(state.weight_buckets) >= len(ids):
-            raise Sdp4bitError(f"more than {len(ids)} distinct ZeRO stage 3 parameter bucket "
-                               "sizes")
+        bucket_id, calls = _new_entry(state.weight_buckets, state.saved_weight,
+                                      output_tensor.numel(), _bucket_id_ranges()[1],
+                                      "parameter bucket sizes")
         entry = state.weight_buckets[output_tensor.numel()] = _Collectives(
-            WeightAllGather(state.groups, state.settings.config, output_tensor,
-                            ids[len(state.weight_buckets)]))
+            WeightAllGather(state.groups, state.settings.config, output_tensor, bucket_id),
+            calls)
     calls = entry.calls
     entry.calls += 1
     state.wire.add_weight(entry.collective)

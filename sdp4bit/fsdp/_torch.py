@@ -69,15 +69,20 @@ class Unit:
 
     def params(self) -> list[nn.Parameter]:
         """The sharded parameters (DTensors) the unit manages."""
-        return [_attribute(p, "sharded_param", "FSDPParam") for p in
-                _attribute(self.param_group, "fsdp_params", "FSDPParamGroup")]
+        return [_attribute(p, "sharded_param", "FSDPParam") for p in self.fsdp_params()]
+
+    def fsdp_params(self) -> list:
+        """FSDP's FSDPParam of each parameter, in the order of the unit's flat buffers."""
+        return list(_attribute(self.param_group, "fsdp_params", "FSDPParamGroup"))
+
+    def shard_dim_names(self) -> tuple:
+        """The names of the mesh the unit shards over (empty where unnamed)."""
+        mesh_info = _attribute(self.param_group, "mesh_info", "FSDPParamGroup")
+        return _attribute(mesh_info, "mesh", "FSDPMeshInfo").mesh_dim_names or ()
 
     def shard_group(self):
         """The process group the unit shards its parameters over; refuses a unit that also
-        replicates them (HSDP, or replicate()), whose all-reduce would go uncompressed, and
-        one whose parameters live on a mesh of more dimensions than the one it shards over
-        (tensor parallelism), whose copies of replicated parameters on the other dimensions
-        would be compressed separately and drift apart."""
+        replicates them (HSDP, or replicate()), whose all-reduce would go uncompressed."""
         mesh_info = _attribute(self.param_group, "mesh_info", "FSDPParamGroup")
         if _attribute(mesh_info, "replicate_mesh_dim", "DataParallelMeshInfo") is not None:
             kind = "HSDP" if hasattr(mesh_info, "shard_process_group") else "replicate()"
@@ -87,25 +92,35 @@ class Unit:
                 "1-D shard dimension (fully_shard(..., mesh=mesh['shard'])) and pass the 2-D "
                 "mesh to sdp4bit.fsdp.enable(model, mesh=mesh), which all-reduces across the "
                 "replicate dimension compressed")
-        shard_mesh = _attribute(mesh_info, "mesh", "FSDPMeshInfo")
-        for param in self.params():
-            mesh = param.device_mesh
-            if mesh.ndim > 1:
-                names = mesh.mesh_dim_names or tuple(f"dim {d}" for d in range(mesh.ndim))
-                others = [n for n in names if n not in (shard_mesh.mesh_dim_names or ())]
-                raise Sdp4bitError(
-                    f"{self.label} has parameters on the {mesh.ndim}-D device mesh {names}: "
-                    f"besides the data-parallel dimension it shards over, the mesh dimension "
-                    f"{', '.join(map(repr, others))} (tensor parallelism) holds copies of the "
-                    "parameters it replicates (norms, biases), which sdp4bit would compress "
-                    "separately in each data-parallel group, so the copies would drift apart; "
-                    "sdp4bit.fsdp supports a 1-D data-parallel mesh")
         return _attribute(mesh_info, "shard_process_group", "FSDPMeshInfo")
+
+    def all_gather_extension(self) -> str | None:
+        """The name of a parameter whose local tensor brings its own FSDP all-gather
+        (``fsdp_pre_all_gather``: torchao's float8 all-gather), with its type; None if
+        none does."""
+        names = {id(param): name for name, param in self.module.named_parameters()}
+        for fsdp_param in self.fsdp_params():
+            local = _attribute(fsdp_param, "_sharded_local_tensor", "FSDPParam")
+            if hasattr(local, "fsdp_pre_all_gather"):
+                name = names.get(id(fsdp_param.sharded_param), "?")
+                return f"{self.name + '.' if self.name else ''}{name} ({type(local).__name__})"
+        return None
 
     def all_reduce_hook(self):
         """The hook FSDP runs after the unit's reduce-scatter (``set_all_reduce_hook``), or
         None."""
         return _attribute(self.param_group, "_all_reduce_hook", "FSDPParamGroup")
+
+    def gradient_divide_factor(self) -> float | None:
+        """What ``set_gradient_divide_factor`` set (None: not called, FSDP divides by the
+        data-parallel size)."""
+        return _attribute(self.param_group, "gradient_divide_factor", "FSDPParamGroup")
+
+    def requires_all_reduce(self) -> bool:
+        """False while ``set_requires_all_reduce(False)`` holds: native HSDP then keeps the
+        reduce-scattered gradients and all-reduces their sum at the next micro-step that
+        requires it."""
+        return _attribute(self.param_group, "all_reduce_grads", "FSDPParamGroup")
 
     def comms(self) -> tuple[object, object]:
         """The all-gather and reduce-scatter the unit runs now."""

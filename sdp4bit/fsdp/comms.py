@@ -40,6 +40,8 @@ from ..groups import ProcessGroups
 from ..integration import (WireCounter, cross_group_buffer, log_route_notice, require_bf16,
                            ring_all_reduce_bytes)
 from ..telemetry import ErrorStats, Telemetry
+from ._torch import Unit
+from .tensor_parallel import ExactRanges
 
 #: Reduce dtypes the gradient codecs take: fp32 as is, the 16-bit ones through an fp32 copy.
 _STAGED_REDUCE_DTYPES = (torch.bfloat16, torch.float16)
@@ -55,7 +57,6 @@ class Shared:
     telemetry: Telemetry
     units: int  # units with parameters: the stride of the stream steps
     units_with_grads: int  # units that reduce-scatter each step (telemetry waits for all)
-    first_step: int = 0
     quant_start: int = 0  # the config's grad_quant_start_step
     wire: WireCounter = field(default_factory=WireCounter)
     reduce_scatters: dict[int, GradReduceScatter] = field(default_factory=dict)
@@ -126,22 +127,31 @@ def _next_id(pool: dict, kind: str) -> int:
 
 @dataclass
 class UnitState:
-    """One FSDP unit: its place among the model's units and its count of gradient syncs."""
+    """One FSDP unit: its place among the model's units and its count of gradient syncs (the
+    state a checkpoint keeps, :meth:`State.state_dict <sdp4bit.fsdp.State.state_dict>`)."""
 
     label: str
     index: int  # in module order, the same on every rank
     shared: Shared
-    grad_syncs: int = 0
+    next_sync: int  # the gradient sync this unit runs next, the same on every rank
     param_reported_at: int = -1  # the last step whose all-gather telemetry was reported
     # The step of the reduce-scatter the all-reduce hook follows, until the hook takes it
     # (None: FSDP skipped the reduce-scatter, a shard group of one rank).
     reduced_at: int | None = None
+    # Tensor parallelism: the shard's TP-replicated elements, which travel exact.
+    exact: ExactRanges | None = None
 
     @property
     def step(self) -> int:
-        """The gradient sync this unit runs next (counted from ``first_step``); a gather
-        brings the weights this sync's gradients are computed at."""
-        return self.shared.first_step + self.grad_syncs
+        """The gradient sync this unit runs next (counted from ``enable``'s ``first_step``,
+        or from a checkpoint's); a gather brings the weights this sync's gradients are
+        computed at."""
+        return self.next_sync
+
+    @property
+    def whole_exact(self) -> bool:
+        """Every parameter of the unit is TP-replicated: FSDP's own collectives run."""
+        return self.exact is not None and self.exact.whole
 
     def stream_step(self, step: int) -> int:
         """The step the core numbers its random streams by for this unit at `step`. Units of
@@ -175,30 +185,31 @@ def _uncompressed_bytes(shard: torch.Tensor, world: int) -> int:
     return (world - 1) * shard.numel() * shard.element_size()
 
 
-def _divisor(op, world: int, label: str) -> int:
-    """What the sum is divided by for FSDP's reduce op: W for AVG, 1 for SUM; any other op
-    (PREMUL_SUM from set_gradient_divide_factor) is refused."""
+def _divisor(op, world: int, unit: Unit) -> float:
+    """What the sum is divided by for FSDP's reduce op: W for AVG, 1 for SUM, the unit's
+    divide factor f for PREMUL_SUM (``set_gradient_divide_factor(f)`` without force-sum:
+    FSDP asks for the sum of every rank's gradients times 1/f, and the op holds 1/f where
+    Python cannot read it); any other op is refused."""
     # A plain op (AVG, SUM) is a RedOpType; a PREMUL_SUM comes as a ReduceOp holding one.
     kind = op if isinstance(op, dist.ReduceOp.RedOpType) else op.op
     if kind == dist.ReduceOp.AVG:
         return world
     if kind == dist.ReduceOp.SUM:
         return 1
-    hint = ""
-    if kind == dist.ReduceOp.PREMUL_SUM:
-        hint = (" (set_gradient_divide_factor asks for it; call "
-                "set_force_sum_reduction_for_comms(True) on the unit as well, and FSDP divides "
-                "by the factor after a SUM)")
-    raise Sdp4bitError(f"{label} reduce-scatters with {kind.name}; sdp4bit's "
-                       f"gradient codecs serve AVG and SUM{hint}")
+    factor = unit.gradient_divide_factor() if kind == dist.ReduceOp.PREMUL_SUM else None
+    if factor is None:
+        raise Sdp4bitError(f"{unit.label} reduce-scatters with {kind.name}; sdp4bit's "
+                           "gradient codecs serve AVG, SUM and the PREMUL_SUM of "
+                           "set_gradient_divide_factor")
+    return factor
 
 
 class UnitReduceScatter(ReduceScatter):
     """The unit's gradient reduce-scatter with the gradient codec (FSDP's own before
     ``grad_quant_start_step`` and with ``grad_codec=none``, counted either way)."""
 
-    def __init__(self, state: UnitState) -> None:
-        self.state = state
+    def __init__(self, state: UnitState, unit: Unit) -> None:
+        self.state, self.unit = state, unit
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return _empty(size, dtype, device)
@@ -210,14 +221,14 @@ class UnitReduceScatter(ReduceScatter):
         world = shared.groups.size
         step = state.step
         state.reduced_at = step
-        state.grad_syncs += 1
+        state.next_sync += 1
         uncompressed = _uncompressed_bytes(output_tensor, world)
-        if not shared.config.compresses_grads:
+        if not shared.config.compresses_grads or state.whole_exact:
             shared.wire.add(uncompressed, uncompressed)
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
         # Refused from the first step, also while quantization has not started yet.
-        divisor = _divisor(op, world, state.label)
+        divisor = _divisor(op, world, self.unit)
         dtype = input_tensor.dtype
         if dtype != torch.float32 and dtype not in _STAGED_REDUCE_DTYPES:
             raise Sdp4bitError(f"{state.label} reduces gradients in {dtype}; the "
@@ -245,6 +256,8 @@ class UnitReduceScatter(ReduceScatter):
         if shard is not output_tensor:
             output_tensor.copy_(shard)
         sent = rs.wire_bytes(stream_step).total
+        if state.exact is not None:
+            sent += state.exact.reduce_scatter(output_tensor, input_tensor, group, divisor)
         shared.wire.add(sent, uncompressed)
         if exact is not None:
             shared.telemetry.report("grad", step, shared.units_with_grads, sent, uncompressed,
@@ -253,35 +266,63 @@ class UnitReduceScatter(ReduceScatter):
 
 
 class UnitAllReduceHook:
-    """FSDP's all-reduce hook of a unit sharded over the shard dimension of a 2-D mesh: runs
-    after the unit's reduce-scatter (on FSDP's all-reduce stream, or in line on the CPU), sums
-    the reduced shard over the replicate dimension and divides by its size, so the shard holds
-    the gradient averaged over every data-parallel rank (as native HSDP's AVG all-reduce gives
-    it). Every replica then holds the same bits."""
+    """FSDP's all-reduce hook of a unit sharded over the shard dimension of a 2-D mesh, run
+    after the unit's reduce-scatter (on FSDP's all-reduce stream, or in line on the CPU). It
+    does what native HSDP does after its reduce-scatter, so the gradients are native HSDP's:
 
-    def __init__(self, state: UnitState) -> None:
-        self.state = state
+    - sums the reduced shard over the replicate dimension (every replica then holds the same
+      bits);
+    - divides by the replicate size R only where no divide factor is set: FSDP then divides
+      a unit sharded over S ranks by S, native HSDP by R x S; with
+      ``set_gradient_divide_factor(f)`` both divide by f (AVG or PREMUL_SUM, or after a
+      forced SUM);
+    - while ``set_requires_all_reduce(False)`` holds, keeps the reduced shard (summed over
+      such micro-steps) instead, as native HSDP does, and adds it to the shard of the next
+      micro-step that all-reduces. FSDP accumulates the hook's output into the gradients, so
+      the shard it is given back on the skipped micro-steps is zeros.
+    """
+
+    def __init__(self, state: UnitState, unit: Unit) -> None:
+        self.state, self.unit = state, unit
+        self.kept: torch.Tensor | None = None  # the reduced shards of skipped micro-steps
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
-        state, shared = self.state, self.state.shared
-        across = shared.across
+        state = self.state
         step, state.reduced_at = state.reduced_at, None
         if step is None:  # no reduce-scatter ran (one rank a shard): this is the sync
             step = state.step
-            state.grad_syncs += 1
+            state.next_sync += 1
+        if not self.unit.requires_all_reduce():
+            if self.kept is None:
+                self.kept = reduce_output.clone()
+            else:
+                self.kept += reduce_output
+            reduce_output.zero_()
+            return
+        if self.kept is not None:
+            reduce_output += self.kept
+            self.kept = None
+        self._all_reduce(reduce_output, step)
+        if self.unit.gradient_divide_factor() is None:
+            reduce_output.div_(state.shared.across.size)
+
+    def _all_reduce(self, reduce_output: torch.Tensor, step: int) -> None:
+        """Sums `reduce_output` over the replicate dimension: Global-QSGD's integers from
+        ``grad_quant_start_step`` on, else (and with ``cross_group_bits=exact``) fp32."""
+        state, shared = self.state, self.state.shared
+        across = shared.across
         numel = reduce_output.numel()
         ring = ring_all_reduce_bytes(numel, across.size)
         if across.groups is None or step < shared.quant_start:
             dist.all_reduce(reduce_output, group=across.group)
             shared.wire.add(ring, ring)
-        else:
-            data = cross_group_buffer(reduce_output, across.size)
-            reduce = across.all_reduce(data.numel(), shared.config, data.device)
-            reduce.start(data, state.stream_step(step)).wait()
-            if data is not reduce_output:
-                reduce_output.copy_(data[:numel].view_as(reduce_output))
-            shared.wire.add(reduce.wire_bytes(), ring)
-        reduce_output.div_(across.size)
+            return
+        data = cross_group_buffer(reduce_output, across.size)
+        reduce = across.all_reduce(data.numel(), shared.config, data.device)
+        reduce.start(data, state.stream_step(step)).wait()
+        if data is not reduce_output:
+            reduce_output.copy_(data[:numel].view_as(reduce_output))
+        shared.wire.add(reduce.wire_bytes(), ring)
 
 
 class UnitAllGather(AllGather):
@@ -302,7 +343,7 @@ class UnitAllGather(AllGather):
         state.check_group(group)
         groups = shared.groups
         uncompressed = _uncompressed_bytes(input_tensor, groups.size)
-        if not shared.config.compresses_weights:
+        if not shared.config.compresses_weights or state.whole_exact:
             shared.wire.add(uncompressed, uncompressed)
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                                async_op=async_op)
@@ -320,8 +361,11 @@ class UnitAllGather(AllGather):
         if shared.telemetry.due(step) and state.param_reported_at != step:
             exact = torch.empty_like(output_tensor)
             dist.all_gather_into_tensor(exact, mine.clone(), group=group)
+        own = state.exact.take(mine) if state.exact is not None else None
         ag.start(output_tensor, state.stream_step(step)).wait()
         sent = ag.wire_bytes().total
+        if own is not None:
+            sent += state.exact.all_gather(output_tensor, own, group)
         shared.wire.add(sent, uncompressed)
         if exact is not None:
             state.param_reported_at = step

@@ -5,6 +5,7 @@ sdp4bit's, every compressed collective checked against the Rust core's in-proces
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 import op_calls
 import sdp4bit.fsdp
 from sdp4bit import Config, Sdp4bitError
+from sdp4bit.groups import NODE_SIZE_VARIABLES
 
 WIDTH = 64
 FP32_REDUCE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -327,13 +329,13 @@ def _tensor_parallel(mesh) -> nn.Module:
     return model
 
 
-def _expect_error(fragment: str, action) -> str:
+def _expect_error(fragment: str, action, kind: type = Sdp4bitError) -> str:
     try:
         action()
-    except Sdp4bitError as error:
+    except kind as error:
         assert fragment in str(error), f"expected {fragment!r} in: {error}"
         return str(error)
-    raise AssertionError(f"no Sdp4bitError containing {fragment!r}")
+    raise AssertionError(f"no {kind.__name__} containing {fragment!r}")
 
 
 def _step(model):
@@ -341,23 +343,52 @@ def _step(model):
     (model(x).float() - y).pow(2).mean().backward()
 
 
+def _node_sizes(seen: list) -> None:
+    """Without node_labels, enable reads the node size from the launcher: none set, it stops
+    naming its argument before any collective (no process group made); DeepSpeed's launcher's
+    LOCAL_SIZE gives it."""
+    launcher = {name: os.environ.pop(name) for name in NODE_SIZE_VARIABLES if name in os.environ}
+    new_group, made = dist.new_group, []
+
+    def counted_new_group(*args, **kwargs):
+        made.append(args)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counted_new_group
+    try:
+        seen.append(_expect_error("set sdp4bit.fsdp.enable(model, local_world_size=...)",
+                                  lambda: sdp4bit.fsdp.enable(build()), ValueError))
+        assert not made, made
+    finally:
+        dist.new_group = new_group
+    os.environ["LOCAL_SIZE"] = "2"
+    try:
+        model = build()
+        assert sdp4bit.fsdp.enable(model).groups.node_labels == [0, 0, 1, 1]
+        sdp4bit.fsdp.disable(model)
+    finally:
+        del os.environ["LOCAL_SIZE"]
+        os.environ.update(launcher)
+
+
 def refusals(rank, world):
     """What sdp4bit cannot serve stops on every rank with a message naming it (needs W = 4:
-    HSDP, and tensor parallelism on a 2-D mesh, over 2 x 2 ranks);
-    nodes of unequal size log the one-level route once. Returns the messages."""
+    HSDP, and hybrid sharding with tensor parallelism on a 2-D mesh, over 2 x 2 ranks), an unknown node size
+    before any collective; nodes of unequal size log the one-level route once. Returns the
+    messages."""
     from torch.distributed.device_mesh import init_device_mesh
 
     seen = []
+    _node_sizes(seen)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     seen.append(_expect_error("replicates its parameters over a mesh dimension (HSDP)",
                               lambda: sdp4bit.fsdp.enable(build(mesh=mesh))))
     seen.append(_expect_error("but the mesh's shard dimension (its second) holds",
                               lambda: sdp4bit.fsdp.enable(build(), mesh=mesh)))
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-    seen.append(_expect_error("FSDP unit 'blocks.0' has parameters on the 2-D device mesh "
-                              "('dp', 'tp'): besides the data-parallel dimension it shards "
-                              "over, the mesh dimension 'tp'",
-                              lambda: sdp4bit.fsdp.enable(_tensor_parallel(mesh))))
+    seen.append(_expect_error("hybrid sharding (sdp4bit.fsdp.enable(mesh=...)) with tensor "
+                              "parallelism over 'tp' is not supported",
+                              lambda: sdp4bit.fsdp.enable(_tensor_parallel(mesh), mesh=mesh)))
 
     def enable_and_step(model, fragment, config="sdp4bit"):
         sdp4bit.fsdp.enable(model, config)
@@ -366,9 +397,6 @@ def refusals(rank, world):
         finally:
             sdp4bit.fsdp.disable(model)
 
-    model = build()
-    model.blocks[0].set_gradient_divide_factor(3.0)
-    enable_and_step(model, "reduce-scatters with PREMUL_SUM")
     enable_and_step(build(mixed=False), "all-gathers its parameters as ['torch.float32']")
     enable_and_step(build(reshard_after_forward=2), "reshard_after_forward=<int>")
     # Configs that differ between ranks: the first unit's set-up fails on every rank.

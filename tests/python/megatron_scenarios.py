@@ -109,7 +109,9 @@ def _check_grad_shards_against_core(chunk, before):
         exact = state.exact[idx]
         if exact is not None:
             assert world == 2
-            expected[exact.in_shard] = torch.stack(every).float()[:, exact.own_index].sum(0)
+            for start, end, _ in exact.own:
+                expected[start - exact.first:end - exact.first] = (
+                    torch.stack(every).float()[:, start:end].sum(0))
         expected = expected.to(grad.dtype)
         got = local_shard(bucket.grad_data, rank, world)
         bits = torch.int32 if got.dtype == torch.float32 else torch.int16
@@ -195,18 +197,19 @@ def train(rank, world, preset, overlap_grad, overlap_param, steps, nan_step=None
     return losses, stepped, _param_bytes(ddp), (sent, baseline), buckets
 
 
-def train_with_checkpoint(rank, world, overlap_param, steps, save_at, directory, resume):
-    """With sdp4bit, through megatron-core's dist_checkpointing (dp_reshardable): either
-    trains steps [0, steps) and saves after `save_at` of them, or resumes from that checkpoint
-    and trains steps [save_at, steps). Returns (losses of the steps run, final params)."""
+def train_with_checkpoint(rank, world, steps, save_at, directory, resume):
+    """With sdp4bit, through megatron-core's dist_checkpointing (dp_reshardable), sdp4bit's
+    state saved apart (:func:`integration.state_dict` in the common part): either trains steps
+    [0, steps) and saves after `save_at` of them, or resumes from that checkpoint (sdp4bit's
+    entry of the model state left out) and trains steps [save_at, steps). Returns (losses of
+    the steps run, final params)."""
     gpt.initialize(SEED)
     _enable("sdp4bit")
-    ddp = gpt.build_model(SHAPE, SEED, overlap_grad_reduce=True,
-                          overlap_param_gather=overlap_param, bucket_size=BUCKET)
+    ddp = gpt.build_model(SHAPE, SEED, overlap_grad_reduce=True, bucket_size=BUCKET)
     optimizer = gpt.build_optimizer([ddp], lr=LR)
     first = 0
     if resume:
-        common = megatron_checkpoint.load(directory, ddp, optimizer)
+        common = megatron_checkpoint.load(directory, ddp, optimizer, without=("sdp4bit",))
         integration.load_state_dict(common["sdp4bit"])
         first = common["iteration"]
     losses = []
@@ -221,6 +224,29 @@ def train_with_checkpoint(rank, world, overlap_param, steps, save_at, directory,
     integration.disable()
     gpt.shutdown()
     return losses, _param_bytes(ddp)
+
+
+def enable_none(rank, world):
+    """``enable(config_from_args(args))`` with no sdp4bit flag given, then with a config, then
+    ``disable()``. Returns after each (whether sdp4bit is enabled, whether the bucket group's
+    start_grad_sync is not megatron-core's own)."""
+    import argparse
+
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    from megatron_patch.arguments import add_arguments, config_from_args
+
+    own = _ParamAndGradBucketGroup.start_grad_sync
+
+    def seen():
+        return integration.is_enabled(), _ParamAndGradBucketGroup.start_grad_sync is not own
+
+    integration.enable(config_from_args(add_arguments(argparse.ArgumentParser()).parse_args([])))
+    after_none = seen()
+    integration.enable(Config("sdp4bit"))
+    after_config = seen()
+    integration.disable()
+    return after_none, after_config, seen()
 
 
 def _failure(call) -> str:
@@ -518,23 +544,6 @@ def hybrid_sharding(rank, world, preset, knobs, overlap, steps, nan_step=None):
     return losses, all(identical), sent, compared, stepped
 
 
-def exact_elements_across_instances_refused(rank, world):
-    """Two distributed-optimizer instances with exact_params=norms-biases-embeddings (buckets
-    that mix exact and compressed parameters): refused when the model is built. Returns the
-    error."""
-    gpt.initialize(SEED, instances=2)
-    integration.enable(Config.from_knobs("sdp4bit", {"exact_params": "norms-biases-embeddings"}),
-                       local_world_size=1)
-    try:
-        gpt.build_model(SHAPE, SEED, bucket_size=BUCKET, num_distributed_optimizer_instances=2)
-        error = None
-    except Sdp4bitError as refused:
-        error = str(refused)
-    integration.disable()
-    gpt.shutdown()
-    return error
-
-
 def exact_params_notice(rank, world, mode):
     """The GPT at W = 2 with ``exact_params=mode`` (no TP: only norms-biases-embeddings keeps
     anything exact), one step. Returns the WARNING records of the ``sdp4bit`` logger."""
@@ -727,41 +736,100 @@ def copies_across_groups(rank, world, layout, variants, steps):
     return results
 
 
-def exact_elements_beside_qwd(rank, world, put_back, steps):
+def _index(ranges) -> torch.Tensor:
+    """One int64 index per element of `ranges` (start, end): the structure exact elements were
+    held in before they became ranges, the reference the ranges are compared with."""
+    return torch.cat([torch.arange(start, end) for start, end in ranges])
+
+
+def exact_elements_beside_qwd(rank, world, take_out, steps):
     """One bf16 bucket of 2 x 4096 elements all-gathered with qWD (W = 2) while elements
-    in both shards travel exact (megatron_patch's ``_ExactElements``), as the integration
+    in both shards travel exact (megatron_patch's ``ExactElements``), as the integration
     runs them, checked every step: after the compressed all-gather, before the exact values
     are written, the exact elements still hold their values from before it (this rank's own
-    the set-up values put back); after, every rank holds every owner's exact new values and
-    the replicas are bit-identical. `put_back` False skips putting the set-up values back
-    (the control: qWD's differences are then not 0 there). Returns per step whether the exact
-    elements held their values through the compressed all-gather."""
-    from megatron_patch.megatron_core import _ExactElements
+    0, taken out at set-up and at every step); after, every rank holds every owner's exact
+    new values (compared through a per-element index) and the replicas are bit-identical.
+    `take_out` False leaves the values in (the control: qWD's differences are then not 0
+    there). Returns per step whether the exact elements held their values through the
+    compressed all-gather."""
+    from megatron_patch.megatron_core import ExactElements
     from sdp4bit import ProcessGroups, WeightAllGather
 
     groups = ProcessGroups.create(local_world_size=1)
     numel, ranges = 2 * 4096, [(100, 164), (4000, 4200), (8000, 8192)]
+    index = _index(ranges)
     params = torch.randn(numel, generator=torch.Generator().manual_seed(3)).bfloat16()
-    all_gather = WeightAllGather(groups, Config("sdp4bit"), params, bucket_id=0)
-    exact = _ExactElements(ranges, params.device, rank, numel // world)
-    exact.keep_set_up_values(params)
+    exact = ExactElements(ranges, rank, numel // world)
+    if take_out:
+        own = exact.take_own(params)
+        all_gather = WeightAllGather(groups, Config("sdp4bit"), params, bucket_id=0)
+        exact.put_own(params, own)
+    else:
+        all_gather = WeightAllGather(groups, Config("sdp4bit"), params, bucket_id=0)
+    first = rank * numel // world
+    own_index = index[(index >= first) & (index < first + numel // world)]
     noise = torch.Generator().manual_seed(10 + rank)
     held = []
     for step in range(steps):
         local_shard(params, rank, world).sub_(
             1e-2 * torch.randn(numel // world, generator=noise).bfloat16())
-        new = params[exact.own_index].clone()
-        if put_back:
+        new = params[own_index].clone()
+        if take_out:
             pending = exact.start_params(params, dist.group.WORLD)
-        before = params[exact.index].clone()
+        before = params[index].clone()
         all_gather.start(params, step).wait()
-        held.append(torch.equal(params[exact.index].view(torch.int16),
+        held.append(torch.equal(params[index].view(torch.int16),
                                 before.view(torch.int16)))
-        if put_back:
+        if take_out:
             exact.finish_params(pending, params)
             every = [None] * world
             dist.all_gather_object(every, new)  # each rank owns another number of them
-            assert torch.equal(params[exact.index], torch.cat(every))
+            assert torch.equal(params[index], torch.cat(every))
             assert _same_across([params], dist.group.WORLD) == [True]
     groups.close()
     return held
+
+
+#: The 1M-element embedding of :func:`exact_ranges_of_an_embedding`, beside 8,192 elements
+#: compressed, in a bucket split over W = 2.
+EMBEDDING = 1 << 20
+
+
+def exact_ranges_of_an_embedding(rank, world):
+    """A bucket holding a 1M-element embedding kept exact and a compressed weight, as
+    ``ExactElements`` holds them: returns (the bytes the structure holds, pickled, and
+    whether it holds a tensor; the bytes one per-element int64 index of the same elements
+    takes; the bytes the exact paths send per rank as counted, and as a ring all-reduce of
+    an int64-indexed buffer would; whether the gradient sums and gathered values equal those
+    of the per-element index)."""
+    import pickle
+
+    from megatron_patch.megatron_core import ExactElements
+    from sdp4bit.integration import ring_all_reduce_bytes
+
+    numel = EMBEDDING + 8192
+    ranges = [(4096, 4096 + EMBEDDING)]
+    exact = ExactElements(ranges, rank, numel // world)
+    held = len(pickle.dumps(exact))
+    holds_tensor = any(isinstance(v, torch.Tensor) for v in vars(exact).values())
+    index = _index(ranges)
+    index_bytes = index.numel() * index.element_size()
+    sent = (exact.wire_bytes(world, 4), exact.wire_bytes(world, 2))
+    indexed_sent = (ring_all_reduce_bytes(index.numel(), world, 4),
+                    ring_all_reduce_bytes(index.numel(), world, 2))
+    shard = numel // world
+    first = rank * shard
+    mine = index[(index >= first) & (index < first + shard)]
+    grads = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    own_shard = local_shard(grads, rank, world).clone()
+    exact.finish_grads(exact.start_grads(grads, dist.group.WORLD), own_shard)
+    every = [torch.empty_like(grads) for _ in range(world)]
+    dist.all_gather(every, grads)
+    sums_equal = torch.equal(own_shard[mine - first], torch.stack(every)[:, mine].sum(0))
+    params = torch.randn(numel, generator=torch.Generator().manual_seed(7 + rank)).bfloat16()
+    new = params[mine].clone()
+    exact.finish_params(exact.start_params(params, dist.group.WORLD), params)
+    owners = [None] * world
+    dist.all_gather_object(owners, new)
+    values_equal = torch.equal(params[index], torch.cat(owners))
+    return held, holds_tensor, index_bytes, sent, indexed_sent, sums_equal and values_equal

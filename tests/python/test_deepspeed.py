@@ -3,17 +3,23 @@ section, ZeRO stages 1, 2 and 3."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 
+import deepspeed_config_scenarios as dc
 import deepspeed_scenarios as ds
 from harness import run_ranks
 import sdp4bit.deepspeed as deepspeed_zero
 from sdp4bit import Sdp4bitError
+from sdp4bit.deepspeed import compat
 
 CPU = {"DS_ACCELERATOR": "cpu"}
 
@@ -174,7 +180,7 @@ def test_bad_sections_are_rejected(section, fragment):
 
 
 @pytest.mark.parametrize("stage, section, fragment", [
-    (3, {"preset": "sdp4bit"}, "ZeRO stage 3 frees gathered parameters"),
+    (3, {"preset": "sdp4bit", "weight_codec": "qwd"}, '"sdp4bit.weight_codec": "qwd"'),
     (0, {"preset": "sdp4bit"}, "ZeRO stage 0"),
     (2, {"preset": "sdp4bit", "zero": {"offload_optimizer": {"device": "cpu"}}},
      "offload_optimizer to cpu"),
@@ -190,7 +196,7 @@ def test_bad_sections_are_rejected(section, fragment):
 def test_stages_it_cannot_serve_are_rejected_before_deepspeed_starts(stage, section, fragment):
     # Refused from the config, before deepspeed.initialize runs: a Linear is no model it could
     # build an engine from on these ranks.
-    section = dict(section)
+    section = {"ranks_per_node": 1, **section}
     zero = section.pop("zero", {})
     config = ds._ds_config(stage, 1, section)
     config["zero_optimization"].update(zero)
@@ -290,3 +296,94 @@ def test_bytes_reach_deepspeeds_monitor_every_interval(tmp_path):
     assert all(0 < s < u / 2 for (_, s), (_, u) in zip(rows["bytes_sent"],
                                                       rows["bytes_uncompressed"]))
     assert rows["bytes_sent"][0][1] < rows["bytes_sent"][1][1] < rows["bytes_sent"][2][1]
+
+
+def test_the_config_is_read_by_deepspeeds_own_loader(tmp_path):
+    # hjson with comments (which json.load rejects), a base64 string and a dict, as
+    # deepspeed.initialize takes them; the section parsed from each, the node size checked.
+    path = tmp_path / "ds_config.hjson"
+    path.write_text(dc.HJSON)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(dc.HJSON)
+    as_dict = deepspeed_zero.load_config(str(path))
+    encoded = base64.urlsafe_b64encode(json.dumps(as_dict).encode()).decode()
+    for config in (str(path), encoded, as_dict):
+        settings = deepspeed_zero.settings_from_config(deepspeed_zero.load_config(config))
+        assert settings.ranks_per_node == 1 and settings.config.resolved.weight_codec == "qwd"
+    with pytest.raises(ValueError, match="Expected a string path"):
+        deepspeed_zero.load_config(str(tmp_path / "missing.json"))
+
+
+def test_an_unknown_node_size_is_refused_when_the_section_is_parsed(monkeypatch):
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(Sdp4bitError, match='set "sdp4bit": {"ranks_per_node": N}'):
+        deepspeed_zero.settings_from_config({"sdp4bit": {"preset": "sdp4bit"}})
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # DeepSpeed's launcher
+    assert deepspeed_zero.settings_from_config({"sdp4bit": {}}).ranks_per_node == 4
+
+
+def test_initialize_referenced_before_install_is_handled_or_refused(tmp_path):
+    # install() replaces the module-level alias (from deepspeed import initialize as ds_init);
+    # the hjson file is read as DeepSpeed reads it; a base64 config without the section runs
+    # DeepSpeed's own path; a reference install() cannot reach is refused before DeepSpeed
+    # builds anything.
+    path = tmp_path / "ds_config.hjson"
+    path.write_text(dc.HJSON)
+    plain = {k: v for k, v in deepspeed_zero.load_config(str(path)).items() if k != "sdp4bit"}
+    encoded = base64.urlsafe_b64encode(json.dumps(plain).encode()).decode()
+    for (sent, uncompressed), plain_state, message in run_ranks(
+            2, dc.installed_initialize, str(path), encoded, env=CPU):
+        assert 0 < sent < uncompressed / 2, (sent, uncompressed)
+        assert not plain_state
+        assert "taken before sdp4bit.deepspeed.install() ran" in message, message
+
+
+def test_deepspeed_versions_outside_the_tested_range_are_refused(monkeypatch):
+    compat.check_deepspeed_version()  # the installed one
+    compat.check_deepspeed_version("0.19.8")
+    for version in ("0.19.9", "0.18.0", "0.20.0", "not-a-version"):
+        with pytest.raises(Sdp4bitError) as error:
+            compat.check_deepspeed_version(version)
+        assert f"DeepSpeed {version} is installed" in str(error.value)
+        assert compat.TESTED_DEEPSPEED in str(error.value)
+    # The package extra declares the same range, and so does the pinned requirement.
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["deepspeed"] == [f"deepspeed{compat.TESTED_DEEPSPEED}"]
+    pinned = [line for line in (root / "requirements-deepspeed.txt").read_text().splitlines()
+              if line.startswith("deepspeed==")]
+    assert compat.check_deepspeed_version(pinned[0].split("==")[1]) is None
+    # Checked before DeepSpeed builds anything (a Linear is no engine it could build here).
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
+    with pytest.raises(Sdp4bitError, match="DeepSpeed 0.18.0 is installed"):
+        deepspeed_zero.initialize(model=torch.nn.Linear(4, 4),
+                                  config=ds._ds_config(2, 1, {"ranks_per_node": 1}))
+
+
+def test_parameter_alignment_that_pads_parameters_is_refused():
+    for message in run_ranks(2, dc.parameter_alignment_refused, env=CPU):
+        assert "zero_optimization.parameter_alignment" in message, message
+
+
+def test_reentrant_checkpointing_gives_the_partitions_of_one_backward_pass():
+    # DeepSpeed's epilogue runs once per phase of a reentrant backward pass (3 here). With
+    # quantization deferred (the fp32 reduce-scatter: at W = 2 one rounding of a two-term sum,
+    # as DeepSpeed's own bf16 reduction) each phase's sums add into the partition the earlier
+    # phases handed over: bit for bit the partition of the same batch without checkpointing,
+    # which is DeepSpeed's own. The control: each phase's partition replacing the earlier
+    # ones' (sdp4bit before) loses the first phases' gradients.
+    exact = {"preset": "sdp4bit", "ranks_per_node": 1, "grad_quant_start_step": 100}
+    ours = run_ranks(2, dc.reentrant_partitions, exact, env=CPU)
+    own = run_ranks(2, dc.reentrant_partitions, None, env=CPU)
+    replaced = run_ranks(2, dc.reentrant_partitions, exact, False, env=CPU)
+    for ((plain, reentrant), counts), ((own_plain, _), _), ((_, control), _) in zip(
+            ours, own, replaced):
+        assert counts == [1, 3], counts
+        assert torch.equal(torch.tensor(reentrant), torch.tensor(plain))
+        assert torch.equal(torch.tensor(reentrant), torch.tensor(own_plain))
+        assert not torch.equal(torch.tensor(control), torch.tensor(plain))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 import fsdp_scenarios as fs
@@ -145,10 +146,19 @@ def test_hybrid_sharding_with_an_exact_replicate_all_reduce():
         assert identical and compared == [] and losses[-1] < losses[0]
 
 
-def test_preset_names_read_qwd_as_qsdp():
+def test_preset_names_read_qwd_as_qsdp(capsys):
     assert sdp4bit.fsdp.preset_config("sdp4bit").codecs() == ("qsdp", "tlq-hs")
+    # The weight rule shared with ZeRO-3 (docs/configuration.md): one line says so.
+    said = capsys.readouterr().out
+    assert said.count("qWD weights need every rank to keep the previous weights") == 1
+    assert "its weights run with qsdp (8-bit) instead; set weight_codec" in said
     assert sdp4bit.fsdp.preset_config("sdp4bit", {"weight_codec": "qw"}).codecs() == (
         "qw", "tlq-hs")
+    assert sdp4bit.fsdp.preset_config("qsdp").codecs() == ("qsdp", "qsdp")
+    assert capsys.readouterr().out == ""  # nothing substituted, nothing said
+    with pytest.raises(Sdp4bitError, match=r"qWD \(weight_codec=qwd\)"):
+        sdp4bit.fsdp.enable(nn.Linear(2, 2), sdp4bit.fsdp.preset_config(
+            "sdp4bit", {"weight_codec": "qwd"}))
     assert sdp4bit.fsdp.preset_config("zeropp") == Config("zeropp")
     config = sdp4bit.fsdp.preset_config("sdp4bit", {"weight_bits": "4"})
     assert config.values()["weight_bits"] == "4" and config.codecs()[0] == "qsdp"
@@ -182,6 +192,29 @@ def test_weight_codecs_refuse_other_gather_dtypes_than_bf16(dtype, fragment):
         _check_gather_dtype(dtype, "FSDP unit 'x'")
     assert fragment in str(raised.value) and "weight_codec=none" in str(raised.value)
     _check_gather_dtype(torch.bfloat16, "FSDP unit 'x'")
+
+
+def test_the_codecs_divide_as_fsdps_reduce_op_asks():
+    # PREMUL_SUM (set_gradient_divide_factor(f) without force-sum) holds 1/f out of Python's
+    # reach: the unit's factor gives it.
+    import torch.distributed as dist
+
+    from sdp4bit.fsdp.comms import _divisor
+
+    class Unit:
+        label, factor = "FSDP unit 'x'", 3.0
+
+        def gradient_divide_factor(self):
+            return self.factor
+
+    unit = Unit()
+    assert _divisor(dist.ReduceOp.AVG, 4, unit) == 4
+    assert _divisor(dist.ReduceOp.SUM, 4, unit) == 1
+    assert _divisor(dist._make_nccl_premul_sum(1 / 3.0), 4, unit) == 3.0
+    for op, factor in ((dist.ReduceOp.MAX, 3.0), (dist._make_nccl_premul_sum(0.5), None)):
+        unit.factor = factor
+        with pytest.raises(Sdp4bitError, match="'x' reduce-scatters with (MAX|PREMUL_SUM)"):
+            _divisor(op, 4, unit)
 
 
 def test_a_model_without_fsdp_units_is_refused():
