@@ -16,6 +16,9 @@ Hosts without a Rust toolchain install from a bundle built elsewhere:
 
     python scripts/build_native.py --out /path/to/bundle          # where cargo is
     SDP4BIT_NATIVE_DIR=/path/to/bundle pip install .              # where it is not
+
+In an unpacked sdist, which carries the crates in vendor/ (`cargo vendor`, setup.py), cargo
+builds from them offline instead of fetching from crates.io.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 HEADERS = ("rust/cxx.h", "sdp4bit/src/ffi/mod.rs.h")
 FEATURES_FILE = "features.txt"
+#: The crates of Cargo.lock, vendored into an sdist.
+VENDOR_DIR = "vendor"
 
 
 def cargo_features() -> list[str]:
@@ -52,7 +57,7 @@ def cargo_build(features: list[str], repo: Path = REPO) -> tuple[Path, Path]:
             "--out DIR` and install with SDP4BIT_NATIVE_DIR=DIR"
         )
     command = [cargo, "build", "--release", "--locked", "--features", ",".join(features), "--lib",
-               "--message-format=json-render-diagnostics"]
+               "--message-format=json-render-diagnostics", *vendored_sources(repo)]
     proc = subprocess.run(command, cwd=repo, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"sdp4bit: `{' '.join(command)}` failed (exit {proc.returncode})")
@@ -69,6 +74,25 @@ def cargo_build(features: list[str], repo: Path = REPO) -> tuple[Path, Path]:
     if staticlib is None or include is None:
         raise RuntimeError("sdp4bit: cargo did not report the static library and bridge headers")
     return staticlib, include
+
+
+def vendored_sources(repo: Path) -> list[str]:
+    """cargo's options that replace crates.io by the tree's vendor/ and forbid the network, when
+    the tree has one (an unpacked sdist); none otherwise."""
+    vendor = repo / VENDOR_DIR
+    if not vendor.is_dir():
+        return []
+    return ["--offline", "--config", 'source.crates-io.replace-with="vendored-sources"',
+            "--config", f"source.vendored-sources.directory={json.dumps(str(vendor))}"]
+
+
+def vendor(repo: Path, out: Path) -> None:
+    """Copies the sources of every crate Cargo.lock names into `out` (`cargo vendor`)."""
+    cargo = os.environ.get("CARGO", "cargo")
+    command = [cargo, "vendor", "--locked", "--versioned-dirs", "--quiet", str(out)]
+    proc = subprocess.run(command, cwd=repo, stdout=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sdp4bit: `{' '.join(command)}` failed (exit {proc.returncode})")
 
 
 def stage(out: Path, repo: Path = REPO) -> Path:

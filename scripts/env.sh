@@ -14,6 +14,11 @@
 #                                      and the benchmark harnesses (.cache/venv:
 #                                      requirements-test.txt, DeepSpeed), made and put first
 #                                      on PATH
+#   sdp4bit_torch_view DIR FROM        a new virtual environment DIR that sees the packages of
+#                                      the environment FROM (torch and the rest, not sdp4bit)
+#                                      through links: a fresh place to install sdp4bit into
+#                                      without copying gigabytes of torch; pip there only ever
+#                                      adds sdp4bit (install with --no-deps or --no-index)
 #   sdp4bit_install_current            pip install . into the environment in use unless the
 #                                      installed package was built from the tree as it is
 #   sdp4bit_nvrtc                      NVRTC (the CUDA runtime compiler, no GPU needed) in
@@ -57,6 +62,24 @@ sdp4bit_use() {
   export VIRTUAL_ENV=$1
   export PATH="$1/bin:$PATH"
   hash -r
+}
+
+sdp4bit_torch_view() {
+  local dir=$1 from=$2
+  rm -rf "$dir"
+  "$from/bin/python" -m venv --without-pip "$dir"
+  local theirs ours
+  theirs=$("$from/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  ours=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  local entry
+  for entry in "$theirs"/*; do
+    case $(basename "$entry") in
+      sdp4bit|sdp4bit-*|megatron_patch|__pycache__) ;;
+      *) ln -s "$entry" "$ours/" ;;
+    esac
+  done
+  # The ninja package's program lives in bin/ (torch's extension builder runs it).
+  if [ -x "$from/bin/ninja" ]; then ln -s "$from/bin/ninja" "$dir/bin/ninja"; fi
 }
 
 sdp4bit_main_venv() {

@@ -6,10 +6,12 @@
 # environments under .cache/ (scripts/env.sh), which it makes while the Rust steps run.
 #
 # Steps: rustfmt; clippy; every Rust test; the benchmarks' smoke runs; the torch extension
-# built once per torch version (the pinned one from an sdist with cargo, the floor and the
-# newest from the tree with a prebuilt native bundle and no cargo); the multi-process tests
-# (pytest) against megatron-core 0.16.1 and 0.19.2; the convergence study's smoke run. Each
-# step prints its elapsed time; a summary closes the log. Any failure stops it with an error.
+# built once per torch version (the pinned one from an sdist with cargo offline, from its
+# vendored crates; the floor and then the newest from this one checkout with a prebuilt native
+# bundle and no cargo); the multi-process tests (pytest) against megatron-core 0.16.1 and
+# 0.19.2; the convergence study's smoke run; the portable wheel, installed without cargo into a
+# fresh environment and compiled at first import. Each step prints its elapsed time; a summary
+# closes the log. Any failure stops it with an error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -109,12 +111,16 @@ print('   torch', torch.__version__, '| extension from', m.__file__,
       '| max err', float((y.reshape(-1) - x.sum(0)).abs().max()))")
 }
 
-step "pip install from an sdist, the Rust core built by cargo (torch pinned)"
+step "pip install from an sdist offline: no index, cargo builds the Rust core from its vendored crates with the network off and an empty CARGO_HOME (torch pinned)"
 rm -rf .cache/dist && python -m build --sdist --no-isolation --outdir .cache/dist . >/dev/null
-# The sdist builds in a temporary directory; sharing the target directory reuses the crates
-# compiled above.
-CARGO_TARGET_DIR=$ROOT/target pip install --quiet --no-deps --force-reinstall \
+tar tzf .cache/dist/sdp4bit-*.tar.gz | grep -q '^sdp4bit-[^/]*/vendor/cxx-1\.'
+# The sdist builds in a temporary directory; cargo compiles the vendored crates again (they are
+# another source to it) into the shared target directory.
+OFFLINE_CARGO_HOME=$(mktemp -d)
+CARGO_NET_OFFLINE=true CARGO_HOME=$OFFLINE_CARGO_HOME CARGO_TARGET_DIR=$ROOT/target \
+  pip install --quiet --no-index --no-build-isolation --no-deps --force-reinstall \
   .cache/dist/sdp4bit-*.tar.gz
+rm -rf "$OFFLINE_CARGO_HOME"
 sdp4bit_record_install "$SDP4BIT_MAIN_VENV"
 smoke "$SDP4BIT_MAIN_VENV"
 
@@ -125,7 +131,7 @@ export SDP4BIT_REQUIRE_GPU_KIT=1
 step "pytest tests/python (multi-process gloo; megatron-core 0.16.1)"
 pytest -q -rs tests/python
 
-step "pytest tests/python/test_megatron.py against megatron-core $MCORE_NEXT (pure Python, under 3.11)"
+step "pytest tests/python/test_megatron*.py against megatron-core $MCORE_NEXT (pure Python, under 3.11)"
 # megatron-core 0.17+ declares Python 3.12; its megatron.core is pure Python, so its wheel is
 # unpacked beside the pinned 0.16.1 and put first on the path for the integration tests.
 NEXT_DIR=".cache/megatron-core-$MCORE_NEXT"
@@ -135,7 +141,7 @@ if [ ! -d "$NEXT_DIR/megatron/core" ]; then
     --dest .cache/mcore-wheel "megatron-core==$MCORE_NEXT"
   python -m zipfile -e .cache/mcore-wheel/megatron_core-"$MCORE_NEXT"-*.whl "$NEXT_DIR"
 fi
-PYTHONPATH="$ROOT/$NEXT_DIR" pytest -q tests/python/test_megatron.py
+PYTHONPATH="$ROOT/$NEXT_DIR" pytest -q tests/python/test_megatron*.py
 
 step "convergence study smoke run (3 steps, 2 rows x 2 seeds; the study is bench/convergence.py)"
 OMP_NUM_THREADS=1 bash scripts/bench.sh convergence --steps 3 --seeds 1,2 --rows baseline,SDP4Bit \
@@ -174,10 +180,9 @@ wait_for "$COMPAT_ENVS_PID" .cache/logs/venv-compat.log
 for name in "${COMPAT_TORCH[@]}"; do
   venv=$ROOT/.cache/venv-torch-$name
   version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
-  step "torch $version ($name): pip install . with the prebuilt bundle and no cargo, one collective, FSDP2"
+  step "torch $version ($name): pip install . from this checkout (after the other torch's: rebuilt, not reused) with the prebuilt bundle and no cargo, one collective, FSDP2"
   (
     sdp4bit_use "$venv"
-    rm -rf build
     SDP4BIT_NATIVE_DIR=$ROOT/.cache/native-bundle CARGO=/nonexistent/cargo \
       pip install --quiet --no-deps --no-build-isolation --force-reinstall .
     smoke "$venv"
@@ -186,6 +191,15 @@ for name in "${COMPAT_TORCH[@]}"; do
       tests/python/test_fsdp.py::test_w4_collectives_equal_the_core_with_the_topology_given
   )
 done
+
+step "portable wheel (python scripts/build_wheel.py): a fresh environment without cargo installs it, compiles the glue at first import against torch $version, runs 4 ranks"
+SDP4BIT_NATIVE_DIR=$ROOT/.cache/native-bundle-wheel python scripts/build_wheel.py --out .cache/wheel \
+  >/dev/null
+# The extensions compiled at first import are cached per bundle, torch ABI and Python.
+SDP4BIT_WHEEL=$(echo "$ROOT"/.cache/wheel/sdp4bit-*.whl) SDP4BIT_REQUIRE_WHEEL=1 \
+  SDP4BIT_WHEEL_TORCH=$ROOT/.cache/venv-torch-newest \
+  SDP4BIT_EXTENSIONS_DIR=$ROOT/.cache/sdp4bit-extensions \
+  pytest -q -p no:cacheprovider tests/python/test_wheel.py
 
 step ""
 summary

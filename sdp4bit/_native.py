@@ -1,5 +1,5 @@
-"""Loads the compiled extension, which registers torch.ops.sdp4bit and torch.classes.sdp4bit,
-and reads what the Rust core knows about itself (presets, knobs, limits)."""
+"""Finds and loads the compiled extension, which registers torch.ops.sdp4bit and
+torch.classes.sdp4bit, and reads what the Rust core knows about itself (presets, knobs, limits)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import functools
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from . import _jit, _torch_abi
 
 #: The directories the core searches for NVRTC when ``SDP4BIT_NVRTC_LIBRARY`` is unset and the
 #: loader finds none (separated by ``os.pathsep``); :func:`load` sets it, if unset, to
@@ -26,32 +29,47 @@ def nvrtc_dirs() -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
+@dataclass(frozen=True)
+class Extension:
+    """The compiled extension this process loads: its file, and how it came to be there
+    (``built at install`` by ``pip install`` from source, or ``compiled at first import`` from a
+    portable wheel's bundle)."""
+
+    path: Path
+    origin: str
+
+
 @functools.cache
-def load() -> None:
-    """Loads `_sdp4bit*.so` from this package once; raises ImportError if it was not built, or
-    was built against another torch than this interpreter's (torch's C++ ABI differs between
-    releases, so loading it could crash later instead of failing now). Sets
-    ``SDP4BIT_NVRTC_DIRS`` first, if unset, so that a process without NVRTC on the loader's path
-    (a torch user's, typically) compiles the CUDA kernels with the torch wheels' NVRTC."""
-    os.environ.setdefault(NVRTC_DIRS_VAR, os.pathsep.join(str(d) for d in nvrtc_dirs()))
+def extension() -> Extension:
+    """The extension for this interpreter's torch: the one ``pip install`` built from source into
+    the package (refused when it records another torch ABI), else a portable wheel's, compiled
+    at first import (``sdp4bit._jit``); raises ImportError when neither is there."""
     here = Path(__file__).resolve().parent
     candidates = sorted(here.glob("_sdp4bit*.so"))
-    if not candidates:
-        raise ImportError(
-            f"sdp4bit: the compiled extension is missing from {here}; install the package "
-            "with `pip install .` from the repository (it builds the Rust core and the "
-            "extension against the installed torch)"
-        )
-    built_with = candidates[0].with_name(candidates[0].stem + ".torch-version")
-    if built_with.is_file():
-        version = built_with.read_text().strip()
-        if version != torch.__version__:
+    if candidates:
+        built = _torch_abi.read_record(candidates[0])
+        why = built and _torch_abi.mismatch(built, _torch_abi.installed())
+        if why:
             raise ImportError(
-                f"sdp4bit: the extension in {here} was built against torch {version}, but this "
-                f"interpreter has torch {torch.__version__}; reinstall sdp4bit after changing "
-                "torch (pip install --no-deps --force-reinstall <the sdp4bit source>)"
-            )
-    torch.ops.load_library(str(candidates[0]))
+                f"sdp4bit: the extension in {here} cannot be loaded: {why}; reinstall sdp4bit "
+                "after changing torch (pip install --no-deps --force-reinstall <the sdp4bit "
+                "source>)")
+        return Extension(candidates[0], "built at install")
+    if (_jit.bundle_dir() / _jit.MANIFEST).is_file():
+        return Extension(_jit.library(_jit.bundle_dir()), "compiled at first import")
+    raise ImportError(
+        f"sdp4bit: the compiled extension is missing from {here}; install the package with "
+        "`pip install .` from the repository (it builds the Rust core and the extension against "
+        "the installed torch) or from a portable wheel (docs/install.md)")
+
+
+@functools.cache
+def load() -> None:
+    """Loads the extension (:func:`extension`) once. Sets ``SDP4BIT_NVRTC_DIRS`` first, if
+    unset, so that a process without NVRTC on the loader's path (a torch user's, typically)
+    compiles the CUDA kernels with the torch wheels' NVRTC."""
+    os.environ.setdefault(NVRTC_DIRS_VAR, os.pathsep.join(str(d) for d in nvrtc_dirs()))
+    torch.ops.load_library(str(extension().path))
 
 
 def ops():

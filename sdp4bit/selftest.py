@@ -15,7 +15,8 @@ On a host with a CUDA GPU it runs, and reports each outcome:
   and the GPU benchmark (``cargo bench --bench gpu``).
 
 The report starts with the versions a bug report needs (Python, torch and its CUDA runtime, the
-driver, NVRTC, the GPUs, sdp4bit and the image its kernels loaded as). Exit status: 0 when
+driver, NVRTC, the GPUs, sdp4bit, which compiled extension loaded and from where, and the image
+its kernels loaded as). Exit status: 0 when
 every check that ran passed, 1 when one failed, 2 on a host without a CUDA GPU (nothing is
 checked; the report says so).
 """
@@ -79,6 +80,7 @@ def versions() -> list[tuple[str, str]]:
         ("CUDA driver", _driver_version()),
         ("NVRTC", _native.ops().nvrtc_report()),
         ("sdp4bit", str(Path(__file__).resolve().parent)),
+        ("extension", f"{_native.extension().origin}: {_native.extension().path}"),
     ]
     if torch.cuda.is_available():
         for d in range(torch.cuda.device_count()):

@@ -80,9 +80,27 @@ EXERCISED = {
         TEST_SH, "SDP4BIT_NATIVE_DIR=$ROOT/.cache/native-bundle", "--force-reinstall ."),
     "python scripts/build_native.py --out DIR": lambda: _contains(
         TEST_SH, "python scripts/build_native.py --out .cache/native-bundle"),
+    # the container path: one checkout into two environments, no build isolation, no deps
+    "pip install --no-build-isolation --no-deps .": lambda: _contains(
+        TEST_SH, "pip install --quiet --no-deps --no-build-isolation --force-reinstall ."),
+    # the portable wheel: built by the test command, installed by its test without cargo
+    "python scripts/build_wheel.py --out DIR": lambda: _contains(
+        TEST_SH, "python scripts/build_wheel.py --out .cache/wheel"),
+    "pip install DIR/sdp4bit-0.1.0-py3-none-manylinux_2_36_x86_64.whl ninja": lambda: _contains(
+        "tests/python/test_wheel.py", '"-m", "pip", "install", "--quiet", "--no-index"'),
+    # the sdist with vendored crates, installed offline by the test command
+    "python -m build --sdist": lambda: _contains(TEST_SH, "python -m build --sdist"),
+    "CARGO_NET_OFFLINE=true pip install --no-index --no-build-isolation --no-deps "
+    "sdp4bit-0.1.0.tar.gz": lambda: _contains(
+        TEST_SH, "CARGO_NET_OFFLINE=true CARGO_HOME=$OFFLINE_CARGO_HOME",
+        "pip install --quiet --no-index --no-build-isolation --no-deps"),
     # the quick start, run here
     "torchrun --standalone --nproc-per-node 4 examples/quickstart.py": lambda: True,
     # the FSDP2 example, run by its test with a few steps
+    "torchrun --standalone --nproc-per-node 4 examples/torchtitan/train.py --tp 2 --steps 4 "
+    "--checkpoint-folder ckpt --checkpoint-interval 2": lambda: _contains(
+        "tests/python/test_torchtitan.py", "examples/torchtitan/train.py", '"--tp", "2"',
+        '"--checkpoint-interval", "2"'),
     "torchrun --standalone --nproc-per-node 4 examples/fsdp2/train.py": lambda: _contains(
         "tests/python/test_fsdp.py", '"examples/fsdp2/train.py"', '"--ranks-per-node", "2"'),
     # Megatron-LM: the launcher with these flags, against a stand-in of megatron.training
@@ -131,6 +149,8 @@ EXERCISED = {
     # the cost model, run here
     "python -m sdp4bit.plan": lambda: _run(*PLAN, "--help"),
     "python -m sdp4bit.plan --paper": lambda: _run(*PLAN, "--paper"),
+    "python -m sdp4bit.plan --paper --tokens-per-gpu 8192": lambda: _run(
+        *PLAN, "--paper", "--tokens-per-gpu", "8192"),
     "python -m sdp4bit.plan --params 6.7e9 --nodes 16 --gpus-per-node 8 --tp 4 --inter-gbps 400":
         lambda: _run(*PLAN, "--params", "6.7e9", "--nodes", "16", "--gpus-per-node", "8",
                      "--tp", "4", "--inter-gbps", "400"),

@@ -1,10 +1,12 @@
 """python -m sdp4bit.selftest: on a host without a GPU (this one, or any host with
-CUDA_VISIBLE_DEVICES empty) it reports the versions, says that nothing was checked and exits
-with status 2; its report and check runner, with outcomes of every kind."""
+CUDA_VISIBLE_DEVICES empty) it reports the versions and which extension loaded from where, says
+that nothing was checked and exits with status 2; its report and check runner, with outcomes
+of every kind."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,10 @@ def test_without_a_gpu_it_says_so_and_exits_non_zero():
         assert needle in report, f"{needle!r} not in:\n{report}"
     import torch
     assert torch.__version__ in report
+    # Which extension loaded, and from where.
+    loaded = re.search(r"^extension\s+(built at install|compiled at first import): (\S+)$",
+                       report, re.M)
+    assert loaded and Path(loaded.group(2)).is_file(), report
 
 
 def test_report_shows_every_outcome_and_the_failure_output():
