@@ -97,6 +97,14 @@ EXERCISED = {
     # the quick start, run here
     "torchrun --standalone --nproc-per-node 4 examples/quickstart.py": lambda: True,
     # the FSDP2 example, run by its test with a few steps
+    # Hugging Face: the example under the launcher prefix and under accelerate launch
+    "torchrun --nproc-per-node 2 -m sdp4bit.deepspeed examples/huggingface/train.py": lambda: (
+        _contains("tests/python/test_huggingface.py", 'EXAMPLE = "examples/huggingface"',
+                  '"--nproc-per-node", "2", "-m", "sdp4bit.deepspeed"',
+                  'f"{EXAMPLE}/train.py", "--deepspeed"')),
+    "accelerate launch --config_file examples/huggingface/accelerate.yaml": lambda: _contains(
+        "tests/python/test_huggingface.py", '"launch", "--config_file"',
+        'f"{EXAMPLE}/accelerate.yaml"', '"--install"'),
     "torchrun --standalone --nproc-per-node 4 examples/torchtitan/train.py --tp 2 --steps 4 "
     "--checkpoint-folder ckpt --checkpoint-interval 2": lambda: _contains(
         "tests/python/test_torchtitan.py", "examples/torchtitan/train.py", '"--tp", "2"',
