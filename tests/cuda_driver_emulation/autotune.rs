@@ -13,8 +13,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 use sdp4bit::backend::Backend;
 use sdp4bit::backend::cuda::abi::{SdpWeightApply, SdpWeightEncode};
-use sdp4bit::backend::cuda::autotune::{read_record, record_file};
 use sdp4bit::backend::cuda::source::Kernel;
+use sdp4bit::backend::cuda::tuned::{self, read_record};
 use sdp4bit::backend::cuda::variants::default_variant;
 use sdp4bit::backend::cuda::{Constants, Cuda, KernelSpec, Kernels, Stream};
 use sdp4bit::codec::quant::QuantSpec;
@@ -175,7 +175,7 @@ fn an_untabled_architecture_is_tuned_once_and_recorded() {
 fn tune_and_record() {
     let bucket = WeightBucket::new();
     let (kernels, stream, cuda) = backend();
-    let record = record_file(kernels).expect("a cache directory");
+    let record = record_file(kernels);
 
     let raw_stream: *mut c_void = stream.cu_stream().cast();
     emulation().set_capturing(raw_stream, true);
@@ -280,6 +280,17 @@ fn keeps_defaults() {
         defaults,
         "compiled more than the defaults"
     );
-    let record = record_file(kernels).expect("a cache directory");
+    let record = record_file(kernels);
     assert!(!record.exists(), "a record was written");
+}
+
+/// The file `kernels`' device records its tuned variants in.
+fn record_file(kernels: &Kernels) -> std::path::PathBuf {
+    tuned::record_file(
+        kernels.device_name(),
+        kernels.target().target,
+        kernels.nvrtc_version(),
+        kernels.driver_version(),
+    )
+    .expect("a cache directory")
 }

@@ -13,9 +13,6 @@
 //! element-wise kernels and the conversions keep their defaults (their set-up does not know the
 //! bucket's size); the GPU kit's sweep times their variants.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
 use cudarc::driver::result as driver;
 use cudarc::driver::sys;
 
@@ -24,12 +21,12 @@ use half::bf16;
 use super::abi::{SdpGradFinal, SdpGradFirst, SdpGradSecond, SdpWeightApply, SdpWeightEncode};
 use super::alloc::DeviceBuffer;
 use super::backend::Cuda;
-use super::cache;
 use super::launch::{DeviceSpan, Stream};
 use super::module::{Kernels, driver_error};
 use super::source::Kernel;
 use super::spec::{Constants, KernelSpec, Variant};
-use super::variants::{candidates, in_table};
+use super::tuned::{self, record};
+use super::variants::candidates;
 use crate::backend::Backend;
 use crate::codec::slab::SlabLayout;
 use crate::codec::weight_encoding::WeightEncoding;
@@ -41,70 +38,6 @@ use crate::rng::UniformStream;
 const WARM_UP: usize = 2;
 /// Timed launches of each candidate; the median counts.
 const TIMED: usize = 5;
-
-/// Whether `kernels`' device is tuned at set-up: its architecture is not in the table and
-/// `SDP4BIT_KERNEL_AUTOTUNE` is not `0`.
-pub fn enabled(kernels: &Kernels) -> bool {
-    let off = std::env::var("SDP4BIT_KERNEL_AUTOTUNE").is_ok_and(|v| v.trim() == "0");
-    !off && !in_table(kernels.arch())
-}
-
-/// The file the device's tuned variants are recorded in, or `None` without a cache directory.
-pub fn record_file(kernels: &Kernels) -> Option<PathBuf> {
-    let dir = cache::directory()?;
-    let key = cache::key(
-        &format!("tuned variants of {}", kernels.device_name()),
-        kernels.target().target,
-        kernels.nvrtc_version(),
-        kernels.driver_version(),
-    );
-    Some(dir.join(format!("{key}.variants")))
-}
-
-/// The variants recorded in `path`: one line per kernel and constants, `ENTRY GRID_BLOCKS`.
-/// Lines that no spec writes are ignored (a file of another build).
-pub fn read_record(path: &Path) -> HashMap<(Kernel, Constants), Variant> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    text.lines()
-        .filter_map(|line| {
-            let (entry, grid) = line.split_once(' ')?;
-            let spec = KernelSpec::from_entry(entry)?;
-            let variant = Variant {
-                grid_blocks: grid.trim().parse().ok()?,
-                ..spec.variant
-            };
-            variant.check(spec.constants).ok()?;
-            Some(((spec.kernel, spec.constants), variant))
-        })
-        .collect()
-}
-
-/// Adds `spec` (with its grid cap) to the record at `path`: the file rewritten through a
-/// temporary file renamed into place, under the cache's lock of the file, so concurrent ranks
-/// keep each other's lines.
-fn record(path: &Path, spec: &KernelSpec) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let _lock = cache::lock(dir, &name)?;
-    let mut lines: Vec<String> = std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    let entry = spec.entry();
-    // Another line of the same kernel and constants (another rank's choice) gives way.
-    let prefix = entry
-        .rsplit_once("__")
-        .map_or(entry.as_str(), |(head, _)| head);
-    lines.retain(|l| !l.starts_with(&format!("{prefix}__")));
-    let line = format!("{entry} {}", spec.variant.grid_blocks);
-    lines.push(line);
-    cache::write_atomically(dir, &name, (lines.join("\n") + "\n").as_bytes())
-}
 
 /// A CUDA event with timing, destroyed when dropped.
 struct TimingEvent {
@@ -166,11 +99,11 @@ fn capturing(kernels: &Kernels, stream: Stream) -> Result<bool> {
 
 impl Cuda {
     /// Whether one of `kernels` is to be tuned on this backend's device now: the device is
-    /// tuned ([`enabled`]), a variant of it is not chosen yet, and no graph is being captured on
+    /// tuned ([`tuned::enabled`]), a variant of it is not chosen yet, and no graph is being captured on
     /// the stream (whose work, the tuning's fills included, would go into the graph).
     fn wants_tuning(&self, kernels: &[(Kernel, Constants)]) -> Result<bool> {
         let device = self.kernels();
-        if !enabled(device) || kernels.iter().all(|&(k, c)| device.is_chosen(k, c)) {
+        if !tuned::enabled(device.arch()) || kernels.iter().all(|&(k, c)| device.is_chosen(k, c)) {
             return Ok(false);
         }
         Ok(!capturing(device, self.stream())?)
@@ -219,7 +152,12 @@ impl Cuda {
         }
         let (_, variant) = best.ok_or_else(|| Error::Cuda("no variant to tune".into()))?;
         kernels.set_variant(kernel, constants, variant)?;
-        if let Some(path) = record_file(kernels) {
+        if let Some(path) = tuned::record_file(
+            kernels.device_name(),
+            kernels.target().target,
+            kernels.nvrtc_version(),
+            kernels.driver_version(),
+        ) {
             // The record only saves the next process the tuning: not writing it is no error.
             let _ = record(&path, &KernelSpec::new(kernel, constants, variant)?);
         }

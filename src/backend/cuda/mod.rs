@@ -13,7 +13,7 @@
 //!   constants and variant) and the entry point that instantiates the kernel's body with it;
 //! - [`variants`]: which variant a kernel launches with: the committed table per architecture,
 //!   the defaults, the candidates worth timing; [`autotune`]: the tuning of an architecture the
-//!   table lacks, at a bucket's set-up;
+//!   table lacks, at a bucket's set-up, recorded on disk ([`tuned`]);
 //! - [`target`]: which image a device gets (a CUBIN for its architecture, PTX as fallback);
 //! - [`compile`]: NVRTC compilation of one specialisation to that image (bit-exact options);
 //! - [`cache`]: the on-disk cache of compiled images, shared by a node's processes;
@@ -51,6 +51,7 @@ mod readback;
 pub mod source;
 pub mod spec;
 pub mod target;
+pub mod tuned;
 pub mod variants;
 
 pub use alloc::{Allocator, DeviceAllocator, DeviceBlock, DeviceBuffer};

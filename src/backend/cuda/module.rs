@@ -12,13 +12,13 @@ use cudarc::driver::result::{self as driver, DriverError};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use rayon::prelude::*;
 
-use super::autotune;
 use super::cache;
 use super::compile::{Arch, compile_for};
 use super::probe;
 use super::source::Kernel;
 use super::spec::{Constants, KernelSpec, Variant};
 use super::target::{self, TargetChoice};
+use super::tuned;
 use super::variants::{default_variant, table_variant};
 use crate::error::{Error, Result};
 
@@ -342,11 +342,15 @@ impl Kernels {
             chosen: Mutex::new(HashMap::new()),
         };
         // A device tuned at first use takes what an earlier process of the node chose.
-        if autotune::enabled(&kernels)
-            && let Some(path) = autotune::record_file(&kernels)
+        if tuned::enabled(kernels.arch())
+            && let Some(path) = tuned::record_file(
+                &kernels.name,
+                kernels.choice.target,
+                kernels.nvrtc_version,
+                kernels.driver_version,
+            )
         {
-            *kernels.chosen.lock().unwrap_or_else(|p| p.into_inner()) =
-                autotune::read_record(&path);
+            *kernels.chosen.lock().unwrap_or_else(|p| p.into_inner()) = tuned::read_record(&path);
         }
         Ok(kernels)
     }
