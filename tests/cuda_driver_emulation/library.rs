@@ -16,12 +16,11 @@
 use std::ffi::{CStr, OsString, c_char, c_int, c_void};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
 use sdp4bit::backend::cuda::probe;
-use sdp4bit_test_support::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
+use sdp4bit_test_support::gxx::{compile_in_parallel, kernel_host_flags, link};
 use sdp4bit_test_support::host_kernels::install_emulation_builder;
 
 /// g++ flags of every translation unit besides [`KERNEL_HOST_FLAGS`]: position-independent,
@@ -145,38 +144,22 @@ fn build(dir: &Path) -> Result<PathBuf, String> {
         .collect();
     sources.sort();
     let objects = compile_in_parallel(&sources, dir, |source| {
-        let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
-            .iter()
-            .chain(&CXX_FLAGS)
-            .map(OsString::from)
-            .collect();
+        let mut flags = kernel_host_flags(&CXX_FLAGS, &shim, &[&kernels]);
         if runs_kernel_code(source) {
             flags.extend(SANITIZE.iter().map(OsString::from));
         }
-        flags.extend([
-            "-include".into(),
-            shim.clone().into(),
-            "-I".into(),
-            kernels.clone().into(),
-        ]);
         flags
     })
     .map_err(|e| format!("building it failed (g++ is required; warnings are errors):\n{e}"))?;
     let library = dir.join("libcuda.so");
-    let out = Command::new("g++")
-        .args(["-shared", "-pthread", "-fsanitize=undefined"])
-        .args(["-Wl,-soname,libcuda.so", "-Wl,--no-undefined"])
-        .args(&objects)
-        .arg("-o")
-        .arg(&library)
-        .output()
-        .map_err(|e| format!("run g++ to link: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "linking it failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
+    let before = [
+        "-shared",
+        "-pthread",
+        "-fsanitize=undefined",
+        "-Wl,-soname,libcuda.so",
+        "-Wl,--no-undefined",
+    ];
+    link(&before, &objects, &[], &library, "linking it failed")?;
     for object in objects {
         let _ = std::fs::remove_file(object);
     }

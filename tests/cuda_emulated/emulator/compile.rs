@@ -3,12 +3,11 @@
 //! specialisations that it loads (`sdp4bit_test_support::host_kernels`), so it exports what they
 //! take from it (`-rdynamic`).
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use sdp4bit_test_support::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
+use sdp4bit_test_support::gxx::{compile_in_parallel, kernel_host_flags, link};
 
 /// g++ flags of every translation unit besides [`KERNEL_HOST_FLAGS`]. UBSan (linked too) stops
 /// the emulator at undefined behaviour in a kernel: misaligned accesses (which work on x86 but
@@ -76,33 +75,17 @@ fn build(kernels: &Path, dir: &Path) -> Result<PathBuf, String> {
     let harness = harness_dir();
     let shim = harness.join("cuda_shim.h");
     let objects = compile_in_parallel(&[harness.join("emulator.cpp")], dir, |_| {
-        let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
-            .iter()
-            .chain(&CXX_FLAGS)
-            .map(OsString::from)
-            .collect();
-        flags.extend([
-            "-include".into(),
-            shim.clone().into(),
-            "-I".into(),
-            kernels.into(),
-        ]);
-        flags
+        kernel_host_flags(&CXX_FLAGS, &shim, &[kernels])
     })
     .map_err(|e| format!("building the kernel emulator failed (warnings are errors):\n{e}"))?;
     let exe = dir.join("emulator");
-    let out = Command::new("g++")
-        .args(["-pthread", "-fsanitize=undefined", "-rdynamic"])
-        .args(&objects)
-        .args(["-ldl", "-o"])
-        .arg(&exe)
-        .output()
-        .expect("run g++ to link");
-    if !out.status.success() {
-        return Err(format!(
-            "linking the kernel emulator failed (it needs g++'s UBSan runtime, libubsan):\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
+    let before = ["-pthread", "-fsanitize=undefined", "-rdynamic"];
+    link(
+        &before,
+        &objects,
+        &["-ldl"],
+        &exe,
+        "linking the kernel emulator failed (it needs g++'s UBSan runtime, libubsan)",
+    )?;
     Ok(exe)
 }

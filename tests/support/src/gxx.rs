@@ -20,6 +20,48 @@ pub const KERNEL_HOST_FLAGS: [&str; 7] = [
     "-Wno-unknown-pragmas",
 ];
 
+/// The flags of one host build of the kernels: [`KERNEL_HOST_FLAGS`], then the build's `own`,
+/// then `shim` (the CUDA stand-ins) included first and each of `include_dirs` on the path.
+pub fn kernel_host_flags(own: &[&str], shim: &Path, include_dirs: &[&Path]) -> Vec<OsString> {
+    let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
+        .iter()
+        .chain(own)
+        .map(OsString::from)
+        .collect();
+    flags.extend(["-include".into(), shim.as_os_str().to_owned()]);
+    for dir in include_dirs {
+        flags.extend(["-I".into(), dir.as_os_str().to_owned()]);
+    }
+    flags
+}
+
+/// Links `objects` with g++ into `output`: `before` ahead of the objects, `after` behind them
+/// (libraries). The error starts with `failure` and holds g++'s output.
+pub fn link(
+    before: &[&str],
+    objects: &[PathBuf],
+    after: &[&str],
+    output: &Path,
+    failure: &str,
+) -> Result<(), String> {
+    let out = Command::new("g++")
+        .args(before)
+        .args(objects)
+        .args(after)
+        .arg("-o")
+        .arg(output)
+        .output()
+        .map_err(|e| format!("run g++ to link: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{failure}:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
 /// Compiles every source in parallel, as C++, into `dir` (object `i` of `sources[i]`), with
 /// `flags(source)` before the source; returns the objects in the order of `sources`. The error
 /// names g++ when it cannot start, and otherwise holds the compiler's output for every source

@@ -13,13 +13,12 @@
 //! Builds are kept in a cache directory under a digest of everything that goes into them
 //! (sources, headers, flags, the compiler's version).
 
-use std::ffi::OsString;
 use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
 use crate::digest::Digest;
 use crate::gcov::Coverage;
-use crate::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
+use crate::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel, kernel_host_flags, link};
 
 /// g++ flags besides [`KERNEL_HOST_FLAGS`]: those of the emulator's test build at `-O0` for
 /// `-O1`, without UBSan's checks (which split lines into blocks that gcov then counts more
@@ -139,37 +138,17 @@ fn build_into(sources: &EmulatorSources, dir: &Path) -> Result<(), String> {
     units.push(sources.harness.join("emulator.cpp"));
     let shim = sources.harness.join("cuda_shim.h");
     let objects = compile_in_parallel(&units, dir, |_| {
-        let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
-            .iter()
-            .chain(&FLAGS)
-            .map(OsString::from)
-            .collect();
-        flags.extend([
-            "-include".into(),
-            shim.clone().into(),
-            "-I".into(),
-            sources.kernels.clone().into(),
-            "-I".into(),
-            sources.harness.clone().into(),
-        ]);
-        flags
+        kernel_host_flags(&FLAGS, &shim, &[&sources.kernels, &sources.harness])
     })
     .map_err(|e| format!("building the coverage emulator failed:\n{e}"))?;
-    let out = Command::new("g++")
-        .args(["-pthread", "-fsanitize=undefined", "--coverage"])
-        .args(&objects)
-        .arg("-ldl")
-        .arg("-o")
-        .arg(dir.join("emulator"))
-        .output()
-        .map_err(|e| format!("start g++: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "linking the coverage emulator failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(())
+    let before = ["-pthread", "-fsanitize=undefined", "--coverage"];
+    link(
+        &before,
+        &objects,
+        &["-ldl"],
+        &dir.join("emulator"),
+        "linking the coverage emulator failed",
+    )
 }
 
 /// A digest of everything a build depends on: the flags, g++'s version, every file of the

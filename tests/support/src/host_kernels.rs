@@ -10,17 +10,16 @@
 //!   test processes, later runs) load it without compiling.
 
 use std::collections::BTreeSet;
-use std::ffi::{CStr, OsString, c_char, c_int};
+use std::ffi::{CStr, c_char, c_int};
 use std::fmt::Write as _;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use sdp4bit::backend::cuda::KernelSpec;
 use sdp4bit::backend::cuda::source::{HEADERS, SOURCES};
 
-use crate::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel};
+use crate::gxx::{compile_in_parallel, kernel_host_flags, link};
 
 /// g++ flags of a host build besides [`KERNEL_HOST_FLAGS`]: position-independent, and UBSan,
 /// which stops the emulator at undefined behaviour in a kernel (misaligned accesses, which work
@@ -94,37 +93,20 @@ pub fn build(
         sources.push(path);
     }
     let shim = emulator_dir().join("cuda_shim.h");
+    let emulator = emulator_dir();
     let objects = compile_in_parallel(&sources, dir, |_| {
-        let mut flags: Vec<OsString> = KERNEL_HOST_FLAGS
-            .iter()
-            .chain(&CXX_FLAGS)
-            .map(OsString::from)
-            .collect();
-        flags.extend([
-            "-include".into(),
-            shim.clone().into(),
-            "-I".into(),
-            kernels.into(),
-            "-I".into(),
-            emulator_dir().into(),
-        ]);
-        flags
+        kernel_host_flags(&CXX_FLAGS, &shim, &[kernels, &emulator])
     })
     .map_err(|e| format!("building the host kernels failed (warnings are errors):\n{e}"))?;
     let library = dir.join(format!("{name}.so"));
-    let out = Command::new("g++")
-        .args(["-shared", "-pthread", "-fsanitize=undefined"])
-        .args(&objects)
-        .arg("-o")
-        .arg(&library)
-        .output()
-        .map_err(|e| format!("run g++ to link: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "linking the host kernels failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
+    let before = ["-shared", "-pthread", "-fsanitize=undefined"];
+    link(
+        &before,
+        &objects,
+        &[],
+        &library,
+        "linking the host kernels failed",
+    )?;
     Ok(library)
 }
 
