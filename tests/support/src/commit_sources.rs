@@ -5,14 +5,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The files under `paths` of `commit` of the repository `repository`, extracted into a
-/// directory of `cache` (made once, complete or not at all); its path.
+/// directory of `cache` named by the commit and the paths (made once, complete or not at all,
+/// so that callers asking for other paths of the same commit never share an incomplete one);
+/// its path.
 pub fn commit_sources(
     repository: &Path,
     commit: &str,
     paths: &[&str],
     cache: &Path,
 ) -> Result<PathBuf, String> {
-    let dir = cache.join(format!("sources-{commit}"));
+    let named = paths.join("+").replace('/', "_");
+    let dir = cache.join(format!("sources-{commit}-{named}"));
     if paths.iter().all(|p| dir.join(p).exists()) {
         return Ok(dir);
     }
