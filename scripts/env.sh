@@ -31,6 +31,9 @@
 SDP4BIT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SDP4BIT_MAIN_VENV="$SDP4BIT_ROOT/.cache/venv"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
+# The environments are made once and kept (a stamp per requirements file), so pip's cache of
+# downloaded wheels (gigabytes of CUDA libraries per torch) would only fill the disk.
+export PIP_NO_CACHE_DIR=1
 # DeepSpeed JIT-builds its CPU communication op (with ninja, from the environment) on first use;
 # the build is kept with the project rather than in the home directory.
 export TORCH_EXTENSIONS_DIR="$SDP4BIT_ROOT/.cache/torch_extensions"

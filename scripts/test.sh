@@ -38,6 +38,7 @@ step() {
   if [ -n "$STEP" ]; then echo "== $STEP"; fi
 }
 summary() {
+  echo "== disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free; this checkout $(du -sh . | cut -f1)"
   echo "== elapsed time per step"
   printf '%s\n' "${TIMES[@]}"
   printf '%5d s  total\n' "$SECONDS"
@@ -129,7 +130,7 @@ bash scripts/gpu_kit.sh prepare
 export SDP4BIT_REQUIRE_GPU_KIT=1
 
 step "pytest tests/python (multi-process gloo; megatron-core 0.16.1)"
-pytest -q -rs tests/python
+pytest -q -rs --durations=15 tests/python
 
 step "pytest tests/python/test_megatron*.py against megatron-core $MCORE_NEXT (pure Python, under 3.11)"
 # megatron-core 0.17+ declares Python 3.12; its megatron.core is pure Python, so its wheel is
