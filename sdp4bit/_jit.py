@@ -6,11 +6,16 @@ A portable wheel (docs/install.md) carries, in ``sdp4bit/_bundle/``, the Rust co
 import compiles the sources with torch's C++ extension builder (g++ and ninja) and links them
 with the core; the library is cached per bundle, torch ABI (release and C++11 ABI flag) and
 Python, so each torch build compiles once. Concurrent first imports (the ranks of one node)
-compile once: torch's builder holds a lock in the build directory while the others wait.
+compile once: the first takes an advisory lock (``flock``) beside the cache entry and the
+others wait on it, then load what it built. The kernel drops the lock when its holder dies, so
+a compile killed half-way leaves nothing that blocks the next import; torch's own lock file in
+the entry, which a killed compile leaves behind, is removed under that lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -26,6 +31,8 @@ CACHE_VAR = "SDP4BIT_EXTENSIONS_DIR"
 NAME = "sdp4bit_ext"
 MANIFEST = "manifest.json"
 DONE = "sdp4bit-built.json"
+#: The lock file torch's builder (``torch.utils.file_baton``) keeps in its build directory.
+TORCH_BATON = "lock"
 
 
 def bundle_dir() -> Path:
@@ -110,10 +117,32 @@ def compile_library(bundle: Path, directory: Path, torch_record: dict) -> Path:
     return Path(path)
 
 
+@contextlib.contextmanager
+def exclusive(directory: Path):
+    """Holds the advisory lock of the cache entry ``directory`` (a ``.lock`` file beside it);
+    the kernel releases it when the holder exits, however it exits."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def library(bundle: Path) -> Path:
-    """The bundle's extension for this interpreter's torch: cached, else compiled now."""
+    """The bundle's extension for this interpreter's torch: cached, else compiled now (one
+    process at a time per cache entry)."""
     manifest = json.loads((bundle / MANIFEST).read_text())
     torch_record = _torch_abi.installed()
     directory = build_dir(manifest, torch_record, sys.implementation.cache_tag)
-    return cached_library(directory, torch_record) or compile_library(bundle, directory,
-                                                                      torch_record)
+    cached = cached_library(directory, torch_record)
+    if cached is not None:
+        return cached
+    with exclusive(directory):
+        cached = cached_library(directory, torch_record)
+        if cached is not None:
+            return cached
+        # Whoever held torch's lock here was killed: no live process compiles in this entry.
+        (directory / TORCH_BATON).unlink(missing_ok=True)
+        return compile_library(bundle, directory, torch_record)

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -54,6 +55,71 @@ def test_without_ninja_the_first_import_says_what_to_install(monkeypatch):
     with pytest.raises(ImportError, match=r"needs ninja on PATH or the ninja package \(pip "
                                           r"install ninja\), and g\+\+"):
         _jit._put_ninja_on_path()
+
+
+#: A first import in a child process whose compile is replaced by a stand-in: it records its
+#: start in argv[2], waits argv[3] seconds (killed there, when the test kills it) and writes a
+#: library as the real one would; the child prints what `library` returned.
+FIRST_IMPORT = """
+import json, os, sys, time
+from pathlib import Path
+from sdp4bit import _jit
+
+def compile_stand_in(bundle, directory, torch_record):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(sys.argv[2], "a") as starts:
+        starts.write(f"{os.getpid()} baton={(directory / _jit.TORCH_BATON).exists()}\\n")
+    (directory / _jit.TORCH_BATON).write_text("")  # what torch's builder holds while it runs
+    time.sleep(float(sys.argv[3]))
+    (directory / f"{_jit.NAME}.so").write_bytes(b"")
+    (directory / _jit.TORCH_BATON).unlink()
+    (directory / _jit.DONE).write_text(json.dumps(torch_record))
+    return directory / f"{_jit.NAME}.so"
+
+_jit.compile_library = compile_stand_in
+print(_jit.library(Path(sys.argv[1])))
+"""
+
+
+def first_import(bundle: Path, starts: Path, seconds: float) -> subprocess.Popen:
+    """A child process importing the bundle's extension through `_jit.library`."""
+    package_root = str(Path(_jit.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root,
+                                                         os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", FIRST_IMPORT, str(bundle), str(starts),
+                             str(seconds)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def bundle(monkeypatch, tmp_path) -> Path:
+    """A bundle directory with a manifest, and the extension cache in the test's directory."""
+    monkeypatch.setenv(_jit.CACHE_VAR, str(tmp_path / "cache"))
+    (tmp_path / "bundle").mkdir()
+    (tmp_path / "bundle" / _jit.MANIFEST).write_text(json.dumps(MANIFEST))
+    return tmp_path / "bundle"
+
+
+def test_concurrent_first_imports_compile_once(bundle, tmp_path):
+    starts = tmp_path / "starts"
+    children = [first_import(bundle, starts, 3.0) for _ in range(3)]
+    libraries = {child.communicate(timeout=120)[0].strip() for child in children}
+    assert [child.returncode for child in children] == [0, 0, 0]
+    assert len(libraries) == 1 and libraries.pop().endswith(f"{_jit.NAME}.so")
+    assert len(starts.read_text().splitlines()) == 1  # the control: a count that can be 3
+
+
+def test_a_compile_killed_half_way_blocks_no_later_import(bundle, tmp_path):
+    starts = tmp_path / "starts"
+    killed = first_import(bundle, starts, 600.0)
+    while not starts.exists():  # the stand-in has begun and holds torch's lock file
+        assert killed.poll() is None, "the first import ended before it compiled"
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    later = first_import(bundle, starts, 0.0)
+    assert later.communicate(timeout=60)[0].strip().endswith(f"{_jit.NAME}.so")
+    # The later import compiled (a second start) after removing the dead compile's lock file.
+    assert [line.split()[1] for line in starts.read_text().splitlines()] == ["baton=False"] * 2
 
 
 @pytest.fixture(scope="module")
