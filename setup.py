@@ -44,6 +44,7 @@ def load_by_path(name: str, path: Path):
 
 build_native = load_by_path("build_native", REPO / "scripts" / "build_native.py")
 torch_abi = load_by_path("sdp4bit_torch_abi", REPO / "sdp4bit" / "_torch_abi.py")
+glibc_floor = load_by_path("glibc_floor", REPO / "scripts" / "glibc_floor.py")
 
 
 def native_bundle() -> Path:
@@ -154,27 +155,21 @@ class BuildPyWithBundle(build_py):
         (target / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def portable_platform() -> str:
-    """The portable wheel's platform tag: the glibc of the host that built the core. Its C++
-    half, compiled here, needs that glibc's symbols (`__libc_single_threaded`, 2.32, from
-    libstdc++'s headers); a core built in an older manylinux image would lower it."""
-    libc, version = platform.libc_ver()
-    if libc != "glibc" or platform.machine() != "x86_64":
-        sys.exit(f"sdp4bit: a portable wheel is built on x86-64 glibc Linux, not {libc} "
-                 f"{version} on {platform.machine()}")
-    major, minor = version.split(".")[:2]
-    return f"manylinux_{major}_{minor}_x86_64"
-
-
 def portable_bdist_wheel():
-    """bdist_wheel tagged py3-none-<portable_platform()>: no Python extension is inside (the
+    """bdist_wheel tagged py3-none-manylinux_X_Y_x86_64: no Python extension is inside (the
     glue is compiled at first import), so any Python 3 takes it, but the core is x86-64 Linux
-    code."""
+    code, linked on the user's host against glibc X.Y or newer (scripts/glibc_floor.py: the
+    newest glibc release among those that introduced a symbol the archive needs)."""
     from setuptools.command.bdist_wheel import bdist_wheel
 
     class PortableWheel(bdist_wheel):
         def get_tag(self):
-            return "py3", "none", portable_platform()
+            if platform.machine() != "x86_64" or platform.libc_ver()[0] != "glibc":
+                sys.exit("sdp4bit: a portable wheel is built on x86-64 glibc Linux, not "
+                         f"{platform.libc_ver()} on {platform.machine()}")
+            staged = Path(self.get_finalized_command("build_py").build_lib)
+            return "py3", "none", glibc_floor.platform_tag(
+                staged / "sdp4bit" / "_bundle" / "lib" / "libsdp4bit.a")
 
     return PortableWheel
 

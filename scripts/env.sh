@@ -96,7 +96,8 @@ sdp4bit_main_venv() {
 # it (sdp4bit_record_install DIR [HASH]: the hash taken when the build began, else now), and
 # the main job reinstalls only when the tree has changed.
 SDP4BIT_PACKAGE_SOURCES=(Cargo.toml Cargo.lock build.rs .cargo setup.py pyproject.toml
-  MANIFEST.in src cpp kernels sdp4bit megatron_patch scripts/build_native.py)
+  MANIFEST.in src cpp kernels sdp4bit megatron_patch scripts/build_native.py
+  scripts/glibc_floor.py)
 
 sdp4bit_source_hash() {
   (cd "$SDP4BIT_ROOT" && git rev-parse --git-dir >/dev/null 2>&1 \

@@ -86,7 +86,7 @@ EXERCISED = {
     # the portable wheel: built by the test command, installed by its test without cargo
     "python scripts/build_wheel.py --out DIR": lambda: _contains(
         TEST_SH, "python scripts/build_wheel.py --out .cache/wheel"),
-    "pip install DIR/sdp4bit-0.1.0-py3-none-manylinux_2_36_x86_64.whl ninja": lambda: _contains(
+    "pip install DIR/sdp4bit-0.1.0-py3-none-manylinux_2_32_x86_64.whl ninja": lambda: _contains(
         "tests/python/test_wheel.py", '"-m", "pip", "install", "--quiet", "--no-index"'),
     # the sdist with vendored crates, installed offline by the test command
     "python -m build --sdist": lambda: _contains(TEST_SH, "python -m build --sdist"),
@@ -187,7 +187,8 @@ EXERCISED = {
         TEST_SH, "cargo test --locked --release\n"),
     "cargo test --release --test cuda_gpu --no-run": lambda: _contains(
         TEST_SH, "cargo test --locked --release\n"),
-    ".cache/venv/bin/pytest -q tests/python": lambda: _contains(TEST_SH, "pytest -q -rs tests/python"),
+    ".cache/venv/bin/pytest -q tests/python": lambda: _contains(
+        TEST_SH, "pytest -q -rs --durations=15 tests/python"),
 }
 
 
