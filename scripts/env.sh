@@ -8,7 +8,10 @@
 #                                      installs the pinned requirement file REQS into it, then
 #                                      REQS_NB without build isolation (DeepSpeed's setup.py
 #                                      imports torch); skipped when DIR already holds exactly
-#                                      these files' contents
+#                                      these files' contents; with the interpreter
+#                                      SDP4BIT_VENV_PYTHON (default python3; DIR is made again
+#                                      when its Python differs)
+#   sdp4bit_python312                  prints a Python 3.12 interpreter's path, or fails
 #   sdp4bit_use DIR                    puts DIR/bin first on PATH and sets VIRTUAL_ENV
 #   sdp4bit_main_venv                  the environment of the full test suite, the main job
 #                                      and the benchmark harnesses (.cache/venv:
@@ -42,14 +45,19 @@ sdp4bit_venv() {
   local dir=$1
   shift
   local stamp="$dir/.sdp4bit-requirements"
+  local python=${SDP4BIT_VENV_PYTHON:-python3}
   local want
-  want=$(cd "$SDP4BIT_ROOT" && sha256sum "$@")
+  want=$(cd "$SDP4BIT_ROOT" && "$python" --version && sha256sum "$@")
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$dir/bin/python" ]; then
     return 0
   fi
+  if [ -x "$dir/bin/python" ] && [ "$("$dir/bin/python" --version)" != "$("$python" --version)" ]; then
+    echo "   $dir has $("$dir/bin/python" --version), not $("$python" --version): made again"
+    rm -rf "$dir"
+  fi
   if [ ! -x "$dir/bin/python" ]; then
-    echo "   creating the virtual environment $dir"
-    python3 -m venv "$dir"
+    echo "   creating the virtual environment $dir ($("$python" --version))"
+    "$python" -m venv "$dir"
   fi
   echo "   installing $1 into $dir"
   "$dir/bin/python" -m pip install --quiet -r "$SDP4BIT_ROOT/$1"
@@ -59,6 +67,19 @@ sdp4bit_venv() {
       -r "$SDP4BIT_ROOT/$2"
   fi
   echo "$want" > "$stamp"
+}
+
+# A Python 3.12 interpreter with venv (on PATH, else pyenv's), for the environment of the
+# newest torch; prints its path, or fails when the machine has none.
+sdp4bit_python312() {
+  local found
+  for found in "$(command -v python3.12 || true)" "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    if [ -x "$found" ] && "$found" -c 'import ensurepip, venv' 2>/dev/null; then
+      echo "$found"
+      return 0
+    fi
+  done
+  return 1
 }
 
 sdp4bit_use() {

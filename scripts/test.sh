@@ -63,10 +63,19 @@ mkdir -p .cache/logs
 sdp4bit_venv "$SDP4BIT_MAIN_VENV" requirements-test.txt requirements-deepspeed.txt \
   > .cache/logs/venv-main.log 2>&1 &
 MAIN_ENV_PID=$!
+# The newest torch's environment runs Python 3.12 where the machine has one (pyenv's too), so
+# the extension, the collectives and the portable wheel are also checked under 3.12.
+NEWEST_PYTHON=$(sdp4bit_python312) || {
+  NEWEST_PYTHON=python3
+  echo "   NOTE: no Python 3.12 on this machine (PATH, ~/.pyenv): the newest torch and the wheel" \
+    "are checked under $(python3 --version) only"
+}
 (
   set -e
   for name in "${COMPAT_TORCH[@]}"; do
-    sdp4bit_venv ".cache/venv-torch-$name" "requirements-torch-$name.txt"
+    python=python3
+    if [ "$name" = newest ]; then python=$NEWEST_PYTHON; fi
+    SDP4BIT_VENV_PYTHON=$python sdp4bit_venv ".cache/venv-torch-$name" "requirements-torch-$name.txt"
   done
 ) > .cache/logs/venv-compat.log 2>&1 &
 COMPAT_ENVS_PID=$!
@@ -104,17 +113,21 @@ sdp4bit_use "$SDP4BIT_MAIN_VENV"
 # in-process collective through the extension.
 smoke() {
   (cd /tmp && "$1/bin/python" -W ignore -c "
-import torch, sdp4bit as m
+import sys, torch, sdp4bit as m
 c = m.Config('sdp4bit')
 x = torch.randn(4, 4096)
 y = torch.ops.sdp4bit.simulate_grad_reduce_scatter(c.spec(), [0, 0, 1, 1], 0, 0, x)
-print('   torch', torch.__version__, '| extension from', m.__file__,
+print('   Python', sys.version.split()[0], '| torch', torch.__version__, '| extension from',
+      m.__file__,
       '| max err', float((y.reshape(-1) - x.sum(0)).abs().max()))")
 }
 
 step "pip install from an sdist offline: no index, cargo builds the Rust core from its vendored crates with the network off and an empty CARGO_HOME (torch pinned)"
 rm -rf .cache/dist && python -m build --sdist --no-isolation --outdir .cache/dist . >/dev/null
-tar tzf .cache/dist/sdp4bit-*.tar.gz | grep -q '^sdp4bit-[^/]*/vendor/cxx-1\.'
+# The listing goes to a file: `tar | grep -q` fails under pipefail when grep's early exit
+# stops tar with SIGPIPE.
+tar tzf .cache/dist/sdp4bit-*.tar.gz > .cache/dist/contents.txt
+grep -q '^sdp4bit-[^/]*/vendor/cxx-1\.' .cache/dist/contents.txt
 # The sdist builds in a temporary directory; cargo compiles the vendored crates again (they are
 # another source to it) into the shared target directory.
 OFFLINE_CARGO_HOME=$(mktemp -d)
@@ -171,8 +184,14 @@ step "native bundle from the tree (python scripts/build_native.py), and one as a
 python scripts/build_native.py --out .cache/native-bundle >/dev/null
 # Without SDP4BIT_TEST_OPS the tests' in-process references are not in the library at all.
 SDP4BIT_TEST_OPS= python scripts/build_native.py --out .cache/native-bundle-wheel >/dev/null
+# readelf reads every member (binutils' nm skips objects with as many sections as Rust's);
+# the counts are taken whole (no grep -q, whose early exit would stop readelf mid-pipe).
+simulate_symbols() { readelf -W --syms "$1/lib/libsdp4bit.a" | grep -c simulate_ || true; }
+if [ "$(simulate_symbols .cache/native-bundle)" -eq 0 ]; then
+  echo "no simulate_* symbol found in the test build's bundle: the check below sees nothing"; exit 1
+fi
 if grep -q simulate_ .cache/native-bundle-wheel/include/sdp4bit/src/ffi/mod.rs.h \
-  || nm .cache/native-bundle-wheel/lib/libsdp4bit.a 2>/dev/null | grep -q simulate_; then
+  || [ "$(simulate_symbols .cache/native-bundle-wheel)" -ne 0 ]; then
   echo "a bundle built without SDP4BIT_TEST_OPS holds the tests' simulate_* functions"; exit 1
 fi
 grep -qx ffi .cache/native-bundle-wheel/features.txt
@@ -180,7 +199,8 @@ step "waiting for the other torch versions' environments"
 wait_for "$COMPAT_ENVS_PID" .cache/logs/venv-compat.log
 for name in "${COMPAT_TORCH[@]}"; do
   venv=$ROOT/.cache/venv-torch-$name
-  version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+  version=$("$venv/bin/python" -c 'import platform, torch
+print(torch.__version__, "under Python", platform.python_version())')
   step "torch $version ($name): pip install . from this checkout (after the other torch's: rebuilt, not reused) with the prebuilt bundle and no cargo, one collective, FSDP2"
   (
     sdp4bit_use "$venv"
@@ -193,12 +213,13 @@ for name in "${COMPAT_TORCH[@]}"; do
   )
 done
 
-step "portable wheel (python scripts/build_wheel.py): a fresh environment without cargo installs it, compiles the glue at first import against torch $version, runs 4 ranks"
+step "portable wheel (python scripts/build_wheel.py): fresh environments without cargo install it and compile the glue at first import; 4 ranks and the main job under the newest torch (Python 3.12) and the floor"
 SDP4BIT_NATIVE_DIR=$ROOT/.cache/native-bundle-wheel python scripts/build_wheel.py --out .cache/wheel \
   >/dev/null
 # The extensions compiled at first import are cached per bundle, torch ABI and Python.
 SDP4BIT_WHEEL=$(echo "$ROOT"/.cache/wheel/sdp4bit-*.whl) SDP4BIT_REQUIRE_WHEEL=1 \
-  SDP4BIT_WHEEL_TORCH=$ROOT/.cache/venv-torch-newest \
+  SDP4BIT_WHEEL_TORCH=$ROOT/.cache/venv-torch-newest:$ROOT/.cache/venv-torch-floor \
+  SDP4BIT_WHEEL_MAIN_ENV=$ROOT/.cache/venv-torch-newest:$ROOT/.cache/venv-torch-floor \
   SDP4BIT_EXTENSIONS_DIR=$ROOT/.cache/sdp4bit-extensions \
   pytest -q -p no:cacheprovider tests/python/test_wheel.py
 

@@ -1,7 +1,9 @@
 """The portable wheel (scripts/build_wheel.py, docs/install.md): its cache of extensions compiled
-at first import, and, where the test command built one (SDP4BIT_WHEEL, the wheel's path, and
-SDP4BIT_WHEEL_TORCH, a virtual environment with the torch to check it with), the wheel
-installed into a fresh virtual environment without cargo, imported, and run on 4 processes."""
+at first import, and, where the test command built one (SDP4BIT_WHEEL, the wheel's path), the
+wheel installed without cargo into fresh virtual environments that see the packages of others:
+each of SDP4BIT_WHEEL_TORCH (os.pathsep-separated; the newest torch, under Python 3.12 where
+the machine has it, and the floor) imports it and runs 4 processes, and each of
+SDP4BIT_WHEEL_MAIN_ENV (the same two, with megatron-core) runs the main job."""
 
 from __future__ import annotations
 
@@ -167,11 +169,22 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> str:
     return done.stdout
 
 
-def test_a_fresh_environment_without_cargo_installs_it_and_runs_four_ranks(wheel, tmp_path):
-    torch_venv = Path(os.environ["SDP4BIT_WHEEL_TORCH"])
+def wheel_environments(variable: str) -> list[str]:
+    """The virtual environments (os.pathsep-separated in `variable`) whose packages the wheel
+    is checked with; where the test command sets none, one placeholder that the `wheel`
+    fixture skips."""
+    return [p for p in os.environ.get(variable, "").split(os.pathsep) if p] or ["unset"]
+
+
+def install_into_fresh_environment(wheel: Path, packages: Path, tmp_path: Path):
+    """A fresh virtual environment seeing the packages of `packages` (torch and the rest), no
+    cargo on its PATH, the wheel installed offline; returns its Python and environment
+    variables."""
+    if str(packages) == "unset":
+        pytest.fail("a wheel was built (SDP4BIT_WHEEL) but no environment to check it with")
     venv = tmp_path / "venv"
     subprocess.run(["bash", "-c", f'source "{ROOT}/scripts/env.sh" && '
-                                  f'sdp4bit_torch_view "{venv}" "{torch_venv}"'], check=True)
+                                  f'sdp4bit_torch_view "{venv}" "{packages}"'], check=True)
     python = str(venv / "bin" / "python")
     path = os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     assert shutil.which("cargo", path=path) is None, "cargo is on the fresh environment's PATH"
@@ -181,6 +194,13 @@ def test_a_fresh_environment_without_cargo_installs_it_and_runs_four_ranks(wheel
     env.setdefault(_jit.CACHE_VAR, str(tmp_path / "extensions"))
     # --no-index: the requirement on torch is met by the environment's torch, or this fails.
     run([python, "-m", "pip", "install", "--quiet", "--no-index", str(wheel)], env, tmp_path)
+    return python, env
+
+
+@pytest.mark.parametrize("packages", wheel_environments("SDP4BIT_WHEEL_TORCH"))
+def test_a_fresh_environment_without_cargo_installs_it_and_runs_four_ranks(wheel, packages,
+                                                                          tmp_path):
+    python, env = install_into_fresh_environment(wheel, Path(packages), tmp_path)
     # The environment's torch, read without importing sdp4bit: the selftest imports it first.
     torch = json.loads(run([python, "-c", "import json, torch; print(json.dumps({'torch': "
                                           "torch.__version__, 'cxx11_abi': "
@@ -197,3 +217,16 @@ def test_a_fresh_environment_without_cargo_installs_it_and_runs_four_ranks(wheel
                str(ROOT / "examples" / "quickstart.py")], env, tmp_path)
     error = float(re.search(r"relative error ([0-9.]+)", out).group(1))
     assert error < 0.5 and "replicas identical: True" in out, out
+
+
+@pytest.mark.parametrize("packages", wheel_environments("SDP4BIT_WHEEL_MAIN_ENV"))
+def test_the_main_job_runs_from_the_wheel(wheel, packages, tmp_path):
+    """The README's main job (megatron-core's GPT on 4 ranks, the sdp4bit preset) with the
+    package from the wheel, in an environment seeing the main job's packages."""
+    python, env = install_into_fresh_environment(wheel, Path(packages), tmp_path)
+    out = run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               str(ROOT / "examples" / "gpt_cpu" / "train.py"), "--ranks-per-node", "2",
+               "--steps", "3", "--log-every", "1", "--corpus-bytes", "400000"], env, tmp_path)
+    assert "megatron-core GPTModel" in out and "DistributedOptimizer" in out, out
+    assert "skipped steps 0; replicas bit-identical: True" in out, out
+    assert "x less" in out and "MiB saved" in out, out
