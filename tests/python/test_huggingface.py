@@ -27,10 +27,10 @@ SENT, UNCOMPRESSED = "sdp4bit/bytes_sent", "sdp4bit/bytes_uncompressed"
 def _launch(launcher: list[str], results: Path, *args: str) -> list[dict]:
     """Runs huggingface_scenarios.py with `args` (its own, then the example and the example's)
     on 2 ranks from the checkout under `launcher`; returns each rank's results."""
+    # The ranks run from the checkout (the example's paths are relative to it) but import the
+    # installed sdp4bit: PYTHONSAFEPATH keeps `-m` from putting the checkout first on sys.path.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                       os.environ.get("PYTHONPATH")]))}
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONSAFEPATH": "1"}
     command = [*launcher, str(HERE / "huggingface_scenarios.py"), str(results), *args]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -87,8 +87,11 @@ def first_import(bundle: Path, starts: Path, seconds: float) -> subprocess.Popen
     package_root = str(Path(_jit.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root,
                                                          os.environ.get("PYTHONPATH", "")])}
+    # Run from the bundle's directory: `python -c` puts its working directory first on sys.path,
+    # and a checkout there holds an sdp4bit without the installed extension.
     return subprocess.Popen([sys.executable, "-c", FIRST_IMPORT, str(bundle), str(starts),
-                             str(seconds)], env=env, stdout=subprocess.PIPE, text=True)
+                             str(seconds)], env=env, cwd=bundle.parent, stdout=subprocess.PIPE,
+                            text=True)
 
 
 @pytest.fixture
