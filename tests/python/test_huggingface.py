@@ -27,12 +27,17 @@ SENT, UNCOMPRESSED = "sdp4bit/bytes_sent", "sdp4bit/bytes_uncompressed"
 def _launch(launcher: list[str], results: Path, *args: str) -> list[dict]:
     """Runs huggingface_scenarios.py with `args` (its own, then the example and the example's)
     on 2 ranks from the checkout under `launcher`; returns each rank's results."""
-    # The ranks run from the checkout (the example's paths are relative to it) but import the
-    # installed sdp4bit: PYTHONSAFEPATH keeps `-m` from putting the checkout first on sys.path.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONSAFEPATH": "1"}
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # The ranks must import the installed sdp4bit, but `-m` and accelerate's launcher put the
+    # working directory on the path: they run from a directory that holds only the examples
+    # (the paths in the commands and configs are relative to the checkout, as the docs show).
+    workdir = results.parent / "workdir"
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (workdir / "examples").exists():
+        (workdir / "examples").symlink_to(ROOT / "examples")
     command = [*launcher, str(HERE / "huggingface_scenarios.py"), str(results), *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-6000:]}"
     return [torch.load(results / f"rank{r}.pt", weights_only=False) for r in range(2)]
