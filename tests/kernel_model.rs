@@ -1,5 +1,5 @@
-//! The kernel model's machinery (`bench/kernels.rs`, docs/kernel-model.md): the readers of
-//! gcov's JSON, of C++ loops and of SASS listings, the case-file writer, the mapping of line
+//! The kernel model's machinery (`bench/kernels.rs`, docs/kernel-model.md): its cache entries
+//! made by concurrent threads, the readers of gcov's JSON, of C++ loops and of SASS listings, the case-file writer, the mapping of line
 //! counts onto instructions, the round trips and the timing model on hand-made inputs; and
 //! the whole count of a tiny synthetic kernel with a loop of known trip count, compiled with
 //! NVRTC and run on the coverage emulator.
@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use sdp4bit::backend::cuda::probe;
+use sdp4bit_test_support::cache_entry::{make_entry, private_dir};
 use sdp4bit_test_support::commit_sources::commit_sources;
 use sdp4bit_test_support::dynamic_count::{LoopIndex, split_per_warp_and_unit, warp_executions};
 use sdp4bit_test_support::emulator_case::{CaseFormat, CaseLaunch, EmulatorCase, WarpOrder};
@@ -32,6 +33,52 @@ use sdp4bit_test_support::specialised_count::{Place, cold_index, structural};
 use sdp4bit_test_support::timing_model::{
     Bound, Call, Constants, Gpu, Search, fit, leave_one_out, predict,
 };
+
+/// Threads that make the same cache entry at once (as the model's rows do) each fill a
+/// directory of their own: every maker sees only its own files, the entry holds one maker's
+/// files whole, and no staging directory stays (a name made of the process id, as the
+/// directories were named before, fails it).
+#[test]
+fn concurrent_makers_of_a_cache_entry_never_share_a_directory() {
+    let parent = private_dir(&std::env::temp_dir(), "sdp4bit-cache-entry-").expect("a directory");
+    let entry = parent.path().join("entry");
+    let barrier = std::sync::Barrier::new(8);
+    std::thread::scope(|s| {
+        for maker in 0..8u8 {
+            let (entry, barrier) = (&entry, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                make_entry(entry, |staging| {
+                    std::fs::write(staging.join("first"), [maker; 4096])
+                        .map_err(|e| e.to_string())?;
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    std::fs::write(staging.join("second"), [maker]).map_err(|e| e.to_string())?;
+                    let names = std::fs::read_dir(staging)
+                        .map_err(|e| e.to_string())?
+                        .count();
+                    let first = std::fs::read(staging.join("first")).map_err(|e| e.to_string())?;
+                    let own = first.iter().filter(|&&b| b == maker).count();
+                    assert_eq!(
+                        (names, own),
+                        (2, 4096),
+                        "maker {maker}: a shared staging directory"
+                    );
+                    Ok(())
+                })
+                .expect("the entry is made");
+            });
+        }
+    });
+    let second = std::fs::read(entry.join("second")).expect("a whole entry");
+    let first = std::fs::read(entry.join("first")).expect("a whole entry");
+    assert_eq!(first, vec![second[0]; 4096], "one maker's files");
+    let left: Vec<_> = std::fs::read_dir(parent.path())
+        .expect("read")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left, ["entry"], "staging directories left behind");
+}
 
 #[test]
 fn json_reads_what_gcov_writes() {

@@ -15,6 +15,7 @@ use sdp4bit::backend::cuda::compile::compile_for;
 use sdp4bit::backend::cuda::source::Kernel;
 use sdp4bit::backend::cuda::variants::{default_variant, table_variant};
 use sdp4bit::backend::cuda::{Arch, KernelSpec, Target};
+use sdp4bit_test_support::cache_entry::write_entry;
 use sdp4bit_test_support::digest::Digest;
 use sdp4bit_test_support::host_coverage::{CoverageEmulator, EmulatorSources};
 use sdp4bit_test_support::host_kernels::translation_unit;
@@ -165,15 +166,7 @@ fn host_units(specs: &[KernelSpec], cache: &Path) -> Result<Vec<PathBuf>, String
     }
     let dir = cache.join(format!("host-units-{}", digest.hex()));
     if !texts.iter().all(|(name, _)| dir.join(name).is_file()) {
-        let staging = dir.with_extension(format!("staging-{}", std::process::id()));
-        std::fs::create_dir_all(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
-        for (name, text) in &texts {
-            std::fs::write(staging.join(name), text).map_err(|e| format!("{name}: {e}"))?;
-        }
-        if std::fs::rename(&staging, &dir).is_err() {
-            // Another process wrote the same units first.
-            let _ = std::fs::remove_dir_all(&staging);
-        }
+        write_entry(&dir, &texts)?;
     }
     Ok(texts.iter().map(|(name, _)| dir.join(name)).collect())
 }

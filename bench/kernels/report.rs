@@ -567,7 +567,10 @@ fn validation(
             .find(|(t, _)| *t == tag)
             .map(|(_, text)| *text)
             .ok_or_else(|| {
-                format!("row {tag} lies outside +-30% and RESIDUALS explains no such residual")
+                format!(
+                    "row {tag} lies outside +-30% and RESIDUALS explains no such residual; \
+                     the report up to it (the model's inputs and fit):\n{w}"
+                )
             })?;
         let _ = writeln!(w, "\n{tag}: {explanation}");
     }

@@ -168,7 +168,8 @@ fn write(dir: &Path, key: &str, image: &[u8]) -> std::io::Result<()> {
 }
 
 /// Writes `dir/NAME` through a temporary file of the same directory renamed into place, so a
-/// reader sees the old file or the new one, never half of one.
+/// reader sees the old file or the new one, never half of one. Callers hold the name's
+/// [`lock`], so no two writers share the temporary name.
 pub(super) fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

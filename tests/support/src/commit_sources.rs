@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::cache_entry::make_entry;
+
 /// The files under `paths` of `commit` of the repository `repository`, extracted into a
 /// directory of `cache` named by the commit and the paths (made once, complete or not at all,
 /// so that callers asking for other paths of the same commit never share an incomplete one);
@@ -19,8 +21,12 @@ pub fn commit_sources(
     if paths.iter().all(|p| dir.join(p).exists()) {
         return Ok(dir);
     }
-    let staging = cache.join(format!("sources-{commit}-staging-{}", std::process::id()));
-    std::fs::create_dir_all(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
+    make_entry(&dir, |staging| extract(repository, commit, paths, staging))?;
+    Ok(dir)
+}
+
+/// Extracts the files under `paths` of `commit` into `into`.
+fn extract(repository: &Path, commit: &str, paths: &[&str], into: &Path) -> Result<(), String> {
     let archive = Command::new("git")
         .arg("-C")
         .arg(repository)
@@ -29,28 +35,24 @@ pub fn commit_sources(
         .output()
         .map_err(|e| format!("start git: {e}"))?;
     if !archive.status.success() {
-        let _ = std::fs::remove_dir_all(&staging);
         return Err(format!(
             "git archive {commit} failed (a shallow clone lacks older commits):\n{}",
             String::from_utf8_lossy(&archive.stderr)
         ));
     }
-    let tar = staging.join("sources.tar");
+    let tar = into.join("sources.tar");
     std::fs::write(&tar, &archive.stdout).map_err(|e| format!("{}: {e}", tar.display()))?;
     let untar = Command::new("tar")
         .arg("-xf")
         .arg(&tar)
         .arg("-C")
-        .arg(&staging)
+        .arg(into)
         .status()
         .map_err(|e| format!("start tar: {e}"))?;
     let _ = std::fs::remove_file(&tar);
-    if !untar.success() {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(format!("tar could not extract the sources of {commit}"));
+    if untar.success() {
+        Ok(())
+    } else {
+        Err(format!("tar could not extract the sources of {commit}"))
     }
-    if std::fs::rename(&staging, &dir).is_err() {
-        let _ = std::fs::remove_dir_all(&staging);
-    }
-    Ok(dir)
 }

@@ -16,6 +16,7 @@
 use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
+use crate::cache_entry::{make_entry, private_dir};
 use crate::digest::Digest;
 use crate::gcov::Coverage;
 use crate::gxx::{KERNEL_HOST_FLAGS, compile_in_parallel, kernel_host_flags, link};
@@ -55,21 +56,7 @@ impl CoverageEmulator {
         if dir.join("emulator").is_file() {
             return Ok(Self { dir });
         }
-        let staging = cache.join(format!(
-            "emulator-coverage-staging-{}-{}",
-            std::process::id(),
-            nanos()
-        ));
-        std::fs::create_dir_all(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
-        let built = build_into(sources, &staging);
-        if let Err(e) = built {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
-        }
-        // Another process may have finished the same build first: either copy will do.
-        if std::fs::rename(&staging, &dir).is_err() {
-            let _ = std::fs::remove_dir_all(&staging);
-        }
+        make_entry(&dir, |staging| build_into(sources, staging))?;
         if !dir.join("emulator").is_file() {
             return Err(format!("no emulator in {}", dir.display()));
         }
@@ -79,14 +66,12 @@ impl CoverageEmulator {
     /// Runs the case file `case` in `scratch` (a fresh directory is made in it) and returns
     /// the run's counts and the output file.
     pub fn run(&self, case: &[u8], scratch: &Path) -> Result<(Coverage, Vec<u8>), String> {
-        let run = scratch.join(format!("coverage-run-{}-{}", std::process::id(), nanos()));
-        let (cases, data) = (run.join("cases"), run.join("data"));
+        let run = private_dir(scratch, "coverage-run-")?;
+        let (cases, data) = (run.path().join("cases"), run.path().join("data"));
         for d in [&cases, &data] {
             std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
         }
-        let result = self.run_in(case, &cases, &data);
-        let _ = std::fs::remove_dir_all(&run);
-        result
+        self.run_in(case, &cases, &data)
     }
 
     fn run_in(
@@ -111,18 +96,27 @@ impl CoverageEmulator {
             .env("GCOV_PREFIX_STRIP", strip.to_string())
             .output()
             .map_err(|e| format!("start the coverage emulator: {e}"))?;
-        if !out.status.success() {
+        // libgcov reports a count file it cannot write on stderr and still exits with 0.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() || stderr.contains("profiling:") {
             return Err(format!(
                 "the coverage emulator failed ({}):\n{}{}",
                 out.status,
                 String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+                stderr
             ));
         }
         for entry in std::fs::read_dir(&self.dir).map_err(|e| e.to_string())? {
             let path = entry.map_err(|e| e.to_string())?.path();
             if path.extension().is_some_and(|x| x == "gcno") {
                 let to = data.join(path.file_name().expect("a file name"));
+                // Every object linked in writes its counts at exit, run or not.
+                if !to.with_extension("gcda").is_file() {
+                    return Err(format!(
+                        "the coverage emulator wrote no {}",
+                        to.with_extension("gcda").display()
+                    ));
+                }
                 std::fs::copy(&path, &to).map_err(|e| format!("{}: {e}", to.display()))?;
             }
         }
@@ -180,10 +174,4 @@ fn digest(sources: &EmulatorSources) -> Result<String, String> {
         hash.add(&std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?);
     }
     Ok(hash.hex())
-}
-
-fn nanos() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos())
 }

@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use crate::cache_entry::{private_dir, write_entry};
 use crate::digest::Digest;
 use crate::dynamic_count::{
     Executions, LoopIndex, Unattributed, split_per_warp_and_unit, warp_executions,
@@ -60,7 +61,7 @@ pub struct Entry {
     pub usage: Usage,
 }
 
-/// Compiles `unit` as the backend does (and once more with line information) in `scratch`,
+/// Compiles `unit` as the backend does (and once more with line information) in a directory of its own in `scratch`,
 /// or takes the listings and report of an earlier compilation of the same sources with the
 /// same tools from `cache`.
 pub fn compile(
@@ -98,9 +99,12 @@ pub fn compile(
         (Ok(lined), Ok(plain), Ok(report)) => (lined, plain, report),
         _ => {
             let stem = unit.name.trim_end_matches(".cu");
-            let (report, plain) = tools.report_and_listing(stem, &nvrtc(unit, false)?, scratch)?;
-            let lined = tools.disassemble_with_lines(&unit.name, &nvrtc(unit, true)?, scratch)?;
-            store(
+            let work = private_dir(scratch, "nvrtc-")?;
+            let (report, plain) =
+                tools.report_and_listing(stem, &nvrtc(unit, false)?, work.path())?;
+            let lined =
+                tools.disassemble_with_lines(&unit.name, &nvrtc(unit, true)?, work.path())?;
+            write_entry(
                 &entry,
                 &[
                     ("lined.sass", &lined),
@@ -125,21 +129,6 @@ pub fn compile(
         sources,
         loops,
     })
-}
-
-/// Writes `files` into the cache directory `dir`, whole or not at all (a directory made
-/// beside it, then renamed).
-fn store(dir: &Path, files: &[(&str, &str)]) -> Result<(), String> {
-    let staging = dir.with_extension(format!("staging-{}", std::process::id()));
-    std::fs::create_dir_all(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
-    for (name, text) in files {
-        std::fs::write(staging.join(name), text).map_err(|e| format!("{name}: {e}"))?;
-    }
-    if std::fs::rename(&staging, dir).is_err() {
-        // Another process stored the same entry first.
-        let _ = std::fs::remove_dir_all(&staging);
-    }
-    Ok(())
 }
 
 impl CompiledUnit {

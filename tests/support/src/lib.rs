@@ -18,7 +18,8 @@
 //! - the kernel model (`bench/kernels.rs`, docs/kernel-model.md): [`kernel_count`], dynamic
 //!   warp-instruction counts of a kernel from its SASS ([`sass`]) and a host run's line counts
 //!   ([`emulator_case`], [`host_coverage`], [`gcov`] with [`json`], [`source_loops`],
-//!   [`dynamic_count`]), builds cached by [`digest`], older kernels from git by
+//!   [`dynamic_count`]), builds cached by [`digest`] and
+//!   made whole or not at all by [`cache_entry`], older kernels from git by
 //!   [`commit_sources`]; [`round_trips`], the dependent loads of a work unit; [`timing_model`],
 //!   a kernel's time from its bytes, instructions and serial phases.
 //!
@@ -28,6 +29,7 @@
 //! driver in `tests/cuda_emulated/emulator/`, the Rust path reader in `tests/layering/`.
 
 pub mod bits;
+pub mod cache_entry;
 pub mod cluster;
 pub mod commit_sources;
 pub mod cuda_cluster;
