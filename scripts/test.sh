@@ -218,8 +218,7 @@ SDP4BIT_NATIVE_DIR=$ROOT/.cache/native-bundle-wheel python scripts/build_wheel.p
   >/dev/null
 # The extensions compiled at first import are cached per bundle, torch ABI and Python.
 SDP4BIT_WHEEL=$(echo "$ROOT"/.cache/wheel/sdp4bit-*.whl) SDP4BIT_REQUIRE_WHEEL=1 \
-  SDP4BIT_WHEEL_TORCH=$ROOT/.cache/venv-torch-newest:$ROOT/.cache/venv-torch-floor \
-  SDP4BIT_WHEEL_MAIN_ENV=$ROOT/.cache/venv-torch-newest:$ROOT/.cache/venv-torch-floor \
+  SDP4BIT_WHEEL_ENVS=$ROOT/.cache/venv-torch-newest:$ROOT/.cache/venv-torch-floor \
   SDP4BIT_EXTENSIONS_DIR=$ROOT/.cache/sdp4bit-extensions \
   pytest -q -p no:cacheprovider tests/python/test_wheel.py
 

@@ -1,9 +1,9 @@
 """The portable wheel (scripts/build_wheel.py, docs/install.md): its cache of extensions compiled
 at first import, and, where the test command built one (SDP4BIT_WHEEL, the wheel's path), the
-wheel installed without cargo into fresh virtual environments that see the packages of others:
-each of SDP4BIT_WHEEL_TORCH (os.pathsep-separated; the newest torch, under Python 3.12 where
-the machine has it, and the floor) imports it and runs 4 processes, and each of
-SDP4BIT_WHEEL_MAIN_ENV (the same two, with megatron-core) runs the main job."""
+wheel installed without cargo into a fresh virtual environment seeing the packages of each of
+SDP4BIT_WHEEL_ENVS (os.pathsep-separated; the newest torch, under Python 3.12 where the machine
+has it, and the floor, both with megatron-core), where it imports, runs 4 processes and runs
+the main job."""
 
 from __future__ import annotations
 
@@ -172,64 +172,62 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> str:
     return done.stdout
 
 
-def wheel_environments(variable: str) -> list[str]:
-    """The virtual environments (os.pathsep-separated in `variable`) whose packages the wheel
-    is checked with; where the test command sets none, one placeholder that the `wheel`
-    fixture skips."""
-    return [p for p in os.environ.get(variable, "").split(os.pathsep) if p] or ["unset"]
+#: The environments the test command checks the wheel with; where it sets none, one
+#: placeholder that the `wheel` fixture skips.
+WHEEL_ENVS = [p for p in os.environ.get("SDP4BIT_WHEEL_ENVS", "").split(os.pathsep) if p] or [
+    "unset"]
 
 
-def install_into_fresh_environment(wheel: Path, packages: Path, tmp_path: Path):
-    """A fresh virtual environment seeing the packages of `packages` (torch and the rest), no
-    cargo on its PATH, the wheel installed offline; returns its Python and environment
-    variables."""
-    if str(packages) == "unset":
+@pytest.fixture(scope="module", params=WHEEL_ENVS)
+def fresh_environment(wheel, request, tmp_path_factory):
+    """A fresh virtual environment seeing the packages of one of SDP4BIT_WHEEL_ENVS (torch and
+    the rest), no cargo on its PATH, the wheel installed offline; its Python, environment
+    variables and directory, shared by the tests of that environment."""
+    if request.param == "unset":
         pytest.fail("a wheel was built (SDP4BIT_WHEEL) but no environment to check it with")
-    venv = tmp_path / "venv"
+    home = tmp_path_factory.mktemp("fresh")
+    venv = home / "venv"
     subprocess.run(["bash", "-c", f'source "{ROOT}/scripts/env.sh" && '
-                                  f'sdp4bit_torch_view "{venv}" "{packages}"'], check=True)
+                                  f'sdp4bit_torch_view "{venv}" "{request.param}"'], check=True)
     python = str(venv / "bin" / "python")
     path = os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     assert shutil.which("cargo", path=path) is None, "cargo is on the fresh environment's PATH"
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "CARGO", "SDP4BIT_NATIVE_DIR")}
     env.update(PATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.setdefault(_jit.CACHE_VAR, str(tmp_path / "extensions"))
+    env.setdefault(_jit.CACHE_VAR, str(home / "extensions"))
     # --no-index: the requirement on torch is met by the environment's torch, or this fails.
-    run([python, "-m", "pip", "install", "--quiet", "--no-index", str(wheel)], env, tmp_path)
-    return python, env
+    run([python, "-m", "pip", "install", "--quiet", "--no-index", str(wheel)], env, home)
+    return python, env, home
 
 
-@pytest.mark.parametrize("packages", wheel_environments("SDP4BIT_WHEEL_TORCH"))
-def test_a_fresh_environment_without_cargo_installs_it_and_runs_four_ranks(wheel, packages,
-                                                                          tmp_path):
-    python, env = install_into_fresh_environment(wheel, Path(packages), tmp_path)
+def test_a_fresh_environment_without_cargo_installs_it_and_runs_four_ranks(fresh_environment):
+    python, env, home = fresh_environment
     # The environment's torch, read without importing sdp4bit: the selftest imports it first.
     torch = json.loads(run([python, "-c", "import json, torch; print(json.dumps({'torch': "
                                           "torch.__version__, 'cxx11_abi': "
                                           "bool(torch._C._GLIBCXX_USE_CXX11_ABI)}))"], env,
-                           tmp_path))
+                           home))
     done = subprocess.run([python, "-m", "sdp4bit.selftest", "--no-source"], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                          cwd=home, capture_output=True, text=True, timeout=900)
     assert done.returncode == 2, done.stdout + done.stderr  # no GPU here: nothing checked
     [line] = [s for s in done.stdout.splitlines() if s.startswith("extension")]
     assert "compiled at first import: " in line, line
     assert Path(env[_jit.CACHE_VAR]) in Path(line.split(": ", 1)[1]).parents, line
     assert f"-torch{_torch_abi.tag_of(torch)}-" in line, line  # compiled for this venv's torch
     out = run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               str(ROOT / "examples" / "quickstart.py")], env, tmp_path)
+               str(ROOT / "examples" / "quickstart.py")], env, home)
     error = float(re.search(r"relative error ([0-9.]+)", out).group(1))
     assert error < 0.5 and "replicas identical: True" in out, out
 
 
-@pytest.mark.parametrize("packages", wheel_environments("SDP4BIT_WHEEL_MAIN_ENV"))
-def test_the_main_job_runs_from_the_wheel(wheel, packages, tmp_path):
+def test_the_main_job_runs_from_the_wheel(fresh_environment):
     """The README's main job (megatron-core's GPT on 4 ranks, the sdp4bit preset) with the
     package from the wheel, in an environment seeing the main job's packages."""
-    python, env = install_into_fresh_environment(wheel, Path(packages), tmp_path)
+    python, env, home = fresh_environment
     out = run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                str(ROOT / "examples" / "gpt_cpu" / "train.py"), "--ranks-per-node", "2",
-               "--steps", "3", "--log-every", "1", "--corpus-bytes", "400000"], env, tmp_path)
+               "--steps", "3", "--log-every", "1", "--corpus-bytes", "400000"], env, home)
     assert "megatron-core GPTModel" in out and "DistributedOptimizer" in out, out
     assert "skipped steps 0; replicas bit-identical: True" in out, out
     assert "x less" in out and "MiB saved" in out, out
